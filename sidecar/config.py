@@ -1,0 +1,324 @@
+"""One frozen Config, resolved at start from the command line, SIDECAR_*, TOML and defaults.
+
+Precedence (CONTRACT 2): command line, then environment, then `--config` file, then default.
+The platform's own variables (CONTRACT 3) are resolved here too, so every error a user can make
+in configuration surfaces before anything is started, as one ConfigError naming the culprit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(Exception):
+    """A configuration mistake: the message names the option or variable, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of `run`/`watch`, settable on the command line, as SIDECAR_<NAME> and in TOML."""
+
+    name: str
+    kind: str  # "str", "float", "int", "list", "path"
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    only: str = ""  # "run" when the option belongs to `run` alone
+
+    @property
+    def env(self) -> str:
+        return "SIDECAR_" + self.name.upper().replace("-", "_")
+
+    @property
+    def attr(self) -> str:
+        return self.name.replace("-", "_")
+
+
+DEFAULT_STATUS_ADDR = "127.0.0.1:9620"
+
+OPTIONS: tuple[Option, ...] = (
+    Option("log", "list", (), "plain-text log file forwarded to /logs (repeatable, globs allowed)"),
+    Option("jsonl", "list", (), "JSONL metric log forwarded to /metrics (repeatable, globs)"),
+    Option("tensorboard", "list", (), "TensorBoard log directory, searched recursively"),
+    Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams"),
+    Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off"),
+    Option("state-dir", "path", None, "where offsets and the spool live"),
+    Option("status-addr", "str", DEFAULT_STATUS_ADDR, "local status endpoint HOST:PORT, or off"),
+    Option("drain-timeout", "float", 20.0, "seconds shutdown may spend delivering what is left"),
+    Option("token-file", "path", None, "read the token from this file (wins over the variable)"),
+    Option("running-when", "str", "spawn", "post running as the child is spawned, or on its marker",
+           choices=("spawn", "marker"), only="run"),
+    Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in"),
+    Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
+           choices=("plain", "cri", "auto")),
+    Option("node-name", "str", None, "this node's name"),
+    Option("nodes", "int", None, "the run's node count"),
+    Option("python", "path", None, "the trainer's interpreter, for the environment snapshot"),
+    Option("ca-file", "path", None, "extra CA bundle for the ingest endpoint"),
+    Option("log-level", "str", "info", "level of the sidecar's own messages",
+           choices=("debug", "info", "warning", "error")),
+    Option("message-format", "str", "text", "format of the sidecar's own messages",
+           choices=("text", "json")),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One brand of the platform's injected variables (CONTRACT 3)."""
+
+    name: str
+    enabled: str
+    endpoint: str
+    run_id: str
+    token: str
+    header: str
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("StarForge", "STARFORGE_ENABLED", "STARFORGE_ENDPOINT", "STARFORGE_RUN_ID",
+           "STARFORGE_TOKEN", "X-StarForge-Token"),
+    Family("TunePlane", "TUNEPLANE_JOB_ENABLED", "TUNEPLANE_JOB_ENDPOINT", "TUNEPLANE_JOB_RUN_ID",
+           "TUNEPLANE_JOB_TOKEN", "X-TunePlane-Token"),
+)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the platform injected: whether to report, where, for which run, with which headers."""
+
+    enabled: bool
+    endpoint: str = ""
+    run_id: str = ""
+    token_headers: tuple[str, ...] = ()
+    token_variable: str = ""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `run` and `watch` need, fixed at start."""
+
+    platform: Platform
+    token: str = field(default="", repr=False)
+    log: tuple[str, ...] = ()
+    jsonl: tuple[str, ...] = ()
+    tensorboard: tuple[str, ...] = ()
+    hparams: Path | None = None
+    hardware_interval: float = 10.0
+    state_dir: Path = Path()
+    status_addr: str = DEFAULT_STATUS_ADDR
+    drain_timeout: float = 20.0
+    token_file: Path | None = None
+    running_when: str = "spawn"
+    log_prefix: str = ""
+    log_format: str = "auto"
+    node_name: str | None = None
+    nodes: int | None = None
+    python: Path | None = None
+    ca_file: Path | None = None
+    log_level: str = "info"
+    message_format: str = "text"
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's own folder inside the state dir."""
+        return self.state_dir / _safe_name(self.platform.run_id or "offline")
+
+    def read_token(self) -> str:
+        """The current token: the token file's content when one is given (re-read each call)."""
+        if self.token_file is None:
+            return self.token
+        return read_token_file(self.token_file)
+
+
+def add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """Declare the options of `command` (run or watch) on its parser; unset ones stay None."""
+    for opt in OPTIONS:
+        if opt.only and opt.only != command:
+            continue
+        flag = "--" + opt.name
+        if opt.kind == "list":
+            parser.add_argument(flag, action="append", default=None, metavar="PATH", help=opt.help)
+        else:
+            parser.add_argument(flag, default=None, help=opt.help, metavar=opt.name.upper().split(
+                "-")[-1] if not opt.choices else None, choices=opt.choices or None)
+    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with any option")
+
+
+def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str]) -> Config:
+    """Resolve one Config for `command`, raising ConfigError on the first mistake found."""
+    file_values = _read_config_file(args.config) if getattr(args, "config", None) else {}
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        if opt.only and opt.only != command:
+            continue
+        values[opt.attr] = _pick(opt, getattr(args, opt.attr, None), environ, file_values)
+    _check_ranges(values)
+    platform = resolve_platform(environ)
+    token = ""
+    if platform.enabled:
+        token = _resolve_token(values.get("token_file"), platform, environ)
+    values["state_dir"] = values["state_dir"] or default_state_dir(environ)
+    return Config(platform=platform, token=token, **values)
+
+
+def resolve_platform(environ: Mapping[str, str]) -> Platform:
+    """Read CONTRACT 3's variables: either family, never two that disagree."""
+    present = [f for f in FAMILIES if any(v in environ for v in _family_vars(f))]
+    for a, b in itertools.pairwise(present):
+        for var_a, var_b in zip(_family_vars(a), _family_vars(b), strict=True):
+            if var_a in environ and var_b in environ and environ[var_a] != environ[var_b]:
+                raise ConfigError(f"{var_a} and {var_b} are both set and disagree: "
+                                  "unset one family of platform variables")
+    names = " or ".join(f.enabled for f in FAMILIES)
+    family = next((f for f in present if f.enabled in environ), None)
+    if family is None:
+        raise ConfigError(f"{names} is not set: set it to 1 to report to the platform, "
+                          "or 0 to run offline")
+    enabled = environ[family.enabled]
+    if enabled == "0":
+        return Platform(enabled=False)
+    if enabled != "1":
+        raise ConfigError(f"{family.enabled}={enabled!r} is neither 1 (report) nor 0 (offline)")
+    endpoint = _required(environ, family.endpoint).rstrip("/")
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{family.endpoint}={endpoint!r} is not an http(s) URL; it should look "
+                          "like https://platform.example.com/api/ingest")
+    return Platform(
+        enabled=True,
+        endpoint=endpoint,
+        run_id=_required(environ, family.run_id),
+        token_headers=tuple(f.header for f in present),
+        token_variable=family.token,
+    )
+
+
+def read_token_file(path: Path) -> str:
+    """The token in `path` with surrounding whitespace stripped (CONTRACT 2, --token-file)."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--token-file {path}: cannot read it ({exc.__class__.__name__}); "
+                          "mount the token Secret there or drop the option") from None
+    if not token:
+        raise ConfigError(f"--token-file {path} is empty; it should hold the run's ingest token")
+    return token
+
+
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    """$XDG_STATE_HOME/sidecar, else ~/.local/state/sidecar (CONTRACT 2, --state-dir)."""
+    xdg = environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path(environ.get("HOME") or Path.home()) / ".local" / "state"
+    return base / "sidecar"
+
+
+def _family_vars(family: Family) -> tuple[str, str, str, str]:
+    return (family.enabled, family.endpoint, family.run_id, family.token)
+
+
+def _required(environ: Mapping[str, str], name: str) -> str:
+    value = environ.get(name, "").strip()
+    if not value:
+        raise ConfigError(f"{name} is not set; the platform injects it when reporting is enabled")
+    return value
+
+
+def _resolve_token(token_file: Path | None, platform: Platform, environ: Mapping[str, str]) -> str:
+    if token_file is not None:
+        return read_token_file(token_file)
+    return _required(environ, platform.token_variable)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    known = {opt.name for opt in OPTIONS} | {opt.attr for opt in OPTIONS}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown option {unknown[0]!r}; "
+                          f"known options are {', '.join(o.name for o in OPTIONS)}")
+    return {key.replace("_", "-"): value for key, value in data.items()}
+
+
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "str": str,
+    "float": float,
+    "int": int,
+    "path": lambda v: Path(str(v)).expanduser(),
+}
+
+
+def _pick(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapping[str, Any]) -> Any:
+    """The option's value by precedence, converted, or ConfigError naming where it came from."""
+    if cli is not None:
+        source, raw = "--" + opt.name, cli
+    elif opt.env in environ:
+        source, raw = opt.env, environ[opt.env]
+        if opt.kind == "list":
+            raw = [p for p in raw.split(":") if p]
+    elif opt.name in file_values:
+        source, raw = f"{opt.name} in --config", file_values[opt.name]
+    else:
+        return opt.default
+    try:
+        value = _convert(opt, raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}={raw!r} is not a valid {opt.kind}") from None
+    if opt.choices and value not in opt.choices:
+        raise ConfigError(f"{source}={raw!r} must be one of {', '.join(opt.choices)}")
+    return value
+
+
+def _convert(opt: Option, raw: Any) -> Any:
+    if opt.kind == "list":
+        items = [raw] if isinstance(raw, str) else list(raw)
+        return tuple(str(item) for item in items)
+    if isinstance(raw, (bool, list | dict)):
+        raise TypeError(raw)
+    return _CONVERTERS[opt.kind](raw)
+
+
+def _check_ranges(values: Mapping[str, Any]) -> None:
+    if values["hardware_interval"] < 0:
+        raise ConfigError(f"--hardware-interval={values['hardware_interval']} is negative; "
+                          "use 0 to turn sampling off")
+    if values["drain_timeout"] < 0:
+        raise ConfigError(f"--drain-timeout={values['drain_timeout']} is negative")
+    if values["nodes"] is not None and values["nodes"] < 1:
+        raise ConfigError(f"--nodes={values['nodes']} must be at least 1")
+    addr = values["status_addr"]
+    if addr != "off":
+        parse_host_port(addr, "--status-addr")
+
+
+def parse_host_port(addr: str, option: str) -> tuple[str, int]:
+    """Split HOST:PORT, raising ConfigError naming `option` when it is malformed."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{option}={addr!r} is not HOST:PORT (for example 127.0.0.1:9620) "
+                          "or off")
+    return host.strip("[]"), int(port)
+
+
+def _safe_name(run_id: str) -> str:
+    """A run id as one path component: path separators and leading dots cannot escape."""
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+    return cleaned.lstrip(".") or "_"
+
+
+def command_of(argv: Sequence[str]) -> list[str]:
+    """The child's command after `--`, with the separator itself removed."""
+    args = list(argv)
+    return args[1:] if args and args[0] == "--" else args

@@ -1,0 +1,199 @@
+"""Wires sources to batchers to the ingest client; start, drain, stop.
+
+`sidecar run` in one picture:
+
+    child stdout/stderr --pump thread--> own stdout/stderr (unchanged, as tee)
+                                    \\--> LineAssembler --> LogShipper --> IngestClient /logs
+    lifecycle events --> Lifecycle (journal in the state dir) --> IngestClient /lifecycle
+
+The ingest's acknowledgement travels back: the lifecycle journal forgets an event only once the
+ingest took it, so a crash or an outage leaves it to the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sidecar import handoff
+from sidecar.config import Config
+from sidecar.ingest import IngestClient
+from sidecar.lifecycle import Lifecycle
+from sidecar.log import log, mask
+from sidecar.logship import LogShipper
+from sidecar.node import resolve_node
+from sidecar.sources.child import FORWARDED_SIGNALS, Child, Pump, SpawnError
+from sidecar.sources.lines import LineAssembler
+
+TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
+OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
+EXIT_CANNOT_START = 127
+
+
+def make_client(cfg: Config) -> IngestClient | None:
+    """The ingest client for `cfg`, or None when reporting is off (ENABLED=0)."""
+    if not cfg.platform.enabled:
+        return None
+    return IngestClient(endpoint=cfg.platform.endpoint, token_headers=cfg.platform.token_headers,
+                        read_token=cfg.read_token, ca_file=cfg.ca_file)
+
+
+@dataclass
+class _Stream:
+    """One of the child's output streams on its way to /logs."""
+
+    assembler: LineAssembler
+    shipper: LogShipper | None
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def feed(self, block: bytes) -> None:
+        if self.shipper is not None:
+            self.shipper.put(self.assembler.feed(block, time.monotonic()))
+
+    def gap(self, dropped: int) -> None:
+        if self.shipper is not None:
+            self.shipper.put(self.assembler.gap(dropped))
+
+    def tick(self) -> None:
+        if self.shipper is not None:
+            self.shipper.put(self.assembler.tick(time.monotonic()))
+
+    def finish(self) -> None:
+        if self.shipper is not None:
+            self.shipper.put(self.assembler.finish())
+
+
+async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    """`sidecar run`: report the command's lifecycle and output; returns its exit status."""
+    node = resolve_node(cfg.node_name, environ)
+    client = make_client(cfg)
+    run_id = cfg.platform.run_id
+    if client is not None:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        await client.start()
+    lifecycle = Lifecycle(cfg.run_dir, run_id, client if node.reports_lifecycle else None)
+    shipper = LogShipper(client, run_id) if client is not None else None
+    await lifecycle.open()
+    if shipper is not None:
+        shipper.start()
+    await lifecycle.record("starting")
+
+    address = handoff.new_address()
+    marker = await handoff.serve(address, _marker_acceptor(lifecycle, cfg.running_when))
+    child_env = dict(environ)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    child_env[handoff.ENV_VAR] = address
+
+    prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
+    streams = [_Stream(LineAssembler(mask=mask, prefix=prefix), shipper) for _ in range(2)]
+    child = Child(argv, child_env)
+    if cfg.running_when == "spawn":
+        await lifecycle.record("running")
+    try:
+        fds = child.spawn()
+    except SpawnError as exc:
+        log.error("%s", exc)
+        await lifecycle.record("failed")
+        await _drain(cfg, lifecycle, shipper, streams)
+        await _close(client, lifecycle, marker)
+        return EXIT_CANNOT_START
+
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    for signum in FORWARDED_SIGNALS:
+        loop.add_signal_handler(signum, _on_signal, child, signum, interrupted)
+    for name, fd, sink, stream in zip(("stdout", "stderr"), fds, (1, 2), streams, strict=True):
+        Pump(name, fd, sink, stream.feed, stream.gap, stream.closed.set, loop).start()
+    ticker = asyncio.create_task(_tick(streams), name="ticker")
+
+    status = await child.wait()
+    ended_at = time.time()
+    lifecycle.release.clear()  # the end event waits for the output before it (the platform
+    await lifecycle.record("succeeded" if status == 0 else "failed", ended_at)  # closes logs)
+    await _wait_all([s.closed for s in streams], OUTPUT_GRACE_S)
+    ticker.cancel()
+    await _drain(cfg, lifecycle, shipper, streams, interrupted)
+    for signum in FORWARDED_SIGNALS:
+        loop.remove_signal_handler(signum)
+    await _close(client, lifecycle, marker)
+    return status
+
+
+def _marker_acceptor(lifecycle: Lifecycle, running_when: str) -> handoff.Acceptor:
+    async def accept(event: str, ts: float) -> str | None:
+        if event != "running":
+            return (f"only `running` is handed to the wrapper; it posts {event!r} itself when "
+                    "the command exits")
+        if "running" in lifecycle.recorded:
+            return None
+        if running_when != "marker":
+            log.warning("the command marked running, but --running-when is %s", running_when)
+        await lifecycle.record("running", ts)
+        return None
+
+    return accept
+
+
+def _on_signal(child: Child, signum: int, interrupted: asyncio.Event) -> None:
+    """Forward to the child's group while it runs; once it has exited, cut the drain short."""
+    if child.running and not interrupted.is_set():
+        log.info("forwarding %s to the command", signal.Signals(signum).name)
+        child.signal(signum)
+    else:
+        log.warning("%s during shutdown: stopping the drain now", signal.Signals(signum).name)
+        interrupted.set()
+
+
+async def _tick(streams: Sequence[_Stream]) -> None:
+    while True:
+        await asyncio.sleep(TICK_S)
+        for stream in streams:
+            stream.tick()
+
+
+async def _drain(cfg: Config, lifecycle: Lifecycle, shipper: LogShipper | None,
+                 streams: Sequence[_Stream], interrupted: asyncio.Event | None = None) -> None:
+    """Deliver what is left within --drain-timeout: the output first, then the end event."""
+    deadline = time.monotonic() + cfg.drain_timeout
+    for stream in streams:
+        stream.finish()
+    stop = interrupted or asyncio.Event()
+    if shipper is not None:
+        await _until(shipper.flush(cfg.drain_timeout), deadline, stop)
+        await shipper.stop()
+    delivered = await _until(lifecycle.drain(cfg.drain_timeout), deadline, stop)
+    if not delivered and lifecycle.pending:
+        log.warning("drain deadline reached: %d lifecycle event(s) (%s) not yet delivered, "
+                    "kept in %s; the next start or `sidecar replay` delivers them",
+                    len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
+
+
+async def _until(work: Awaitable[bool], deadline: float, stop: asyncio.Event) -> bool:
+    """Run `work` until it finishes, `deadline` passes or `stop` is set; True if it finished."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, timeout=max(deadline - time.monotonic(), 0),
+                                 return_when=asyncio.FIRST_COMPLETED)
+    for pending in (task, stopper):
+        pending.cancel()
+    await asyncio.gather(task, stopper, return_exceptions=True)
+    return task in done and not task.cancelled() and bool(task.result())
+
+
+async def _wait_all(events: Sequence[asyncio.Event], timeout_s: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout_s)
+
+
+async def _close(client: IngestClient | None, lifecycle: Lifecycle,
+                 marker: asyncio.Server) -> None:
+    marker.close()
+    await lifecycle.close()
+    if client is not None:
+        await client.close()
+    sys.stdout.flush()

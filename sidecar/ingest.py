@@ -1,0 +1,279 @@
+"""The one HTTP client of the ingest API, and each route's delivery policy as data (CONTRACT 4).
+
+`IngestClient.post` makes one attempt and classifies the answer; `IngestClient.deliver` applies a
+route's policy (how often to retry, how long to wait) around it. Neither raises on a network or
+HTTP failure: the caller reads the returned `Answer` and decides (split, dead-letter, drop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_result,
+    stop_after_attempt,
+    stop_never,
+    wait_exponential_jitter,
+)
+
+from sidecar.log import Throttle, log
+
+
+class Guarantee(enum.Enum):
+    """What a route promises about a payload handed to it."""
+
+    BEST_EFFORT = "best-effort"  # retried a little, then dropped and counted
+    STRICT = "strict"  # persisted first, delivered in order, retried until acknowledged
+    AT_LEAST_ONCE = "at-least-once"  # retried and spooled until acknowledged
+
+
+@dataclass(frozen=True)
+class RoutePolicy:
+    """How one route is delivered."""
+
+    path: str
+    guarantee: Guarantee
+    max_attempts: int | None  # None: until acknowledged
+    first_backoff_s: float
+    max_backoff_s: float
+    timeout_s: float
+
+
+ROUTES: dict[str, RoutePolicy] = {
+    "lifecycle": RoutePolicy("/lifecycle", Guarantee.STRICT, None, 0.5, 30.0, 30.0),
+    "logs": RoutePolicy("/logs", Guarantee.BEST_EFFORT, 3, 0.2, 1.0, 10.0),
+    "metrics": RoutePolicy("/metrics", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
+    "hparams": RoutePolicy("/hparams", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
+    "hardware": RoutePolicy("/hardware", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
+    "environment": RoutePolicy("/environment", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
+    "environment/nodes": RoutePolicy(
+        "/environment/nodes", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
+}
+
+CONNECT_TIMEOUT_S = 5.0
+MAX_RETRY_AFTER_S = 300.0
+
+
+class Verdict(enum.Enum):
+    """What an answer means for the payload (CONTRACT 4's failure table)."""
+
+    ACCEPTED = "accepted"  # any 2xx
+    RETRY = "retry"  # refused, reset, timeout, 5xx, 429
+    TOO_LARGE = "too-large"  # 413: split and retry the halves
+    AUTH = "auth"  # 401/403: token rejected, keep the data
+    REJECTED = "rejected"  # other 4xx: permanent, dead-letter it
+    REDIRECT = "redirect"  # 3xx: never followed, it would carry the token elsewhere
+
+
+RETRYABLE = frozenset({Verdict.RETRY, Verdict.AUTH, Verdict.REDIRECT})
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The outcome of one attempt."""
+
+    verdict: Verdict
+    status: int | None = None
+    retry_after_s: float | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict is Verdict.ACCEPTED
+
+
+@dataclass
+class RouteStats:
+    """Counters of one route, for the status endpoint and the shutdown summary."""
+
+    requests: int = 0
+    accepted: int = 0
+    failures: int = 0
+    retries: int = 0
+    dropped: int = 0
+    last_success: float | None = None
+    last_failure: str = ""
+
+
+def classify(status: int, retry_after: str | None) -> Answer:
+    """Map an HTTP status (and Retry-After header) to what the sidecar does about it."""
+    if 200 <= status < 300:
+        return Answer(Verdict.ACCEPTED, status)
+    if 300 <= status < 400:
+        return Answer(Verdict.REDIRECT, status, detail="redirect not followed")
+    if status == 413:
+        return Answer(Verdict.TOO_LARGE, status)
+    if status in (401, 403):
+        return Answer(Verdict.AUTH, status, detail="token rejected")
+    if status in (429, 503):
+        return Answer(Verdict.RETRY, status, parse_retry_after(retry_after))
+    if 400 <= status < 500:
+        return Answer(Verdict.REJECTED, status)
+    return Answer(Verdict.RETRY, status)
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Retry-After as seconds to wait: delta-seconds or an HTTP date; None when absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), MAX_RETRY_AFTER_S)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    now = time.time() if now is None else now
+    return min(max(when.timestamp() - now, 0.0), MAX_RETRY_AFTER_S)
+
+
+def iso_ts(epoch_s: float) -> str:
+    """An ISO-8601 UTC timestamp as the routes carry it."""
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat()
+
+
+@dataclass
+class IngestClient:
+    """One aiohttp session to the ingest endpoint: auth headers, no redirects, timeouts."""
+
+    endpoint: str
+    token_headers: tuple[str, ...]
+    read_token: Callable[[], str]
+    ca_file: Path | None = None
+    stats: dict[str, RouteStats] = field(default_factory=dict)
+    _session: aiohttp.ClientSession | None = None
+    _token: str = field(default="", repr=False)
+    _throttle: Throttle = field(default_factory=Throttle)
+
+    async def start(self) -> None:
+        """Open the keep-alive session; call once from the event loop."""
+        self._token = self.read_token()
+        ssl_context: ssl.SSLContext | bool = True
+        if self.ca_file is not None:
+            ssl_context = ssl.create_default_context()
+            ssl_context.load_verify_locations(cafile=str(self.ca_file))
+        connector = aiohttp.TCPConnector(limit=8, ssl=ssl_context)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S),
+            headers={"Content-Type": "application/json"},
+        )
+
+    async def close(self) -> None:
+        """Close the session and its connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def route_stats(self, route: str) -> RouteStats:
+        return self.stats.setdefault(route, RouteStats())
+
+    async def post(self, route: str, body: bytes) -> Answer:
+        """One attempt to POST `body` to `route`; never raises for network or HTTP failures."""
+        assert self._session is not None, "IngestClient.start() was not called"
+        policy = ROUTES[route]
+        stats = self.route_stats(route)
+        stats.requests += 1
+        headers = {"Authorization": f"Bearer {self._token}"}
+        headers.update(dict.fromkeys(self.token_headers, self._token))
+        try:
+            async with self._session.post(
+                self.endpoint + policy.path,
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=policy.timeout_s,
+                                              sock_connect=CONNECT_TIMEOUT_S),
+            ) as response:
+                await response.read()
+                answer = classify(response.status, response.headers.get("Retry-After"))
+                if answer.verdict is Verdict.REDIRECT:
+                    target = urlsplit(response.headers.get("Location", ""))
+                    answer = Answer(Verdict.REDIRECT, response.status,
+                                    detail=f"redirect to {target.scheme}://{target.netloc} "
+                                    "not followed: it would carry the token elsewhere")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            answer = Answer(Verdict.RETRY, detail=_describe(exc))
+        self._account(route, stats, answer)
+        return answer
+
+    def _account(self, route: str, stats: RouteStats, answer: Answer) -> None:
+        if answer.ok:
+            stats.accepted += 1
+            stats.last_success = time.time()
+            return
+        stats.failures += 1
+        stats.last_failure = answer.detail or f"HTTP {answer.status}"
+        if answer.verdict is Verdict.AUTH:
+            self._reread_token()
+        if answer.verdict in (Verdict.AUTH, Verdict.REDIRECT, Verdict.REJECTED):
+            self._error_once_a_minute(route, answer)
+
+    def _reread_token(self) -> None:
+        try:
+            self._token = self.read_token()
+        except Exception as exc:  # a missing file now is reported, the old token kept
+            log.error("re-reading the token after a 401/403 failed: %s", exc)
+
+    def _error_once_a_minute(self, route: str, answer: Answer) -> None:
+        held = self._throttle.admit(f"{route}:{answer.verdict.value}")
+        if held is None:
+            return
+        what = {
+            Verdict.AUTH: "the ingest rejected the token; data is kept and delivery retried",
+            Verdict.REDIRECT: answer.detail,
+            Verdict.REJECTED: "the ingest rejected the payload permanently",
+        }[answer.verdict]
+        more = f" ({held} more since the last message)" if held else ""
+        log.error("/%s: HTTP %s: %s%s", route, answer.status, what, more)
+
+    async def deliver(self, route: str, body: bytes) -> Answer:
+        """POST with the route's retry policy; returns the final answer (accepted or given up)."""
+        policy = ROUTES[route]
+        stop = stop_never if policy.max_attempts is None else stop_after_attempt(
+            policy.max_attempts)
+        backoff = wait_exponential_jitter(initial=policy.first_backoff_s, max=policy.max_backoff_s)
+
+        def wait(state: RetryCallState) -> float:
+            answer = state.outcome.result() if state.outcome else None
+            if isinstance(answer, Answer) and answer.retry_after_s is not None:
+                return answer.retry_after_s
+            return backoff(state)
+
+        def retryable(answer: Answer) -> bool:
+            if policy.guarantee is Guarantee.BEST_EFFORT:
+                return answer.verdict is Verdict.RETRY
+            return answer.verdict in RETRYABLE
+
+        def count_retry(state: RetryCallState) -> None:
+            self.route_stats(route).retries += 1
+
+        retrying = AsyncRetrying(
+            stop=stop, wait=wait, retry=retry_if_result(retryable), sleep=asyncio.sleep,
+            before_sleep=count_retry, retry_error_callback=lambda state: state.outcome.result()
+            if state.outcome else Answer(Verdict.RETRY))
+        answer: Answer = await retrying(self.post, route, body)
+        return answer
+
+
+def _describe(exc: BaseException) -> str:
+    """A short reason for a failed attempt, without the URL's query or any header."""
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error.__class__.__name__})"
+    return exc.__class__.__name__

@@ -1,0 +1,108 @@
+"""The run's lifecycle, delivered strictly (CONTRACT 4): persisted, in order, until acknowledged.
+
+An event is written to the journal in the state dir before its first attempt, with `ts` the
+moment it happened; a sender delivers the journal head by head. Events a previous sidecar left
+unacknowledged go out first, so a restart replays them in their original order and times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.ingest import IngestClient, Verdict, iso_ts
+from sidecar.log import log
+from sidecar.spool import Journal
+
+EVENTS = ("starting", "running", "succeeded", "failed")
+TERMINAL = ("succeeded", "failed")
+
+
+@dataclass
+class Lifecycle:
+    """Strict, ordered, durable delivery of lifecycle events for one run."""
+
+    run_dir: Path
+    run_id: str
+    client: IngestClient | None  # None: offline, events are recorded in memory only
+    recorded: list[str] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    _journal: Journal | None = None
+    _queue: list[bytes] = field(default_factory=list)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        """Load what an earlier sidecar left undelivered and start delivering."""
+        self.release.set()
+        self._idle.set()
+        if self.client is None:
+            return
+        self._journal = Journal(self.run_dir / "lifecycle.journal")
+        self._queue = await asyncio.to_thread(self._journal.open)
+        if self._queue:
+            log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
+                     len(self._queue))
+            self._idle.clear()
+        self._task = asyncio.create_task(self._run(), name="lifecycle")
+
+    async def record(self, event: str, ts: float | None = None) -> None:
+        """Persist `event` (happened at `ts`, default now), then queue it for delivery."""
+        if event not in EVENTS:
+            raise ValueError(f"unknown lifecycle event {event!r}; one of {', '.join(EVENTS)}")
+        self.recorded.append(event)
+        when = time.time() if ts is None else ts
+        log.info("lifecycle: %s", event)
+        if self._journal is None:
+            return
+        body = json.dumps({"run_id": self.run_id, "event": event, "ts": iso_ts(when)}).encode()
+        await asyncio.to_thread(self._journal.append, body)
+        self._queue.append(body)
+        self._idle.clear()
+        self._wake.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every recorded event is acknowledged; False when `timeout_s` ran out."""
+        self.release.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def pending(self) -> list[str]:
+        """The events not yet acknowledged, oldest first."""
+        return [json.loads(body)["event"] for body in self._queue]
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        assert self.client is not None and self._journal is not None
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self.release.wait()
+            answer = await self.client.deliver("lifecycle", self._queue[0])
+            if answer.verdict is Verdict.REJECTED:
+                self._dead_letter(self._queue[0], answer.status)
+            await asyncio.to_thread(self._journal.ack)
+            self._queue.pop(0)
+
+    def _dead_letter(self, body: bytes, status: int | None) -> None:
+        path = self.run_dir / "dead-letter.jsonl"
+        with open(path, "ab") as fh:
+            fh.write(json.dumps({"route": "lifecycle", "status": status,
+                                 "body": body.decode()}).encode() + b"\n")
+        log.error("/lifecycle: HTTP %s: the ingest refused %s for good; kept in %s",
+                  status, body.decode(), path)

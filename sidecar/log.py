@@ -1,0 +1,77 @@
+"""The sidecar's own messages: stderr, one line an event, text or JSON, secrets masked."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from datetime import UTC, datetime
+
+MASK = "***"
+_secrets: set[str] = set()
+
+log = logging.getLogger("sidecar")
+
+
+def add_secret(secret: str) -> None:
+    """Never print `secret`: every message, whatever its source, has it replaced by ***."""
+    if secret:
+        _secrets.add(secret)
+
+
+def mask(text: str) -> str:
+    """`text` with every registered secret replaced by ***."""
+    for secret in _secrets:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.fromtimestamp(record.created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        line = f"{when[:-4]}Z sidecar {record.levelname} {record.getMessage()}"
+        if record.exc_info:
+            line += " | " + self.formatException(record.exc_info).replace("\n", " | ")
+        return mask(line)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return mask(json.dumps(doc, ensure_ascii=False))
+
+
+def setup(level: str = "info", message_format: str = "text") -> None:
+    """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if message_format == "json" else _TextFormatter())
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+class Throttle:
+    """Lets a repeated message through once per `interval_s`, counting the ones it held back."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def admit(self, key: str) -> int | None:
+        """None to stay quiet; else how many were held back since the last admitted one."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)

@@ -1,0 +1,113 @@
+"""The `/logs` batcher: text pieces in, chunked POSTs out, best-effort (CONTRACT 4).
+
+`put` never blocks and never raises: when the ingest is slow or down, text waits in a buffer of
+bounded size and the oldest is dropped (and counted) once it is full. One request is in flight
+at a time so the console sees the text in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from sidecar.ingest import IngestClient
+from sidecar.log import log
+
+MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
+MAX_REQUEST_CHARS = 1 << 20  # text in one request
+LINGER_S = 0.2  # how long a small batch waits for more text
+
+
+@dataclass
+class LogShipper:
+    """Buffers log text and ships it to `/logs` in order, dropping the oldest when full."""
+
+    client: IngestClient
+    run_id: str
+    max_buffer_chars: int = MAX_BUFFER_CHARS
+    max_request_chars: int = MAX_REQUEST_CHARS
+    linger_s: float = LINGER_S
+    dropped_chars: int = 0
+    sent_chars: int = 0
+    _chunks: deque[str] = field(default_factory=deque)
+    _buffered: int = 0
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = None
+    _warned_at: float = float("-inf")
+
+    def start(self) -> None:
+        self._idle.set()
+        self._task = asyncio.create_task(self._run(), name="logs-shipper")
+
+    def put(self, text: str) -> None:
+        """Queue `text` for `/logs`; never blocks."""
+        if not text:
+            return
+        self._chunks.append(text)
+        self._buffered += len(text)
+        self._idle.clear()
+        while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
+            oldest = self._chunks.popleft()
+            self._buffered -= len(oldest)
+            self._drop(len(oldest), "the log buffer is full while the ingest is slow")
+        self._wake.set()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until everything queued was sent or dropped; False if `timeout_s` ran out."""
+        self._wake.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        """Stop shipping; what is still buffered is counted as dropped."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._buffered:
+            self._drop(self._buffered, "shutdown reached its drain deadline")
+            self._chunks.clear()
+            self._buffered = 0
+
+    async def _run(self) -> None:
+        while True:
+            if not self._chunks:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+            if self._buffered < self.max_request_chars:
+                await asyncio.sleep(self.linger_s)
+            batch = self._take()
+            body = json.dumps({"run_id": self.run_id, "chunks": batch, "eof": False},
+                              separators=(",", ":")).encode()
+            answer = await self.client.deliver("logs", body)
+            size = sum(map(len, batch))
+            if answer.ok:
+                self.sent_chars += size
+            else:
+                self._drop(size, f"the ingest did not take it ({answer.detail or answer.status})")
+
+    def _take(self) -> list[str]:
+        batch: list[str] = []
+        size = 0
+        while self._chunks and (not batch or size + len(self._chunks[0]) <= self.max_request_chars):
+            chunk = self._chunks.popleft()
+            batch.append(chunk)
+            size += len(chunk)
+        self._buffered -= size
+        return batch
+
+    def _drop(self, chars: int, why: str) -> None:
+        self.dropped_chars += chars
+        self.client.route_stats("logs").dropped += chars
+        now = time.monotonic()
+        if now - self._warned_at >= 60.0:
+            self._warned_at = now
+            log.warning("/logs: dropped %d characters of output: %s (%d dropped in all; "
+                        "training is not affected)", chars, why, self.dropped_chars)

@@ -1,0 +1,179 @@
+"""The wrapped command: spawn, pipes, signals, exit status (CONTRACT 1-2, `sidecar run`).
+
+The child runs in its own process group with stdout and stderr on pipes. Each pipe has a pump
+thread that copies the bytes to the sidecar's own stdout/stderr unchanged (as `tee` would) and
+then offers them to the event loop. The offer never waits: if the loop falls behind by more than
+a bounded amount, the block is dropped for `/logs` (and counted), so the child can only ever be
+slowed by the sidecar's own stdout, exactly as under `tee`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sidecar.log import log
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+READ_BYTES = 1 << 20
+PIPE_BYTES = 1 << 20  # a larger pipe means fewer, larger reads
+MAX_PENDING_BYTES = 32 << 20  # output offered to the loop but not yet taken
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+class SpawnError(Exception):
+    """The command could not be started (not found, not executable)."""
+
+
+@dataclass
+class Pump:
+    """Copies one pipe to an output fd in a thread and offers each block to the event loop."""
+
+    name: str
+    source_fd: int
+    sink_fd: int
+    on_block: Callable[[bytes], None]
+    on_gap: Callable[[int], None]
+    on_eof: Callable[[], None]
+    loop: asyncio.AbstractEventLoop
+    max_pending_bytes: int = MAX_PENDING_BYTES
+    dropped_bytes: int = 0
+    _pending: int = 0
+    _unreported_gap: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _sink_open: bool = True
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name=f"pump-{self.name}", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        try:
+            while block := os.read(self.source_fd, READ_BYTES):
+                self._pass_through(block)
+                self._offer(block)
+        except OSError as exc:
+            log.warning("reading the command's %s failed: %s", self.name, exc)
+        finally:
+            os.close(self.source_fd)
+            self.loop.call_soon_threadsafe(self.on_eof)
+
+    def _pass_through(self, block: bytes) -> None:
+        if not self._sink_open:
+            return
+        view = memoryview(block)
+        try:
+            while view:
+                view = view[os.write(self.sink_fd, view):]
+        except OSError as exc:  # our own stdout went away: keep forwarding to /logs
+            self._sink_open = False
+            log.warning("cannot write the command's %s to the sidecar's own (%s); it is still "
+                        "forwarded to /logs", self.name, exc.strerror)
+
+    def _offer(self, block: bytes) -> None:
+        with self._lock:
+            if self._pending + len(block) > self.max_pending_bytes:
+                self.dropped_bytes += len(block)
+                self._unreported_gap += len(block)
+                return
+            self._pending += len(block)
+            gap, self._unreported_gap = self._unreported_gap, 0
+        self.loop.call_soon_threadsafe(self._take, block, gap)
+
+    def _take(self, block: bytes, gap: int) -> None:
+        """On the loop: hand the block on, after reporting what was dropped before it."""
+        with self._lock:
+            self._pending -= len(block)
+        if gap:
+            self.on_gap(gap)
+        self.on_block(block)
+
+
+@dataclass
+class Child:
+    """A spawned command, its exit status, and signal forwarding to its process group."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    pid: int = 0
+    reap_orphans: bool = field(default_factory=lambda: os.getpid() == 1)
+    _proc: subprocess.Popen[bytes] | None = None
+    _exit: asyncio.Future[int] | None = None
+
+    def spawn(self) -> tuple[int, int]:
+        """Start the command; returns the read ends of its stdout and stderr pipes."""
+        loop = asyncio.get_running_loop()
+        self._exit = loop.create_future()
+        loop.add_signal_handler(signal.SIGCHLD, self._reap)
+        try:
+            self._proc = subprocess.Popen(
+                list(self.argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env=dict(self.env), process_group=0, close_fds=True)
+        except OSError as exc:
+            loop.remove_signal_handler(signal.SIGCHLD)
+            raise SpawnError(f"cannot start {self.argv[0]!r}: {exc.strerror}") from None
+        self.pid = self._proc.pid
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        fds = (os.dup(self._proc.stdout.fileno()), os.dup(self._proc.stderr.fileno()))
+        self._proc.stdout.close()  # the pumps own the duplicates and close them at EOF
+        self._proc.stderr.close()
+        for fd in fds:
+            _enlarge_pipe(fd)
+        self._reap()  # it may have exited before the handler could see it
+        return fds
+
+    async def wait(self) -> int:
+        """The exit status as a shell reports it: the code, or 128+N for death by signal N."""
+        assert self._exit is not None
+        return await self._exit
+
+    @property
+    def running(self) -> bool:
+        """Spawned and not yet exited."""
+        return self._exit is not None and not self._exit.done()
+
+    def signal(self, signum: int) -> None:
+        """Send `signum` to the child's whole process group."""
+        if not self.running:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signum)
+
+    def _reap(self) -> None:
+        """SIGCHLD: collect the child's status; as PID 1 also reap adopted orphans, as tini does."""
+        target = -1 if self.reap_orphans else self.pid
+        while True:
+            try:
+                pid, status = os.waitpid(target, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.pid:
+                self._finish(status)
+                if not self.reap_orphans:
+                    return
+
+    def _finish(self, status: int) -> None:
+        code = os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code
+        if self._proc is not None:
+            self._proc.returncode = code  # so Popen never waits on a pid already reaped
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(code)
+        if not self.reap_orphans:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
+
+
+def _enlarge_pipe(fd: int) -> None:
+    # capped by /proc/sys/fs/pipe-max-size: the default size still works
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)

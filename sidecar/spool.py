@@ -1,0 +1,110 @@
+"""A durable, ordered journal of payloads in the state dir, forgotten only once acknowledged.
+
+Each record is framed as `<u32 length><u32 crc32><payload>` so that a tail torn by a crash is
+detected, dropped and counted while everything before it replays. Acknowledgement is in order:
+`<name>.acked` holds how many records from the start have been acknowledged, replaced
+atomically. Appends and acks are fsynced: a record handed to the journal survives a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.log import log
+
+_HEADER = struct.Struct("<II")
+MAX_RECORD_BYTES = 64 << 20
+
+
+@dataclass
+class Journal:
+    """An append-only file of framed records plus a durable count of acknowledged ones."""
+
+    path: Path
+    torn_bytes: int = 0
+    _records: list[bytes] = field(default_factory=list)
+    _acked: int = 0
+
+    @property
+    def _ack_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".acked")
+
+    def open(self) -> list[bytes]:
+        """Load the journal; returns the records not yet acknowledged, oldest first."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.path.read_bytes() if self.path.exists() else b""
+        self._records, good = _unframe(data)
+        if good < len(data):
+            self.torn_bytes = len(data) - good
+            log.warning("%s: dropped a torn tail of %d bytes left by a crash; the %d records "
+                        "before it are kept", self.path, self.torn_bytes, len(self._records))
+            with open(self.path, "r+b") as fh:
+                fh.truncate(good)
+                os.fsync(fh.fileno())
+        self._acked = min(self._read_acked(), len(self._records))
+        return self._records[self._acked:]
+
+    def append(self, payload: bytes) -> None:
+        """Add one record durably (blocking: call from a thread on the event loop's behalf)."""
+        frame = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        with open(self.path, "ab") as fh:
+            fh.write(frame)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._records.append(payload)
+
+    def ack(self, count: int = 1) -> None:
+        """Mark the next `count` records acknowledged, durably."""
+        self._acked = min(self._acked + count, len(self._records))
+        _write_atomic(self._ack_path, str(self._acked).encode())
+
+    @property
+    def pending(self) -> int:
+        """How many records are not yet acknowledged."""
+        return len(self._records) - self._acked
+
+    def _read_acked(self) -> int:
+        try:
+            return int(self._ack_path.read_text().strip() or 0)
+        except FileNotFoundError:
+            return 0
+        except ValueError:
+            log.warning("%s is corrupt; replaying the whole journal (the ingest may see "
+                        "repeats)", self._ack_path)
+            return 0
+
+
+def _unframe(data: bytes) -> tuple[list[bytes], int]:
+    """The complete, intact records at the start of `data` and how many bytes they span."""
+    records: list[bytes] = []
+    pos = 0
+    while pos + _HEADER.size <= len(data):
+        length, crc = _HEADER.unpack_from(data, pos)
+        end = pos + _HEADER.size + length
+        if length > MAX_RECORD_BYTES or end > len(data):
+            break
+        payload = data[pos + _HEADER.size:end]
+        if zlib.crc32(payload) != crc:
+            break
+        records.append(payload)
+        pos = end
+    return records, pos
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves either the old or the new content."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
