@@ -32,7 +32,11 @@ from sidecar.sources.lines import LineAssembler
 
 TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
 OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
+LOGS_DRAIN_SHARE = 0.5  # of --drain-timeout the output may take, so a hung /logs cannot starve
+#                         the end event that waits behind it
 EXIT_CANNOT_START = 127
+GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
+#                        so the loop's work on one block never holds up the child's pipe
 
 
 def make_client(cfg: Config) -> IngestClient | None:
@@ -50,10 +54,20 @@ class _Stream:
     assembler: LineAssembler
     shipper: LogShipper | None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    _skipped: int = 0
 
     def feed(self, block: bytes) -> None:
-        if self.shipper is not None:
-            self.shipper.put(self.assembler.feed(block, time.monotonic()))
+        if self.shipper is None:
+            return
+        if not self.shipper.has_room:  # the ingest is behind: drop before spending CPU on it
+            self._skipped += len(block)
+            self.shipper.count_dropped(len(block), "the log buffer is full while the ingest "
+                                       "is slow")
+            return
+        if self._skipped:
+            self.gap(self._skipped)
+            self._skipped = 0
+        self.shipper.put(self.assembler.feed(block, time.monotonic()))
 
     def gap(self, dropped: int) -> None:
         if self.shipper is not None:
@@ -70,6 +84,7 @@ class _Stream:
 
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """`sidecar run`: report the command's lifecycle and output; returns its exit status."""
+    sys.setswitchinterval(GIL_SWITCH_S)
     node = resolve_node(cfg.node_name, environ)
     client = make_client(cfg)
     run_id = cfg.platform.run_id
@@ -164,7 +179,8 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, shipper: LogShipper | None,
         stream.finish()
     stop = interrupted or asyncio.Event()
     if shipper is not None:
-        await _until(shipper.flush(cfg.drain_timeout), deadline, stop)
+        logs_deadline = time.monotonic() + cfg.drain_timeout * LOGS_DRAIN_SHARE
+        await _until(shipper.flush(cfg.drain_timeout), logs_deadline, stop)
         await shipper.stop()
     delivered = await _until(lifecycle.drain(cfg.drain_timeout), deadline, stop)
     if not delivered and lifecycle.pending:

@@ -25,7 +25,8 @@ from tenacity import (
     retry_if_result,
     stop_after_attempt,
     stop_never,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from sidecar.log import Throttle, log
@@ -246,7 +247,8 @@ class IngestClient:
         policy = ROUTES[route]
         stop = stop_never if policy.max_attempts is None else stop_after_attempt(
             policy.max_attempts)
-        backoff = wait_exponential_jitter(initial=policy.first_backoff_s, max=policy.max_backoff_s)
+        backoff = (wait_exponential(multiplier=policy.first_backoff_s, max=policy.max_backoff_s)
+                   + wait_random(0, policy.first_backoff_s))
 
         def wait(state: RetryCallState) -> float:
             answer = state.outcome.result() if state.outcome else None

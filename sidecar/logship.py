@@ -43,6 +43,15 @@ class LogShipper:
         self._idle.set()
         self._task = asyncio.create_task(self._run(), name="logs-shipper")
 
+    @property
+    def has_room(self) -> bool:
+        """Whether more text is welcome; when not, a source should drop before decoding."""
+        return self._buffered < self.max_buffer_chars
+
+    def count_dropped(self, size: int, why: str) -> None:
+        """Count output a source dropped on this batcher's behalf."""
+        self._drop(size, why)
+
     def put(self, text: str) -> None:
         """Queue `text` for `/logs`; never blocks."""
         if not text:

@@ -19,7 +19,7 @@ def main() -> int:
             print(f"step {step} | loss {loss:.4f}", flush=True)
         time.sleep(0.03)
     sys.stderr.write("\n")
-    print("training finished: final loss %.4f" % loss, flush=True)
+    print(f"training finished: final loss {loss:.4f}", flush=True)
     return 0
 
 

@@ -1,0 +1,742 @@
+"""A local ingest server that enforces the contract (CONTRACT.md sections 3 and 4).
+
+It is `sidecar receive` on a machine without the platform, and the server every integration
+test talks to over loopback HTTP: it validates each route's body as strictly as the platform
+would, appends what it accepts to `<store_dir>/<route>.jsonl`, counts everything, and (for tests
+only) misbehaves on request through injected faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import os
+import signal
+import socket
+import struct
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["DEFAULT_PREFIX", "Fault", "IngestServer", "IngestStats", "RouteStats", "serve"]
+
+DEFAULT_PREFIX = "/api/ingest"
+CONTROL_PATH = "/_control/faults"
+LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
+ARTIFACT_KINDS = ("checkpoint", "hf_export", "eval_report", "merged_model")
+MAX_POINTS_PER_REQUEST = 2048  # CONTRACT section 4, /metrics
+FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # CONTRACT section 3
+
+_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any batch the sidecar builds; beyond it: 413
+_SHUTDOWN_TIMEOUT_S = 2.0  # handlers still running at stop() are cancelled after this
+_SUMMARY_INTERVAL_S = 1.0
+_MAX_SHOWN_CHARS = 40  # how much of an offending value a rejection reason quotes
+
+
+class _Rejected(Exception):
+    """A request answered with an error status and a reason, and counted as rejected."""
+
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.headers = headers or {}
+
+
+class _Reset(Exception):
+    """A request whose connection is aborted without an answer."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Field checks: each returns the field's value or raises _Rejected(400) naming the field.
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    text = json.dumps(value)
+    return text if len(text) <= _MAX_SHOWN_CHARS else text[: _MAX_SHOWN_CHARS - 3] + "..."
+
+
+def _invalid(path: str, expected: str, value: Any) -> _Rejected:
+    return _Rejected(400, f"{path} must be {expected}, got {_shown(value)}")
+
+
+def _field(obj: dict[str, Any], name: str, where: str) -> Any:
+    if name not in obj:
+        raise _Rejected(400, f"{where}{name} is required")
+    return obj[name]
+
+
+def _text(obj: dict[str, Any], name: str, where: str = "") -> str:
+    value = _field(obj, name, where)
+    if not isinstance(value, str) or not value:
+        raise _invalid(where + name, "a non-empty string", value)
+    return value
+
+
+def _integer(obj: dict[str, Any], name: str, where: str = "") -> int:
+    value = _field(obj, name, where)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _invalid(where + name, "an integer", value)
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    # Finiteness is enforced by the parser, which refuses NaN, Infinity and overflowing floats.
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _number(obj: dict[str, Any], name: str, where: str = "") -> float:
+    value = _field(obj, name, where)
+    if not _is_number(value):
+        raise _invalid(where + name, "a finite number", value)
+    return float(value)
+
+
+def _timestamp(obj: dict[str, Any], name: str, where: str = "") -> str:
+    value = _field(obj, name, where)
+    expected = "an ISO-8601 time with a timezone"
+    if not isinstance(value, str):
+        raise _invalid(where + name, expected, value)
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise _invalid(where + name, expected, value) from None
+    if parsed.utcoffset() is None:
+        raise _Rejected(400, f"{where}{name} has no timezone: {_shown(value)}")
+    return value
+
+
+def _choice(obj: dict[str, Any], name: str, choices: tuple[str, ...]) -> str:
+    value = _field(obj, name, "")
+    if value not in choices:
+        raise _invalid(name, "one of " + ", ".join(choices), value)
+    return str(value)
+
+
+def _array(obj: dict[str, Any], name: str, *, non_empty: bool = False) -> list[Any]:
+    value = _field(obj, name, "")
+    if not isinstance(value, list):
+        raise _invalid(name, "an array", value)
+    if non_empty and not value:
+        raise _Rejected(400, f"{name} must not be empty")
+    return value
+
+
+def _objects(items: list[Any], name: str) -> list[dict[str, Any]]:
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _invalid(f"{name}[{index}]", "an object", item)
+    return items
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-route body checks (after run_id): one function per route, registered in _ROUTES.
+
+
+def _check_lifecycle(body: dict[str, Any]) -> None:
+    _choice(body, "event", LIFECYCLE_EVENTS)
+    _timestamp(body, "ts")
+
+
+def _check_logs(body: dict[str, Any]) -> None:
+    for index, chunk in enumerate(_array(body, "chunks")):
+        if not isinstance(chunk, str):
+            raise _invalid(f"chunks[{index}]", "a string", chunk)
+    eof = _field(body, "eof", "")
+    if eof is True:
+        raise _Rejected(400, "eof is set by the platform; send false")
+    if eof is not False:
+        raise _invalid("eof", "false", eof)
+
+
+def _check_metrics(body: dict[str, Any]) -> None:
+    points = _objects(_array(body, "points", non_empty=True), "points")
+    if len(points) > MAX_POINTS_PER_REQUEST:
+        raise _Rejected(
+            400, f"points has {len(points)} items, at most {MAX_POINTS_PER_REQUEST} per request"
+        )
+    for index, point in enumerate(points):
+        where = f"points[{index}]."
+        _text(point, "key", where)
+        _integer(point, "step", where)
+        _number(point, "value", where)
+        _timestamp(point, "ts", where)
+
+
+def _check_hparams(body: dict[str, Any]) -> None:
+    params = _field(body, "params", "")
+    if not isinstance(params, dict):
+        raise _invalid("params", "an object", params)
+    for key, value in params.items():
+        if value is not None and not isinstance(value, str | bool) and not _is_number(value):
+            raise _invalid(f"params.{key}", "a string, number, boolean or null", value)
+
+
+def _check_hardware(body: dict[str, Any]) -> None:
+    _text(body, "node")
+    for index, point in enumerate(_objects(_array(body, "points", non_empty=True), "points")):
+        where = f"points[{index}]."
+        _text(point, "key", where)
+        _number(point, "value", where)
+        _timestamp(point, "ts", where)
+
+
+def _check_environment_nodes(body: dict[str, Any]) -> None:
+    _objects(_array(body, "nodes", non_empty=True), "nodes")
+
+
+def _check_validation(body: dict[str, Any]) -> None:
+    _integer(body, "step")
+    _array(body, "samples")
+
+
+def _check_artifact(body: dict[str, Any]) -> None:
+    _choice(body, "kind", ARTIFACT_KINDS)
+    _text(body, "path")
+    _text(body, "format")
+
+
+def _check_nothing(body: dict[str, Any]) -> None:
+    """Routes whose body is any object carrying run_id."""
+
+
+@dataclass(frozen=True)
+class _Route:
+    check: Callable[[dict[str, Any]], None]
+    items_field: str | None = None  # the batch a 413 splits and the summary counts
+
+
+_ROUTES: dict[str, _Route] = {
+    "lifecycle": _Route(_check_lifecycle),
+    "logs": _Route(_check_logs, "chunks"),
+    "metrics": _Route(_check_metrics, "points"),
+    "hparams": _Route(_check_hparams),
+    "hardware": _Route(_check_hardware, "points"),
+    "environment": _Route(_check_nothing),
+    "environment/nodes": _Route(_check_environment_nodes, "nodes"),
+    "validation": _Route(_check_validation),
+    "artifact": _Route(_check_artifact),
+    "benchmark": _Route(_check_nothing),
+}
+
+
+def _item_count(route: str, body: dict[str, Any]) -> int:
+    items_field = _ROUTES[route].items_field
+    items = body.get(items_field) if items_field else None
+    return len(items) if isinstance(items, list) else 0
+
+
+def _store_name(route: str) -> str:
+    return route.replace("/", "_") + ".jsonl"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and auth.
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (non-finite values are never sent)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a double")
+    return value
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise _Rejected(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _invalid("body", "a JSON object", body)
+    return body
+
+
+def _bearer(authorization: str) -> str:
+    scheme, _, credentials = authorization.partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else ""
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _answer(
+    status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.json_response(payload, status=status, headers=headers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults (tests only).
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected misbehaviour of the ingest, for tests; exactly one kind field is set."""
+
+    route: str = "*"  # a route such as "metrics" or "environment/nodes", or "*" for all
+    times: int | None = None  # fire only for the next N matching requests; None: until cleared
+    status: int | None = None  # answer this status without storing
+    retry_after: str | None = None  # with status: the Retry-After header ("2" or an HTTP date)
+    too_large_above: int | None = None  # answer 413 when the batch has more items than this
+    latency_s: float | None = None  # wait this long before handling (a hang when large)
+    redirect: str | None = None  # answer 307 with this Location
+    reset: bool = False  # abort the connection without an answer
+    reject_if_contains: str | None = None  # answer 400 when the raw body contains this
+
+    def __post_init__(self) -> None:
+        """Refuse a fault that is malformed or has no kind or several."""
+        kinds = [
+            self.status is not None,
+            self.too_large_above is not None,
+            self.latency_s is not None,
+            self.redirect is not None,
+            self.reset is True,
+            self.reject_if_contains is not None,
+        ]
+        if sum(kinds) != 1:
+            raise ValueError(
+                "a fault needs exactly one of status, too_large_above, latency_s, redirect, "
+                "reset, reject_if_contains"
+            )
+        problems = {
+            "route": self.route != "*" and self.route not in _ROUTES,
+            "times": self.times is not None and not _whole(self.times, minimum=1),
+            "status": self.status is not None
+            and not (_whole(self.status, minimum=200) and self.status <= 599),
+            "retry_after": self.retry_after is not None
+            and (self.status is None or not isinstance(self.retry_after, str)),
+            "too_large_above": self.too_large_above is not None
+            and not _whole(self.too_large_above, minimum=0),
+            "latency_s": self.latency_s is not None
+            and not (_is_number(self.latency_s) and 0 <= self.latency_s < math.inf),
+            "redirect": self.redirect is not None
+            and not (isinstance(self.redirect, str) and self.redirect),
+            "reset": not isinstance(self.reset, bool),
+            "reject_if_contains": self.reject_if_contains is not None
+            and not (isinstance(self.reject_if_contains, str) and self.reject_if_contains),
+        }
+        bad = [name for name, wrong in problems.items() if wrong]
+        if bad:
+            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+            raise ValueError(f"invalid fault: {shown}")
+
+    @classmethod
+    def from_json(cls, data: Any) -> Fault:
+        """Build a fault from the control route's JSON body; ValueError says what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("a fault is a JSON object")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
+        return cls(**data)
+
+    def matches(self, route: str) -> bool:
+        """Whether this fault applies to a request on this route."""
+        return self.route in ("*", route)
+
+
+def _whole(value: Any, *, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+@dataclass
+class _ArmedFault:
+    fault: Fault
+    remaining: int | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Counters.
+
+
+@dataclass
+class RouteStats:
+    """What one route received."""
+
+    accepted: int = 0
+    rejected: dict[int, int] = field(default_factory=dict)  # status -> requests
+    aborted: int = 0  # connections reset by a fault
+    items: int = 0  # accepted points, chunks or nodes
+    log_bytes: int = 0  # accepted log text, UTF-8 bytes
+
+
+@dataclass
+class IngestStats:
+    """Counters of everything the server received."""
+
+    total_requests: int = 0  # every request on any path, answered or not
+    not_found: int = 0  # requests outside the ingest routes
+    routes: dict[str, RouteStats] = field(
+        default_factory=lambda: {route: RouteStats() for route in _ROUTES}
+    )
+
+    def rejected_total(self) -> int:
+        """Requests answered with an error status, on any path."""
+        return self.not_found + sum(sum(r.rejected.values()) for r in self.routes.values())
+
+    def summary(self) -> str:
+        """One line: what each route accepted and how many requests were rejected."""
+        parts = []
+        for route, counts in self.routes.items():
+            if not counts.accepted:
+                continue
+            items_field = _ROUTES[route].items_field
+            part = (
+                f"{route} {counts.items} {items_field}"
+                if items_field
+                else f"{route} {counts.accepted}"
+            )
+            if counts.log_bytes:
+                part += f" {_human_bytes(counts.log_bytes)}"
+            parts.append(part)
+        rejected = self.rejected_total()
+        if rejected:
+            parts.append(f"rejected {rejected}")
+        return " | ".join(parts)
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
+
+
+# ---------------------------------------------------------------------------------------------
+# The server.
+
+
+class IngestServer:
+    """An aiohttp ingest server on loopback that validates, stores and counts every request."""
+
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        token: str | None = None,
+        run_id: str | None = None,
+        faults_enabled: bool = False,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        """Configure the server; nothing listens until start()."""
+        if token == "":
+            raise ValueError("token must be non-empty, or None to accept any bearer token")
+        self.store_dir = store_dir
+        self.stats = IngestStats()
+        self._token = token
+        self._run_id = run_id
+        self._prefix = prefix.rstrip("/")
+        self._paths = {f"{self._prefix}/{route}": route for route in _ROUTES}
+        self._faults: list[_ArmedFault] = []
+        self._stopping = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._host = "127.0.0.1"
+        self._port = 0
+        self._app = self._make_app(faults_enabled)
+
+    @property
+    def base_url(self) -> str:
+        """The ingest base URL, ending in the prefix, e.g. http://127.0.0.1:PORT/api/ingest."""
+        if self._runner is None:
+            raise RuntimeError("the ingest server is not started")
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}{self._prefix}"
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Create the store directory and listen on host:port (port 0: an ephemeral one)."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._host, self._port = host, port
+        self._runner = web.AppRunner(
+            self._app, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
+        )
+        await self._runner.setup()
+        try:
+            await self.start_listening()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Stop listening, end hung handlers and close every connection."""
+        self._stopping.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._runner = self._site = None
+
+    async def stop_listening(self) -> None:
+        """Close the listening socket and every open connection: clients see connection refused."""
+        if self._site is None:
+            return
+        await self._site.stop()
+        self._site = None
+        if self._runner is not None and self._runner.server is not None:
+            for connection in self._runner.server.connections:
+                connection.force_close()
+
+    async def start_listening(self) -> None:
+        """Listen again on the port chosen at start()."""
+        if self._runner is None:
+            raise RuntimeError("the ingest server is not started")
+        if self._site is not None:
+            return
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        self._site = site
+        self._port = self._runner.addresses[0][1]
+
+    def add_fault(self, fault: Fault) -> None:
+        """Arm a fault; faults fire in the order they were added."""
+        self._faults.append(_ArmedFault(fault, fault.times))
+
+    def clear_faults(self) -> None:
+        """Disarm every fault."""
+        self._faults.clear()
+
+    def records(self, route: str) -> list[dict[str, Any]]:
+        """The bodies this route's store file holds, in arrival order."""
+        if route not in _ROUTES:
+            raise ValueError(f"unknown route {route!r}; routes are {', '.join(_ROUTES)}")
+        path = self.store_dir / _store_name(route)
+        if not path.exists():
+            return []
+        with path.open(encoding="utf-8") as store:
+            return [json.loads(line) for line in store]
+
+    # -- request handling ---------------------------------------------------------------------
+
+    def _make_app(self, faults_enabled: bool) -> web.Application:
+        @web.middleware
+        async def count_requests(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
+            self.stats.total_requests += 1
+            return await handler(request)
+
+        app = web.Application(middlewares=[count_requests], client_max_size=_MAX_BODY_BYTES)
+        if faults_enabled:
+            app.router.add_post(CONTROL_PATH, self._handle_add_fault)
+            app.router.add_delete(CONTROL_PATH, self._handle_clear_faults)
+        app.router.add_route("*", "/{path:.*}", self._handle_ingest)
+        return app
+
+    async def _handle_add_fault(self, request: web.Request) -> web.Response:
+        try:
+            self.add_fault(Fault.from_json(json.loads(await request.read())))
+        except (ValueError, TypeError) as exc:
+            return _answer(400, {"ok": False, "error": str(exc)})
+        return _answer(200, {"ok": True})
+
+    async def _handle_clear_faults(self, request: web.Request) -> web.Response:
+        self.clear_faults()
+        return _answer(200, {"ok": True})
+
+    async def _handle_ingest(self, request: web.Request) -> web.StreamResponse:
+        route = self._paths.get(request.path)
+        if route is None:
+            self.stats.not_found += 1
+            return _answer(404, {"ok": False, "error": f"no ingest route at {request.path}"})
+        counts = self.stats.routes[route]
+        try:
+            payload = await self._ingest(route, request)
+        except _Rejected as exc:
+            counts.rejected[exc.status] = counts.rejected.get(exc.status, 0) + 1
+            return _answer(exc.status, {"ok": False, "error": exc.reason}, exc.headers)
+        except _Reset:
+            counts.aborted += 1
+            _abort(request)
+            return web.Response(status=500)  # never written: the transport is gone
+        return _answer(200, payload)
+
+    async def _ingest(self, route: str, request: web.Request) -> dict[str, Any]:
+        if request.method != "POST":
+            raise _Rejected(405, f"{request.method} is not allowed; use POST", {"Allow": "POST"})
+        await self._apply_transport_faults(route)
+        self._check_auth(request)
+        raw = await self._read(request)
+        if self._take_fault(
+            route,
+            lambda f: f.reject_if_contains is not None and f.reject_if_contains.encode() in raw,
+        ):
+            raise _Rejected(400, "injected fault: poison payload")
+        body = _parse_body(raw)
+        self._check_run_id(body)
+        items = _item_count(route, body)
+        too_large = self._take_fault(
+            route, lambda f: f.too_large_above is not None and items > f.too_large_above
+        )
+        if too_large is not None:
+            raise _Rejected(413, f"{items} items, at most {too_large.too_large_above} accepted")
+        _ROUTES[route].check(body)
+        self._store(route, body, items)
+        return {"ok": True, "inserted": items} if route == "metrics" else {"ok": True}
+
+    async def _apply_transport_faults(self, route: str) -> None:
+        """Faults that act before auth, as a proxy or an overloaded platform would."""
+        delay = self._take_fault(route, lambda f: f.latency_s is not None)
+        if delay is not None and delay.latency_s:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay.latency_s)
+            if self._stopping.is_set():
+                raise _Reset  # a hung request ends with the server, unanswered
+        if self._take_fault(route, lambda f: f.reset):
+            raise _Reset
+        redirect = self._take_fault(route, lambda f: f.redirect is not None)
+        if redirect is not None and redirect.redirect is not None:
+            raise _Rejected(307, "injected fault: redirect", {"Location": redirect.redirect})
+        status = self._take_fault(route, lambda f: f.status is not None)
+        if status is not None and status.status is not None:
+            headers = {"Retry-After": status.retry_after} if status.retry_after else {}
+            raise _Rejected(status.status, f"injected fault: status {status.status}", headers)
+
+    def _take_fault(self, route: str, fires: Callable[[Fault], bool]) -> Fault | None:
+        """The first armed fault for this route that fires, spending one of its times."""
+        for armed in self._faults:
+            if armed.fault.matches(route) and fires(armed.fault):
+                if armed.remaining is not None:
+                    armed.remaining -= 1
+                    if armed.remaining == 0:
+                        self._faults.remove(armed)
+                return armed.fault
+        return None
+
+    def _check_auth(self, request: web.Request) -> None:
+        bearer = _bearer(request.headers.get("Authorization", ""))
+        if not bearer:
+            raise _Rejected(401, "missing Authorization: Bearer <token>")
+        if self._token is not None and not _same(bearer, self._token):
+            raise _Rejected(401, "bearer token rejected")
+        expected = self._token if self._token is not None else bearer
+        for header in FAMILY_TOKEN_HEADERS:
+            value = request.headers.get(header)
+            if value is not None and not _same(value, expected):
+                raise _Rejected(401, f"{header} rejected")
+
+    @staticmethod
+    async def _read(request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _Rejected(413, f"body larger than {_MAX_BODY_BYTES} bytes") from None
+
+    def _check_run_id(self, body: dict[str, Any]) -> None:
+        run_id = _text(body, "run_id")
+        if self._run_id is not None and run_id != self._run_id:
+            raise _Rejected(
+                400, f"run_id mismatch: expected {self._run_id!r}, got {_shown(run_id)}"
+            )
+
+    def _store(self, route: str, body: dict[str, Any], items: int) -> None:
+        # Written synchronously on the loop: arrival order is store order, and each line is on
+        # disk before the request is acknowledged.
+        line = json.dumps(body, separators=(",", ":")) + "\n"
+        with (self.store_dir / _store_name(route)).open("a", encoding="utf-8") as store:
+            store.write(line)
+        counts = self.stats.routes[route]
+        counts.accepted += 1
+        counts.items += items
+        if route == "logs":
+            counts.log_bytes += sum(
+                len(chunk.encode("utf-8", "surrogatepass")) for chunk in body["chunks"]
+            )
+
+
+def _abort(request: web.Request) -> None:
+    """Close the connection with a TCP reset, so the client sees an error and no answer."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+# ---------------------------------------------------------------------------------------------
+# `sidecar receive`.
+
+
+def serve(
+    store_dir: Path,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    run_id: str | None,
+    faults_enabled: bool,
+    summary: bool = True,
+    ready_file: Path | None = None,
+) -> int:
+    """Receive until SIGTERM or SIGINT, printing a live summary; 0 on a clean stop."""
+    return asyncio.run(
+        _serve(store_dir, host, port, token, run_id, faults_enabled, summary, ready_file)
+    )
+
+
+async def _serve(
+    store_dir: Path,
+    host: str,
+    port: int,
+    token: str | None,
+    run_id: str | None,
+    faults_enabled: bool,
+    summary: bool,
+    ready_file: Path | None,
+) -> int:
+    server = IngestServer(store_dir, token=token, run_id=run_id, faults_enabled=faults_enabled)
+    try:
+        await server.start(host, port)
+    except OSError as exc:
+        print(f"sidecar receive: cannot start receiving on {host}:{port}: {exc}", file=sys.stderr)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        print(f"receiving on {server.base_url}, storing in {store_dir}", flush=True)
+        if ready_file is not None:
+            _write_atomically(ready_file, server.base_url + "\n")
+        await _report(server.stats, stop, summary)
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await server.stop()
+    return 0
+
+
+async def _report(stats: IngestStats, stop: asyncio.Event, summary: bool) -> None:
+    """Until stop is set, print the summary when it changed, at most once a second and at stop."""
+    shown = ""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), _SUMMARY_INTERVAL_S)
+        line = stats.summary()
+        if summary and line != shown:
+            print(line, flush=True)
+            shown = line
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)

@@ -1,0 +1,82 @@
+"""Shared fixtures: a contract-enforcing ingest on loopback and the real `sidecar` process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.ingest_server import RunningIngest, running_ingest
+
+RUN_ID = "run-4f2a91"
+TOKEN = "tok-SECRET-0123456789abcdef"
+SIDECAR = (sys.executable, "-m", "sidecar")
+
+
+@pytest.fixture
+def ingest(tmp_path: Path) -> Iterator[RunningIngest]:
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID, faults=True) as srv:
+        yield srv
+
+
+def clean_environ() -> dict[str, str]:
+    """This process's environment without any platform or sidecar variable."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("STARFORGE_", "TUNEPLANE_", "SIDECAR_"))}
+
+
+def platform_env(ingest: RunningIngest | str, state_dir: Path, **extra: str) -> dict[str, str]:
+    """Variables as the platform injects them (StarForge family), pointing at `ingest`."""
+    endpoint = ingest if isinstance(ingest, str) else ingest.base_url
+    env = clean_environ()
+    env.update(STARFORGE_ENABLED="1", STARFORGE_ENDPOINT=endpoint, STARFORGE_RUN_ID=RUN_ID,
+               STARFORGE_TOKEN=TOKEN, SIDECAR_STATE_DIR=str(state_dir),
+               SIDECAR_STATUS_ADDR="off")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Finished:
+    """A finished `sidecar` process: its exit status and everything it printed."""
+
+    status: int
+    stdout: bytes
+    stderr: bytes
+
+
+class Sidecar:
+    """A real `sidecar` process started by a test, its output kept in files."""
+
+    def __init__(self, args: Sequence[str], env: Mapping[str, str], workdir: Path,
+                 stdin: int | None = subprocess.DEVNULL) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._out = open(workdir / "stdout", "w+b")  # noqa: SIM115 (closed in wait)
+        self._err = open(workdir / "stderr", "w+b")  # noqa: SIM115
+        self.proc = subprocess.Popen([*SIDECAR, *args], env=dict(env), stdout=self._out,
+                                     stderr=self._err, stdin=stdin)
+
+    def wait(self, timeout: float = 60.0) -> Finished:
+        status = self.proc.wait(timeout)
+        result = []
+        for fh in (self._out, self._err):
+            fh.seek(0)
+            result.append(fh.read())
+            fh.close()
+        return Finished(status, result[0], result[1])
+
+
+def sidecar(args: Sequence[str], env: Mapping[str, str], workdir: Path,
+            timeout: float = 60.0) -> Finished:
+    """Run `sidecar ARGS` to completion."""
+    return Sidecar(args, env, workdir).wait(timeout)
+
+
+def python_child(code: str) -> list[str]:
+    """A command that runs `code` in this interpreter: the wrapped 'trainer' of a test."""
+    return [sys.executable, "-c", code]

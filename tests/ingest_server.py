@@ -1,0 +1,156 @@
+"""Run sidecar.receive.IngestServer in a background thread, for sync and async tests alike.
+
+    with running_ingest(tmp_path, token="tok", run_id="run-1", faults=True) as ingest:
+        ...  # point the code under test at ingest.base_url
+        ingest.wait_for(lambda: len(ingest.records("lifecycle")) >= 3, timeout=10)
+
+The server has its own event loop in its own thread, so a test's loop (or none) never has to
+drive it; every accessor runs on the server's loop and is safe to call from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sidecar.receive import DEFAULT_PREFIX, Fault, IngestServer, IngestStats
+
+T = TypeVar("T")
+
+_CALL_TIMEOUT_S = 10.0
+_POLL_INTERVAL_S = 0.01
+
+
+class RunningIngest:
+    """Thread-safe handle on an IngestServer running in a background thread."""
+
+    def __init__(self, server: IngestServer, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = server
+        self._loop = loop
+
+    @property
+    def base_url(self) -> str:
+        """The ingest base URL, e.g. http://127.0.0.1:PORT/api/ingest."""
+        return self._call(lambda: self._server.base_url)
+
+    def url(self, route: str) -> str:
+        """The full URL of one route, e.g. url("environment/nodes")."""
+        return f"{self.base_url}/{route}"
+
+    @property
+    def stats(self) -> IngestStats:
+        """A snapshot of the server's counters."""
+        return self._call(lambda: copy.deepcopy(self._server.stats))
+
+    def records(self, route: str) -> list[dict[str, Any]]:
+        """The bodies the route accepted, in arrival order."""
+        return self._call(lambda: self._server.records(route))
+
+    def add_fault(self, fault: Fault) -> None:
+        """Arm a fault on the server."""
+        self._call(lambda: self._server.add_fault(fault))
+
+    def clear_faults(self) -> None:
+        """Disarm every fault."""
+        self._call(self._server.clear_faults)
+
+    def stop_listening(self) -> None:
+        """Close the port and every connection: clients see connection refused."""
+        self._run(self._server.stop_listening())
+
+    def start_listening(self) -> None:
+        """Listen again on the same port."""
+        self._run(self._server.start_listening())
+
+    def wait_for(
+        self, condition: Callable[[], bool], timeout: float = 10.0, what: str = ""
+    ) -> None:
+        """Poll condition until it holds; else AssertionError with the server's counters."""
+        wait_until(condition, timeout, what, self._received)
+
+    async def wait_for_async(
+        self, condition: Callable[[], bool], timeout: float = 10.0, what: str = ""
+    ) -> None:
+        """wait_for for a test whose own event loop must keep running while it waits."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(_timeout_message(condition, timeout, what, self._received))
+            await asyncio.sleep(_POLL_INTERVAL_S)
+
+    def _received(self) -> str:
+        stats = self.stats
+        rejected = {route: c.rejected for route, c in stats.routes.items() if c.rejected}
+        return (
+            f"the ingest received {stats.total_requests} requests: "
+            f"{stats.summary() or 'nothing accepted'}; rejected by status: {rejected}"
+        )
+
+    def _call(self, function: Callable[[], T]) -> T:
+        async def call() -> T:
+            return function()
+
+        return self._run(call())
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_CALL_TIMEOUT_S)
+
+
+def wait_until(
+    condition: Callable[[], bool],
+    timeout: float = 10.0,
+    what: str = "",
+    details: Callable[[], str] | None = None,
+) -> None:
+    """Poll condition until it holds, else AssertionError naming what and details()."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(_timeout_message(condition, timeout, what, details))
+        time.sleep(_POLL_INTERVAL_S)
+
+
+def _timeout_message(
+    condition: Callable[[], bool],
+    timeout: float,
+    what: str,
+    details: Callable[[], str] | None,
+) -> str:
+    described = what or getattr(condition, "__qualname__", repr(condition))
+    message = f"not met within {timeout:g} s: {described}"
+    return f"{message}; {details()}" if details is not None else message
+
+
+@contextmanager
+def running_ingest(
+    store_dir: Path,
+    *,
+    token: str | None = None,
+    run_id: str | None = None,
+    faults: bool = False,
+    prefix: str = DEFAULT_PREFIX,
+) -> Iterator[RunningIngest]:
+    """An IngestServer listening on an ephemeral loopback port for the block's duration."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="ingest-server", daemon=True)
+    thread.start()
+    server = IngestServer(
+        store_dir, token=token, run_id=run_id, faults_enabled=faults, prefix=prefix
+    )
+    handle = RunningIngest(server, loop)
+    try:
+        handle._run(server.start())
+        yield handle
+    finally:
+        try:
+            handle._run(server.stop())
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(_CALL_TIMEOUT_S)
+            loop.close()

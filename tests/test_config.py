@@ -1,0 +1,403 @@
+"""Config resolution: options by precedence and the platform's variables (CONTRACT 2, 3)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from sidecar.cli import build_parser
+from sidecar.config import Config, ConfigError, resolve, resolve_platform
+
+TOKEN = "tok-SECRET-0123456789abcdef"
+ENDPOINT = "https://platform.example.com/api/ingest"
+RUN_ID = "run-4f2a91"
+HOME = "/home/trainer"
+
+STARFORGE = {"STARFORGE_ENABLED": "1", "STARFORGE_ENDPOINT": ENDPOINT,
+             "STARFORGE_RUN_ID": RUN_ID, "STARFORGE_TOKEN": TOKEN}
+TUNEPLANE = {"TUNEPLANE_JOB_ENABLED": "1", "TUNEPLANE_JOB_ENDPOINT": ENDPOINT,
+             "TUNEPLANE_JOB_RUN_ID": RUN_ID, "TUNEPLANE_JOB_TOKEN": TOKEN}
+OFFLINE = {"STARFORGE_ENABLED": "0"}
+
+
+def parse(*options: str) -> argparse.Namespace:
+    return build_parser().parse_args(["run", *options, "--", "./train.sh", "--lr", "3e-4"])
+
+
+def cfg(*options: str, **environ: str) -> Config:
+    """Resolve `run` with these options and this environment (offline unless told otherwise)."""
+    env = {"HOME": HOME, **OFFLINE, **environ}
+    return resolve(parse(*options), "run", env)
+
+
+def config_error(*options: str, environ: dict[str, str]) -> str:
+    """The message of the ConfigError that resolving raises; fails if none is raised."""
+    with pytest.raises(ConfigError) as info:
+        resolve(parse(*options), "run", {"HOME": HOME, **environ})
+    message = str(info.value)
+    assert TOKEN not in message
+    return message
+
+
+@pytest.fixture
+def toml(tmp_path: Path) -> Path:
+    return tmp_path / "sidecar.toml"
+
+
+# --- precedence: command line > SIDECAR_* > --config file > default -------------------------
+
+
+def test_defaults() -> None:
+    c = cfg()
+    assert c.drain_timeout == 20.0
+    assert c.hardware_interval == 10.0
+    assert c.log == ()
+    assert c.status_addr == "127.0.0.1:9620"
+    assert c.running_when == "spawn"
+    assert c.log_format == "auto"
+    assert c.token_file is None
+    assert not c.platform.enabled
+
+
+def test_float_precedence(toml: Path) -> None:
+    toml.write_text("drain-timeout = 7.5\n")
+    assert cfg("--config", str(toml)).drain_timeout == 7.5
+    assert cfg("--config", str(toml), SIDECAR_DRAIN_TIMEOUT="5").drain_timeout == 5.0
+    c = cfg("--config", str(toml), "--drain-timeout", "3", SIDECAR_DRAIN_TIMEOUT="5")
+    assert c.drain_timeout == 3.0
+    assert isinstance(c.drain_timeout, float)
+
+
+def test_list_precedence_and_colon_separation(toml: Path) -> None:
+    toml.write_text('log = ["file.log"]\njsonl = "one.jsonl"\n')
+    c = cfg("--config", str(toml))
+    assert c.log == ("file.log",)
+    assert c.jsonl == ("one.jsonl",)
+    c = cfg("--config", str(toml), SIDECAR_LOG="/var/log/a.log:/data/*.log::")
+    assert c.log == ("/var/log/a.log", "/data/*.log")
+    c = cfg("--config", str(toml), "--log", "x.log", "--log", "y*.log", SIDECAR_LOG="a:b")
+    assert c.log == ("x.log", "y*.log")
+
+
+def test_path_precedence_and_underscore_keys(toml: Path, tmp_path: Path) -> None:
+    toml.write_text(f'state_dir = "{tmp_path / "from-file"}"\n')
+    assert cfg("--config", str(toml)).state_dir == tmp_path / "from-file"
+    toml.write_text(f'state-dir = "{tmp_path / "from-file"}"\n')
+    assert cfg("--config", str(toml)).state_dir == tmp_path / "from-file"
+    c = cfg("--config", str(toml), SIDECAR_STATE_DIR=str(tmp_path / "from-env"))
+    assert c.state_dir == tmp_path / "from-env"
+    c = cfg("--config", str(toml), "--state-dir", str(tmp_path / "from-cli"),
+            SIDECAR_STATE_DIR=str(tmp_path / "from-env"))
+    assert c.state_dir == tmp_path / "from-cli"
+    assert isinstance(c.state_dir, Path)
+
+
+def test_config_keeps_the_command_after_the_separator() -> None:
+    args = parse("--drain-timeout", "1")
+    assert args.command[-3:] == ["./train.sh", "--lr", "3e-4"]
+
+
+# --- platform families (CONTRACT 3) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("environ", "header", "other"), [
+    (STARFORGE, "X-StarForge-Token", "X-TunePlane-Token"),
+    (TUNEPLANE, "X-TunePlane-Token", "X-StarForge-Token"),
+])
+def test_each_family_alone(environ: dict[str, str], header: str, other: str) -> None:
+    platform = resolve_platform(environ)
+    assert platform.enabled
+    assert platform.endpoint == ENDPOINT
+    assert platform.run_id == RUN_ID
+    assert header in platform.token_headers
+    assert other not in platform.token_headers
+    c = resolve(parse(), "run", {"HOME": HOME, **environ})
+    assert c.token == TOKEN
+    assert c.read_token() == TOKEN
+
+
+def test_both_families_agreeing_is_fine() -> None:
+    c = resolve(parse(), "run", {"HOME": HOME, **STARFORGE, **TUNEPLANE})
+    assert c.platform.enabled
+    assert c.platform.endpoint == ENDPOINT
+    assert c.platform.run_id == RUN_ID
+    assert c.token == TOKEN
+
+
+@pytest.mark.parametrize(("starforge", "tuneplane", "value"), [
+    ("STARFORGE_ENDPOINT", "TUNEPLANE_JOB_ENDPOINT", "https://other.example.com/api/ingest"),
+    ("STARFORGE_RUN_ID", "TUNEPLANE_JOB_RUN_ID", "run-other"),
+    ("STARFORGE_TOKEN", "TUNEPLANE_JOB_TOKEN", "tok-OTHER-fedcba9876543210"),
+    ("STARFORGE_ENABLED", "TUNEPLANE_JOB_ENABLED", "0"),
+])
+def test_families_disagreeing_name_both_variables(starforge: str, tuneplane: str,
+                                                  value: str) -> None:
+    environ = {**STARFORGE, **TUNEPLANE, tuneplane: value}
+    message = config_error(environ=environ)
+    assert starforge in message
+    assert tuneplane in message
+    assert "tok-OTHER" not in message
+
+
+def test_trailing_slash_of_the_endpoint_is_dropped() -> None:
+    platform = resolve_platform({**STARFORGE, "STARFORGE_ENDPOINT": ENDPOINT + "/"})
+    assert platform.endpoint == ENDPOINT
+
+
+@pytest.mark.parametrize("family", ["STARFORGE_ENABLED", "TUNEPLANE_JOB_ENABLED"])
+@pytest.mark.parametrize("value", ["yes", "", "true", "2", " 1"])
+def test_enabled_must_be_0_or_1(family: str, value: str) -> None:
+    environ = {**(STARFORGE if family.startswith("STAR") else TUNEPLANE), family: value}
+    assert family in config_error(environ=environ)
+
+
+@pytest.mark.parametrize("environ", [
+    {},
+    {"STARFORGE_ENDPOINT": ENDPOINT, "STARFORGE_RUN_ID": RUN_ID, "STARFORGE_TOKEN": TOKEN},
+    {"TUNEPLANE_JOB_ENDPOINT": ENDPOINT, "TUNEPLANE_JOB_TOKEN": TOKEN},
+])
+def test_enabled_unset_is_an_error_naming_the_variable(environ: dict[str, str]) -> None:
+    message = config_error(environ=environ)
+    assert "STARFORGE_ENABLED" in message or "TUNEPLANE_JOB_ENABLED" in message
+    if environ.get("TUNEPLANE_JOB_ENDPOINT"):
+        assert "TUNEPLANE_JOB_ENABLED" in message
+
+
+@pytest.mark.parametrize("enabled", ["STARFORGE_ENABLED", "TUNEPLANE_JOB_ENABLED"])
+def test_offline_needs_nothing_else(enabled: str) -> None:
+    c = resolve(parse(), "run", {"HOME": HOME, enabled: "0"})
+    assert not c.platform.enabled
+    assert c.token == ""
+    assert c.run_dir.parent == c.state_dir
+
+
+def test_offline_ignores_an_unreadable_token_file(tmp_path: Path) -> None:
+    c = cfg("--token-file", str(tmp_path / "missing"))
+    assert not c.platform.enabled
+
+
+@pytest.mark.parametrize("family", [STARFORGE, TUNEPLANE])
+@pytest.mark.parametrize("which", ["_ENDPOINT", "_RUN_ID", "_TOKEN"])
+def test_enabled_needs_endpoint_run_id_and_token(family: dict[str, str], which: str) -> None:
+    missing = next(name for name in family if name.endswith(which))
+    for absent in ({k: v for k, v in family.items() if k != missing}, {**family, missing: "  "}):
+        assert missing in config_error(environ=absent)
+
+
+@pytest.mark.parametrize("endpoint", [
+    "ftp://platform.example.com/api/ingest",
+    "platform.example.com/api/ingest",
+    "https://",
+    "file:///etc/passwd",
+])
+def test_endpoint_must_be_http_or_https(endpoint: str) -> None:
+    assert "STARFORGE_ENDPOINT" in config_error(environ={**STARFORGE,
+                                                         "STARFORGE_ENDPOINT": endpoint})
+
+
+def test_http_endpoint_is_accepted() -> None:
+    platform = resolve_platform({**STARFORGE, "STARFORGE_ENDPOINT": "http://10.0.0.5:8080/api/ingest"})
+    assert platform.endpoint == "http://10.0.0.5:8080/api/ingest"
+
+
+# --- the token ----------------------------------------------------------------------------------
+
+
+def test_token_file_wins_and_is_stripped(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("  tok-FROM-FILE-42 \n\n")
+    c = resolve(parse("--token-file", str(secret)), "run", {"HOME": HOME, **STARFORGE})
+    assert c.token == "tok-FROM-FILE-42"
+    secret.write_text("tok-ROTATED\n")
+    assert c.read_token() == "tok-ROTATED"  # re-read on demand (after a 401)
+
+
+def test_token_file_from_the_environment(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("tok-FROM-FILE-42\n")
+    environ = {"HOME": HOME, **STARFORGE, "SIDECAR_TOKEN_FILE": str(secret)}
+    assert resolve(parse(), "run", environ).token == "tok-FROM-FILE-42"
+
+
+@pytest.mark.parametrize("content", ["", "\n", "   \n\t\n"])
+def test_empty_token_file_is_an_error(tmp_path: Path, content: str) -> None:
+    secret = tmp_path / "token"
+    secret.write_text(content)
+    assert "--token-file" in config_error("--token-file", str(secret), environ=STARFORGE)
+
+
+def test_missing_token_file_is_an_error(tmp_path: Path) -> None:
+    message = config_error("--token-file", str(tmp_path / "nope"), environ=STARFORGE)
+    assert "--token-file" in message
+
+
+def test_token_never_in_repr_of_config(tmp_path: Path) -> None:
+    c = resolve(parse(), "run", {"HOME": HOME, **STARFORGE})
+    assert TOKEN not in repr(c)
+    assert TOKEN not in str(c)
+    assert TOKEN not in repr(c.platform)
+    secret = tmp_path / "token"
+    secret.write_text(TOKEN + "\n")
+    c = resolve(parse("--token-file", str(secret)), "run", {"HOME": HOME, **TUNEPLANE})
+    assert c.token == TOKEN
+    assert TOKEN not in repr(c)
+
+
+@pytest.mark.parametrize("environ", [
+    {**STARFORGE, "STARFORGE_ENDPOINT": "ftp://x"},
+    {**STARFORGE, "STARFORGE_RUN_ID": ""},
+    {**STARFORGE, "STARFORGE_ENABLED": "yes"},
+    {**STARFORGE, "TUNEPLANE_JOB_TOKEN": TOKEN + "x"},
+    {**STARFORGE, "SIDECAR_DRAIN_TIMEOUT": "abc"},
+    {**STARFORGE, "SIDECAR_STATUS_ADDR": "nowhere"},
+    {"TUNEPLANE_JOB_TOKEN": TOKEN},
+])
+def test_token_never_in_error_messages(environ: dict[str, str]) -> None:
+    config_error(environ=environ)  # asserts the token is absent
+
+
+# --- malformed values ----------------------------------------------------------------------------
+
+
+def test_unknown_toml_key_is_an_error(toml: Path) -> None:
+    toml.write_text('drain-timeout = 5\nlog_lvl = "debug"\n')
+    message = config_error("--config", str(toml), environ=OFFLINE)
+    assert "log_lvl" in message
+
+
+def test_toml_token_key_is_refused_without_echoing_it(toml: Path) -> None:
+    toml.write_text(f'token = "{TOKEN}"\n')
+    assert "token" in config_error("--config", str(toml), environ=OFFLINE)
+
+
+def test_invalid_or_missing_toml_file_is_an_error(toml: Path) -> None:
+    toml.write_text("drain-timeout = = 5\n")
+    assert "--config" in config_error("--config", str(toml), environ=OFFLINE)
+    assert "--config" in config_error("--config", str(toml.with_name("absent.toml")),
+                                      environ=OFFLINE)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("SIDECAR_DRAIN_TIMEOUT", "abc"),
+    ("SIDECAR_HARDWARE_INTERVAL", "10s"),
+    ("SIDECAR_NODES", "two"),
+    ("SIDECAR_NODES", "2.5"),
+])
+def test_bad_number_in_the_environment_names_the_variable(name: str, value: str) -> None:
+    assert name in config_error(environ={**OFFLINE, name: value})
+
+
+@pytest.mark.parametrize("toml_value", ['"abc"', "true", "[1, 2]"])
+def test_bad_number_in_the_file_names_the_option(toml: Path, toml_value: str) -> None:
+    toml.write_text(f"drain-timeout = {toml_value}\n")
+    assert "drain-timeout" in config_error("--config", str(toml), environ=OFFLINE)
+
+
+def test_bad_number_on_the_command_line_names_the_option() -> None:
+    assert "--drain-timeout" in config_error("--drain-timeout", "soon", environ=OFFLINE)
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--drain-timeout", "-1"), ("--hardware-interval", "-0.5"), ("--nodes", "0"),
+])
+def test_negative_values_are_errors(option: str, value: str) -> None:
+    assert option in config_error(option, value, environ=OFFLINE)
+
+
+def test_zero_hardware_interval_turns_sampling_off_and_is_accepted() -> None:
+    assert cfg("--hardware-interval", "0").hardware_interval == 0.0
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("SIDECAR_LOG_FORMAT", "xml"),
+    ("SIDECAR_RUNNING_WHEN", "later"),
+    ("SIDECAR_MESSAGE_FORMAT", "yaml"),
+    ("SIDECAR_LOG_LEVEL", "loud"),
+])
+def test_bad_choice_in_the_environment_names_the_variable(name: str, value: str) -> None:
+    message = config_error(environ={**OFFLINE, name: value})
+    assert name in message
+    assert value in message
+
+
+def test_bad_choice_in_the_file_is_an_error(toml: Path) -> None:
+    toml.write_text('log-format = "xml"\n')
+    assert "log-format" in config_error("--config", str(toml), environ=OFFLINE)
+
+
+def test_bad_choice_on_the_command_line_is_refused_by_the_parser() -> None:
+    with pytest.raises(SystemExit) as info:
+        parse("--log-format", "xml")
+    assert info.value.code == 2
+
+
+def test_choices_are_accepted() -> None:
+    c = cfg("--log-format", "cri", "--running-when", "marker", SIDECAR_MESSAGE_FORMAT="json")
+    assert (c.log_format, c.running_when, c.message_format) == ("cri", "marker", "json")
+
+
+@pytest.mark.parametrize("addr", ["localhost", "localhost:", ":9620", "127.0.0.1:65536",
+                                  "127.0.0.1:http", "127.0.0.1:-1", ""])
+def test_malformed_status_addr_is_an_error(addr: str) -> None:
+    assert "--status-addr" in config_error("--status-addr", addr, environ=OFFLINE)
+
+
+@pytest.mark.parametrize("addr", ["off", "0.0.0.0:0", "[::1]:9620", "localhost:65535"])
+def test_status_addr_forms_accepted(addr: str) -> None:
+    assert cfg("--status-addr", addr).status_addr == addr
+
+
+@pytest.mark.xfail(strict=True, reason="_check_ranges uses `< 0`, which NaN passes: "
+                   "float('nan') is accepted as a number of seconds")
+@pytest.mark.parametrize("name", ["SIDECAR_DRAIN_TIMEOUT", "SIDECAR_HARDWARE_INTERVAL"])
+def test_nan_seconds_are_an_error(name: str) -> None:
+    assert name in config_error(environ={**OFFLINE, name: "nan"})
+
+
+@pytest.mark.xfail(strict=True, reason="_convert calls int() on a TOML float, silently "
+                   "truncating nodes = 2.5 to 2 (SIDECAR_NODES=2.5 is refused)")
+def test_fractional_nodes_in_the_file_is_an_error(toml: Path) -> None:
+    toml.write_text("nodes = 2.5\n")
+    assert "nodes" in config_error("--config", str(toml), environ=OFFLINE)
+
+
+@pytest.mark.xfail(strict=True, reason="_check_ranges names the command-line flag even when the "
+                   "bad value came from SIDECAR_*: the variable at fault is not named")
+@pytest.mark.parametrize(("name", "value"), [
+    ("SIDECAR_DRAIN_TIMEOUT", "-1"), ("SIDECAR_STATUS_ADDR", "nowhere"),
+])
+def test_range_error_from_the_environment_names_the_variable(name: str, value: str) -> None:
+    assert name in config_error(environ={**OFFLINE, name: value})
+
+
+# --- state dir and run dir -----------------------------------------------------------------------
+
+
+def test_default_state_dir_from_xdg_state_home() -> None:
+    assert cfg(XDG_STATE_HOME="/state").state_dir == Path("/state/sidecar")
+
+
+@pytest.mark.parametrize("xdg", [None, ""])
+def test_default_state_dir_from_home(xdg: str | None) -> None:
+    extra = {} if xdg is None else {"XDG_STATE_HOME": xdg}
+    assert cfg(**extra).state_dir == Path(HOME) / ".local" / "state" / "sidecar"
+
+
+def test_run_dir_is_named_after_the_run_id(tmp_path: Path) -> None:
+    c = cfg("--state-dir", str(tmp_path), **STARFORGE)
+    assert c.run_dir == tmp_path / RUN_ID
+
+
+@pytest.mark.parametrize("run_id", ["../../etc", "..", ".", "/etc/passwd", "a/b/../c", ".hidden",
+                                    "x\\..\\y", "run\x00id", "~root"])
+def test_run_dir_is_one_component_under_the_state_dir(tmp_path: Path, run_id: str) -> None:
+    c = cfg("--state-dir", str(tmp_path), **{**STARFORGE, "STARFORGE_RUN_ID": run_id})
+    assert c.platform.run_id == run_id
+    name = c.run_dir.name
+    assert c.run_dir.parent == tmp_path
+    assert name not in ("", ".", "..")
+    assert "/" not in name
+    assert "\x00" not in name
+    assert c.run_dir.resolve().parent == tmp_path.resolve()

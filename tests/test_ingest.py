@@ -1,0 +1,185 @@
+"""The ingest client: answer classification and each route's policy, over real loopback HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from email.utils import formatdate
+from pathlib import Path
+
+import pytest
+
+from sidecar.ingest import ROUTES, Guarantee, IngestClient, Verdict, classify, parse_retry_after
+from sidecar.log import log
+from sidecar.receive import Fault
+from tests.conftest import RUN_ID, TOKEN
+from tests.ingest_server import RunningIngest, running_ingest
+
+
+def lifecycle_body(event: str = "running") -> bytes:
+    return json.dumps({"run_id": RUN_ID, "event": event,
+                       "ts": "2026-08-31T09:14:22+00:00"}).encode()
+
+
+def metrics_body(n: int) -> bytes:
+    points = [{"key": "loss", "step": i, "value": 0.5, "ts": "2026-08-31T09:14:22+00:00"}
+              for i in range(n)]
+    return json.dumps({"run_id": RUN_ID, "points": points}).encode()
+
+
+async def started(ingest: RunningIngest | str, token: str = TOKEN,
+                  read_token: object = None) -> IngestClient:
+    endpoint = ingest if isinstance(ingest, str) else ingest.base_url
+    client = IngestClient(endpoint, ("X-StarForge-Token",),
+                          read_token if callable(read_token) else (lambda: token))
+    await client.start()
+    return client
+
+
+@pytest.mark.parametrize(("status", "verdict"), [
+    (200, Verdict.ACCEPTED), (204, Verdict.ACCEPTED), (301, Verdict.REDIRECT),
+    (307, Verdict.REDIRECT), (400, Verdict.REJECTED), (401, Verdict.AUTH),
+    (403, Verdict.AUTH), (404, Verdict.REJECTED), (413, Verdict.TOO_LARGE),
+    (422, Verdict.REJECTED), (429, Verdict.RETRY), (500, Verdict.RETRY),
+    (502, Verdict.RETRY), (503, Verdict.RETRY)])
+def test_classify(status: int, verdict: Verdict) -> None:
+    assert classify(status, None).verdict is verdict
+
+
+def test_retry_after_in_seconds_and_as_http_date() -> None:
+    now = time.time()
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after(formatdate(now + 30, usegmt=True), now=now) == pytest.approx(30, 1)
+    assert parse_retry_after(formatdate(now - 30, usegmt=True), now=now) == 0.0
+    assert parse_retry_after("soon") is None
+    assert parse_retry_after(None) is None
+    assert parse_retry_after("99999") == 300.0  # capped
+
+
+def test_policies_are_data() -> None:
+    assert ROUTES["logs"].guarantee is Guarantee.BEST_EFFORT
+    assert ROUTES["lifecycle"].guarantee is Guarantee.STRICT
+    assert ROUTES["lifecycle"].max_attempts is None
+    assert all(p.path == "/" + name for name, p in ROUTES.items())
+
+
+async def test_accepted_with_both_headers(ingest: RunningIngest) -> None:
+    client = await started(ingest)
+    try:
+        answer = await client.post("lifecycle", lifecycle_body())
+    finally:
+        await client.close()
+    assert answer.ok
+    assert ingest.records("lifecycle")[0]["event"] == "running"
+
+
+async def test_wrong_token_is_auth(ingest: RunningIngest) -> None:
+    client = await started(ingest, token="wrong")
+    try:
+        answer = await client.post("lifecycle", lifecycle_body())
+    finally:
+        await client.close()
+    assert answer.verdict is Verdict.AUTH
+    assert ingest.records("lifecycle") == []
+
+
+async def test_413_is_returned_for_the_caller_to_split(ingest: RunningIngest) -> None:
+    ingest.add_fault(Fault(route="metrics", too_large_above=10))
+    client = await started(ingest)
+    try:
+        big = await client.deliver("metrics", metrics_body(11))
+        small = await client.deliver("metrics", metrics_body(10))
+    finally:
+        await client.close()
+    assert big.verdict is Verdict.TOO_LARGE
+    assert small.ok
+    assert len(ingest.records("metrics")) == 1
+
+
+async def test_poison_payload_is_rejected_not_retried(ingest: RunningIngest) -> None:
+    ingest.add_fault(Fault(route="lifecycle", reject_if_contains="failed"))
+    client = await started(ingest)
+    try:
+        bad = await client.deliver("lifecycle", lifecycle_body("failed"))
+        good = await client.deliver("lifecycle", lifecycle_body("running"))
+    finally:
+        await client.close()
+    assert bad.verdict is Verdict.REJECTED
+    assert good.ok
+    assert client.route_stats("lifecycle").requests == 2
+
+
+async def test_429_retry_after_is_honoured(ingest: RunningIngest) -> None:
+    ingest.add_fault(Fault(route="lifecycle", status=429, retry_after="1", times=1))
+    client = await started(ingest)
+    began = time.monotonic()
+    try:
+        answer = await client.deliver("lifecycle", lifecycle_body())
+    finally:
+        await client.close()
+    assert answer.ok
+    assert time.monotonic() - began >= 1.0
+    assert client.route_stats("lifecycle").retries == 1
+
+
+async def test_connection_reset_is_retried(ingest: RunningIngest) -> None:
+    ingest.add_fault(Fault(route="lifecycle", reset=True, times=2))
+    client = await started(ingest)
+    try:
+        answer = await client.deliver("lifecycle", lifecycle_body())
+    finally:
+        await client.close()
+    assert answer.ok
+    assert client.route_stats("lifecycle").failures == 2
+
+
+async def test_best_effort_gives_up_after_a_few_attempts(ingest: RunningIngest) -> None:
+    ingest.add_fault(Fault(route="logs", status=500))
+    client = await started(ingest)
+    body = json.dumps({"run_id": RUN_ID, "chunks": ["x\n"], "eof": False}).encode()
+    try:
+        answer = await client.deliver("logs", body)
+    finally:
+        await client.close()
+    assert answer.verdict is Verdict.RETRY
+    assert client.route_stats("logs").requests == ROUTES["logs"].max_attempts
+
+
+async def test_redirect_not_followed_and_target_untouched(ingest: RunningIngest,
+                                                          tmp_path: Path) -> None:
+    with running_ingest(tmp_path / "elsewhere") as elsewhere:
+        ingest.add_fault(Fault(redirect=elsewhere.base_url + "/logs"))
+        client = await started(ingest)
+        body = json.dumps({"run_id": RUN_ID, "chunks": ["x\n"], "eof": False}).encode()
+        try:
+            answer = await client.deliver("logs", body)
+        finally:
+            await client.close()
+        assert answer.verdict is Verdict.REDIRECT
+        assert elsewhere.stats.total_requests == 0
+        assert TOKEN not in answer.detail
+
+
+async def test_401_rereads_the_token_file_and_errors_once(ingest: RunningIngest, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("expired\n")
+    client = await started(ingest, read_token=lambda: token_file.read_text().strip())
+    log.propagate = True
+    caplog.set_level(logging.ERROR, logger="sidecar")
+    try:
+        delivery = asyncio.create_task(client.deliver("lifecycle", lifecycle_body()))
+        await ingest.wait_for_async(lambda: ingest.stats.routes["lifecycle"].rejected.get(401,
+                                    0) >= 3, 20, "three 401s")
+        token_file.write_text(TOKEN + "\n")  # the Secret is rotated
+        answer = await asyncio.wait_for(delivery, 30)
+    finally:
+        log.propagate = False
+        await client.close()
+    assert answer.ok
+    errors = [r for r in caplog.records if "token" in r.getMessage()]
+    assert len(errors) == 1  # once a minute, not once an attempt
+    assert TOKEN not in caplog.text

@@ -1,0 +1,361 @@
+"""`sidecar run` end to end: a real sidecar process, a real child, real HTTP over loopback."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from sidecar.receive import Fault
+from tests.conftest import (
+    RUN_ID,
+    SIDECAR,
+    TOKEN,
+    Sidecar,
+    clean_environ,
+    platform_env,
+    python_child,
+    sidecar,
+)
+from tests.ingest_server import RunningIngest, running_ingest, wait_until
+
+# A child that stamps its first and last line with its own clock, so the test can check that
+# `running` was stamped before the first line and the end event after the last.
+STAMPED = """
+import os, sys, time
+print("first", time.time(), flush=True)
+print("working", flush=True)
+print("last", time.time(), flush=True)
+code = int(sys.argv[1])
+if code < 0:
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def epoch(ts: str) -> float:
+    return datetime.fromisoformat(ts).timestamp()
+
+
+def events(ingest: RunningIngest) -> list[str]:
+    return [r["event"] for r in ingest.records("lifecycle")]
+
+
+def log_text(ingest: RunningIngest) -> str:
+    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
+
+
+def stamp(text: str, word: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(word + " "))
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize(("code", "status", "end"), [
+    (0, 0, "succeeded"), (3, 3, "failed"), (-signal.SIGKILL, 137, "failed")])
+def test_exit_status_and_lifecycle_in_order(ingest: RunningIngest, tmp_path: Path, code: int,
+                                            status: int, end: str) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(STAMPED), str(code)], env, tmp_path / "sc")
+    assert done.status == status, done.stderr
+    assert events(ingest) == ["starting", "running", end]
+    text = log_text(ingest)
+    assert "working\n" in text
+    times = {r["event"]: epoch(r["ts"]) for r in ingest.records("lifecycle")}
+    assert times["starting"] <= times["running"] <= stamp(text, "first")
+    assert times[end] >= stamp(text, "last")
+    assert b"working\n" in done.stdout  # passed through for kubectl logs
+
+
+def test_offline_passes_output_through_byte_for_byte(ingest: RunningIngest,
+                                                     tmp_path: Path) -> None:
+    payload = b"plain\r\nbar 1\rbar 2\r\xff\xfe not utf-8 \xe2\x82\n" + TOKEN.encode() + b"\n"
+    code = (f"import sys; sys.stdout.buffer.write({payload!r}); sys.stdout.flush(); "
+            f"sys.stderr.buffer.write({payload!r}[::-1])")
+    env = platform_env(ingest, tmp_path / "state", STARFORGE_ENABLED="0")
+    done = sidecar(["run", "--", *python_child(code)], env, tmp_path / "sc")
+    assert done.status == 0
+    assert done.stdout == payload
+    assert payload[::-1] in done.stderr
+    assert ingest.stats.total_requests == 0
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("enabled", [None, "yes", ""])
+def test_enabled_unset_or_invalid_exits_2_before_the_child(ingest: RunningIngest, tmp_path: Path,
+                                                          enabled: str | None) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    if enabled is None:
+        del env["STARFORGE_ENABLED"]
+    else:
+        env["STARFORGE_ENABLED"] = enabled
+    marker = tmp_path / "child-ran"
+    child = python_child(f"open({str(marker)!r}, 'w').close()")
+    done = sidecar(["run", "--", *child], env, tmp_path / "sc")
+    assert done.status == 2
+    assert not marker.exists()
+    message = done.stderr.decode()
+    assert "STARFORGE_ENABLED" in message
+    assert len(message.strip().splitlines()) == 1
+    assert TOKEN not in message
+    assert ingest.stats.total_requests == 0
+
+
+def test_endpoint_down_at_start_does_not_delay_the_child(ingest: RunningIngest,
+                                                         tmp_path: Path) -> None:
+    ingest.stop_listening()
+    env = platform_env(ingest, tmp_path / "state")
+    child = python_child("import time; print('started', time.time(), flush=True)")
+    started = time.time()
+    run = Sidecar(["run", "--", *child], env, tmp_path / "sc")
+    wait_until(lambda: b"started" in (tmp_path / "sc" / "stdout").read_bytes(), 10,
+               "the child printed")
+    child_started = stamp((tmp_path / "sc" / "stdout").read_text(), "started")
+    assert child_started - started < 3.0  # interpreter start-ups only, no network wait
+    back = time.time()
+    ingest.start_listening()
+    done = run.wait()
+    assert done.status == 0, done.stderr
+    assert events(ingest) == ["starting", "running", "succeeded"]
+    times = [epoch(r["ts"]) for r in ingest.records("lifecycle")]
+    assert times == sorted(times)
+    assert times[1] <= child_started < back  # original times, not delivery times
+
+
+def test_logs_failing_never_fails_a_good_run(ingest: RunningIngest, tmp_path: Path) -> None:
+    ingest.add_fault(Fault(route="logs", status=500))
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child("print('hello')")], env, tmp_path / "sc")
+    assert done.status == 0
+    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.records("logs") == []
+    assert ingest.stats.routes["logs"].rejected  # it really tried
+
+
+WRITER = """
+import sys, time
+line = b"x" * 99 + b"\\n"
+block = line * 10486
+t0 = time.monotonic()
+for _ in range(100):
+    sys.stdout.buffer.write(block)
+sys.stdout.flush()
+print("took", time.monotonic() - t0, file=sys.stderr, flush=True)
+"""
+
+
+def test_hung_ingest_does_not_slow_a_fast_writer(ingest: RunningIngest, tmp_path: Path) -> None:
+    """100 MB as fast as the child can write: as fast with the ingest hung as with none."""
+    child = python_child(WRITER)
+    offline = platform_env(ingest, tmp_path / "s0", STARFORGE_ENABLED="0")
+    base = sidecar(["run", "--", *child], offline, tmp_path / "base")
+    ingest.add_fault(Fault(route="logs", latency_s=600))
+    hung = platform_env(ingest, tmp_path / "s1", SIDECAR_DRAIN_TIMEOUT="4")
+    slow = sidecar(["run", "--", *child], hung, tmp_path / "hung")
+    assert base.status == slow.status == 0
+    assert len(slow.stdout) == len(base.stdout) == 100 * 10486 * 100
+    took_base, took_hung = stamp(base.stderr.decode(), "took"), stamp(slow.stderr.decode(), "took")
+    print(f"child write time: no ingest {took_base:.2f} s, hung ingest {took_hung:.2f} s")
+    assert took_hung < 2 * took_base + 1.0
+    assert events(ingest) == ["starting", "running", "succeeded"]
+
+
+TRAPS_TERM = """
+import signal, sys, time
+def bye(signum, frame):
+    print("cleaning up", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("child", "status", "end"), [
+    (TRAPS_TERM, 0, "succeeded"),
+    ("import time; print('ready', flush=True); time.sleep(60)", 143, "failed")])
+def test_sigterm_reaches_the_child(ingest: RunningIngest, tmp_path: Path, child: str,
+                                   status: int, end: str) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    run = Sidecar(["run", "--", *python_child(child)], env, tmp_path / "sc")
+    wait_until(lambda: b"ready" in (tmp_path / "sc" / "stdout").read_bytes(), 10, "child ready")
+    run.proc.send_signal(signal.SIGTERM)
+    done = run.wait()
+    assert done.status == status
+    assert events(ingest) == ["starting", "running", end]
+    if status == 0:
+        assert b"cleaning up" in done.stdout
+
+
+def test_token_never_printed_or_stored(ingest: RunningIngest, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = platform_env(ingest, state, SIDECAR_LOG_LEVEL="debug")
+    child = python_child(f"print('my token is {TOKEN}!'); import sys; sys.exit(1)")
+    done = sidecar(["run", "--", *child], env, tmp_path / "sc")
+    assert done.status == 1
+    assert TOKEN.encode() in done.stdout  # the child's own output stays as it wrote it
+    assert TOKEN.encode() not in done.stderr
+    assert "my token is ***!\n" in log_text(ingest)
+    for path in state.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_redirect_is_never_followed(ingest: RunningIngest, tmp_path: Path) -> None:
+    with running_ingest(tmp_path / "elsewhere") as elsewhere:
+        ingest.add_fault(Fault(redirect=elsewhere.base_url + "/lifecycle"))
+        env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="2")
+        done = sidecar(["run", "--", *python_child("print('hi')")], env, tmp_path / "sc")
+        assert done.status == 0
+        assert elsewhere.stats.total_requests == 0
+        assert ingest.stats.total_requests > 0
+        assert b"redirect" in done.stderr
+        assert TOKEN.encode() not in done.stderr
+
+
+TQDM_CHILD = """
+import time
+from tqdm import tqdm
+print("before", flush=True)
+for _ in tqdm(range(400), mininterval=0, miniters=1, desc="epoch"):
+    time.sleep(0.01)
+print("after", flush=True)
+"""
+
+
+def test_progress_bar_arrives_as_a_handful_of_lines(ingest: RunningIngest,
+                                                     tmp_path: Path) -> None:
+    pytest.importorskip("tqdm")
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(TQDM_CHILD)], env, tmp_path / "sc")
+    assert done.status == 0
+    assert done.stderr.count(b"\r") >= 400  # the terminal still sees every update
+    bar_lines = [line for line in log_text(ingest).splitlines() if line.startswith("epoch")]
+    assert 1 <= len(bar_lines) <= 6, bar_lines
+    assert "400/400" in bar_lines[-1]
+    assert "\r" not in log_text(ingest)
+
+
+MARKED = """
+import subprocess, sys, time
+print("setup", time.time(), flush=True)
+time.sleep(0.5)
+assert subprocess.call([sys.executable, "-m", "sidecar", "lifecycle", "running"]) == 0
+print("training", time.time(), flush=True)
+refused = subprocess.call([sys.executable, "-m", "sidecar", "lifecycle", "succeeded"])
+print("refused", refused, flush=True)
+"""
+
+
+def test_running_when_marker(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--running-when", "marker", "--", *python_child(MARKED)], env,
+                   tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert events(ingest) == ["starting", "running", "succeeded"]
+    running = epoch(ingest.records("lifecycle")[1]["ts"])
+    text = done.stdout.decode()
+    assert stamp(text, "setup") < running < stamp(text, "training")
+    assert stamp(text, "refused") == 1
+
+
+def test_lifecycle_command_outside_a_wrapper(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    assert sidecar(["lifecycle", "running"], env, tmp_path / "a").status == 0
+    assert events(ingest) == ["running"]
+    ingest.stop_listening()
+    done = sidecar(["lifecycle", "failed", "--timeout", "1"], env, tmp_path / "b")
+    assert done.status == 1
+    assert b"not acknowledged" in done.stderr
+
+
+def test_events_left_by_a_killed_sidecar_are_replayed_first(ingest: RunningIngest,
+                                                           tmp_path: Path) -> None:
+    ingest.stop_listening()
+    env = platform_env(ingest, tmp_path / "state")
+    first = Sidecar(["run", "--", *python_child("import time; time.sleep(60)")], env,
+                    tmp_path / "one")
+    journal = next_journal(tmp_path / "state")
+    wait_until(lambda: journal.exists() and journal.stat().st_size > 0 and
+               b"running" in journal.read_bytes(), 10, "running journaled")
+    first.proc.kill()
+    first.wait()
+    ingest.start_listening()
+    done = sidecar(["run", "--", *python_child("pass")], env, tmp_path / "two")
+    assert done.status == 0
+    assert events(ingest) == ["starting", "running", "starting", "running", "succeeded"]
+
+
+def next_journal(state: Path) -> Path:
+    return state / RUN_ID / "lifecycle.journal"
+
+
+def test_missing_command_is_a_configuration_error(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run"], env, tmp_path / "sc")
+    assert done.status == 2
+    assert b"no command" in done.stderr
+    missing = sidecar(["run", "--", "/nonexistent/train.sh"], env, tmp_path / "sc2")
+    assert missing.status == 127
+    assert events(ingest) == ["starting", "running", "failed"]
+
+
+def test_both_families_disagreeing_is_refused(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state", TUNEPLANE_JOB_ENABLED="1",
+                       TUNEPLANE_JOB_RUN_ID="another-run")
+    done = sidecar(["run", "--", *python_child("pass")], env, tmp_path / "sc")
+    assert done.status == 2
+    assert b"STARFORGE_RUN_ID" in done.stderr and b"TUNEPLANE_JOB_RUN_ID" in done.stderr
+
+
+def test_tuneplane_family_sends_its_own_header(tmp_path: Path) -> None:
+    with running_ingest(tmp_path / "rx", token=TOKEN, run_id=RUN_ID) as ingest:
+        env = clean_environ()
+        env.update(TUNEPLANE_JOB_ENABLED="1", TUNEPLANE_JOB_ENDPOINT=ingest.base_url,
+                   TUNEPLANE_JOB_RUN_ID=RUN_ID, SIDECAR_STATE_DIR=str(tmp_path / "state"))
+        token_file = tmp_path / "token"
+        token_file.write_text(f"  {TOKEN}\n")
+        done = sidecar(["run", "--token-file", str(token_file), "--", sys.executable, "-c",
+                        "print(1)"], env, tmp_path / "sc")
+        assert done.status == 0, done.stderr
+        assert events(ingest) == ["starting", "running", "succeeded"]
+
+
+ORPHAN_MAKER = """
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    if os.fork():
+        os._exit(0)  # the grandchild is orphaned and adopted by PID 1
+    print("orphan", os.getpid(), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+time.sleep(0.5)
+"""
+
+
+def test_as_pid1_it_reaps_orphans(ingest: RunningIngest, tmp_path: Path) -> None:
+    """Inside a PID namespace the sidecar is PID 1: an adopted orphan must not stay a zombie."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.call([unshare, "-fp", "--mount-proc", "true"]) != 0:
+        pytest.skip("no PID namespaces here (unshare -fp needs root or user namespaces)")
+    check = ("import sys, time\n"
+             "pid = sys.argv[1]\n"
+             "deadline = time.time() + 10\n"
+             "while time.time() < deadline:\n"
+             "    try: state = open(f'/proc/{pid}/stat').read().split()[2]\n"
+             "    except FileNotFoundError: print('reaped'); break\n"
+             "    time.sleep(0.05)\n"
+             "else: print('zombie', state)\n")
+    script = (f"{sys.executable} -c '{ORPHAN_MAKER}' > {tmp_path}/orphan; "
+              f"{sys.executable} -c \"$CHECK\" $(cut -d' ' -f2 {tmp_path}/orphan)")
+    env = platform_env(ingest, tmp_path / "state", CHECK=check)
+    done = sidecar(["run", "--", unshare, "-fp", "--mount-proc", "--", *SIDECAR, "run", "--",
+                    "sh", "-c", script], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert b"reaped" in done.stdout, done.stdout
