@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -153,17 +154,21 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
 
 def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str]) -> Config:
     """Resolve one Config for `command`, raising ConfigError on the first mistake found."""
-    file_values = _read_config_file(args.config) if getattr(args, "config", None) else {}
+    config_file = getattr(args, "config", None) or environ.get("SIDECAR_CONFIG")
+    file_values = _read_config_file(config_file) if config_file else {}
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for opt in OPTIONS:
         if opt.only and opt.only != command:
             continue
-        values[opt.attr] = _pick(opt, getattr(args, opt.attr, None), environ, file_values)
-    _check_ranges(values)
+        values[opt.attr], sources[opt.attr] = _pick(
+            opt, getattr(args, opt.attr, None), environ, file_values)
+    _check_ranges(values, sources)
     platform = resolve_platform(environ)
     token = ""
     if platform.enabled:
-        token = _resolve_token(values.get("token_file"), platform, environ)
+        token = _resolve_token(values.get("token_file"), sources.get("token_file", ""),
+                               platform, environ)
     values["state_dir"] = values["state_dir"] or default_state_dir(environ)
     return Config(platform=platform, token=token, **values)
 
@@ -200,15 +205,15 @@ def resolve_platform(environ: Mapping[str, str]) -> Platform:
     )
 
 
-def read_token_file(path: Path) -> str:
+def read_token_file(path: Path, source: str = "--token-file") -> str:
     """The token in `path` with surrounding whitespace stripped (CONTRACT 2, --token-file)."""
     try:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--token-file {path}: cannot read it ({exc.__class__.__name__}); "
+        raise ConfigError(f"{source} {path}: cannot read it ({exc.__class__.__name__}); "
                           "mount the token Secret there or drop the option") from None
     if not token:
-        raise ConfigError(f"--token-file {path} is empty; it should hold the run's ingest token")
+        raise ConfigError(f"{source} {path} is empty; it should hold the run's ingest token")
     return token
 
 
@@ -230,9 +235,10 @@ def _required(environ: Mapping[str, str], name: str) -> str:
     return value
 
 
-def _resolve_token(token_file: Path | None, platform: Platform, environ: Mapping[str, str]) -> str:
+def _resolve_token(token_file: Path | None, source: str, platform: Platform,
+                   environ: Mapping[str, str]) -> str:
     if token_file is not None:
-        return read_token_file(token_file)
+        return read_token_file(token_file, source)
     return _required(environ, platform.token_variable)
 
 
@@ -260,8 +266,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _pick(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapping[str, Any]) -> Any:
-    """The option's value by precedence, converted, or ConfigError naming where it came from."""
+def _pick(opt: Option, cli: Any, environ: Mapping[str, str],
+          file_values: Mapping[str, Any]) -> tuple[Any, str]:
+    """The option's value by precedence, converted, and where it came from (for messages)."""
     if cli is not None:
         source, raw = "--" + opt.name, cli
     elif opt.env in environ:
@@ -271,14 +278,16 @@ def _pick(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mappin
     elif opt.name in file_values:
         source, raw = f"{opt.name} in --config", file_values[opt.name]
     else:
-        return opt.default
+        return opt.default, "--" + opt.name
     try:
         value = _convert(opt, raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}={raw!r} is not a valid {opt.kind}") from None
-    if opt.choices and value not in opt.choices:
-        raise ConfigError(f"{source}={raw!r} must be one of {', '.join(opt.choices)}")
-    return value
+    if opt.choices:
+        value = value.lower()
+        if value not in opt.choices:
+            raise ConfigError(f"{source}={raw!r} must be one of {', '.join(opt.choices)}")
+    return value, source
 
 
 def _convert(opt: Option, raw: Any) -> Any:
@@ -287,20 +296,21 @@ def _convert(opt: Option, raw: Any) -> Any:
         return tuple(str(item) for item in items)
     if isinstance(raw, (bool, list | dict)):
         raise TypeError(raw)
+    if opt.kind == "int" and isinstance(raw, float) and not raw.is_integer():
+        raise ValueError(raw)
     return _CONVERTERS[opt.kind](raw)
 
 
-def _check_ranges(values: Mapping[str, Any]) -> None:
-    if values["hardware_interval"] < 0:
-        raise ConfigError(f"--hardware-interval={values['hardware_interval']} is negative; "
-                          "use 0 to turn sampling off")
-    if values["drain_timeout"] < 0:
-        raise ConfigError(f"--drain-timeout={values['drain_timeout']} is negative")
+def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    for name in ("hardware_interval", "drain_timeout"):
+        if not math.isfinite(values[name]) or values[name] < 0:
+            raise ConfigError(f"{sources[name]}={values[name]} must be a number of seconds, "
+                              "0 or more")
     if values["nodes"] is not None and values["nodes"] < 1:
-        raise ConfigError(f"--nodes={values['nodes']} must be at least 1")
+        raise ConfigError(f"{sources['nodes']}={values['nodes']} must be at least 1")
     addr = values["status_addr"]
     if addr != "off":
-        parse_host_port(addr, "--status-addr")
+        parse_host_port(addr, sources["status_addr"])
 
 
 def parse_host_port(addr: str, option: str) -> tuple[str, int]:

@@ -45,7 +45,10 @@ class Journal:
             with open(self.path, "r+b") as fh:
                 fh.truncate(good)
                 os.fsync(fh.fileno())
-        self._acked = min(self._read_acked(), len(self._records))
+        stored = self._read_acked()
+        self._acked = min(stored, len(self._records))
+        if stored != self._acked:  # a stale count would swallow the records appended next
+            _write_atomic(self._ack_path, str(self._acked).encode())
         return self._records[self._acked:]
 
     def append(self, payload: bytes) -> None:
@@ -59,6 +62,8 @@ class Journal:
 
     def ack(self, count: int = 1) -> None:
         """Mark the next `count` records acknowledged, durably."""
+        if count < 0:
+            raise ValueError(f"cannot acknowledge {count} records")
         self._acked = min(self._acked + count, len(self._records))
         _write_atomic(self._ack_path, str(self._acked).encode())
 
@@ -69,10 +74,13 @@ class Journal:
 
     def _read_acked(self) -> int:
         try:
-            return int(self._ack_path.read_text().strip() or 0)
+            count = int(self._ack_path.read_text().strip() or 0)
+            if count < 0:
+                raise ValueError(count)
+            return count
         except FileNotFoundError:
             return 0
-        except ValueError:
+        except (ValueError, OSError):
             log.warning("%s is corrupt; replaying the whole journal (the ingest may see "
                         "repeats)", self._ack_path)
             return 0

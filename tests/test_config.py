@@ -349,22 +349,16 @@ def test_status_addr_forms_accepted(addr: str) -> None:
     assert cfg("--status-addr", addr).status_addr == addr
 
 
-@pytest.mark.xfail(strict=True, reason="_check_ranges uses `< 0`, which NaN passes: "
-                   "float('nan') is accepted as a number of seconds")
 @pytest.mark.parametrize("name", ["SIDECAR_DRAIN_TIMEOUT", "SIDECAR_HARDWARE_INTERVAL"])
 def test_nan_seconds_are_an_error(name: str) -> None:
     assert name in config_error(environ={**OFFLINE, name: "nan"})
 
 
-@pytest.mark.xfail(strict=True, reason="_convert calls int() on a TOML float, silently "
-                   "truncating nodes = 2.5 to 2 (SIDECAR_NODES=2.5 is refused)")
 def test_fractional_nodes_in_the_file_is_an_error(toml: Path) -> None:
     toml.write_text("nodes = 2.5\n")
     assert "nodes" in config_error("--config", str(toml), environ=OFFLINE)
 
 
-@pytest.mark.xfail(strict=True, reason="_check_ranges names the command-line flag even when the "
-                   "bad value came from SIDECAR_*: the variable at fault is not named")
 @pytest.mark.parametrize(("name", "value"), [
     ("SIDECAR_DRAIN_TIMEOUT", "-1"), ("SIDECAR_STATUS_ADDR", "nowhere"),
 ])

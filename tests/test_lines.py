@@ -216,9 +216,6 @@ def test_split_lines_respect_the_limit_for_any_blocks(lines: list[int], cuts: li
     assert out.endswith("\n")
 
 
-@pytest.mark.xfail(strict=True, reason="_hold cuts a pending line whose length is an exact "
-                   "multiple (>= 2x) of max_line_chars down to nothing, so its newline later "
-                   "comes out as a spurious empty line")
 def test_line_of_twice_the_limit_gives_no_empty_line() -> None:
     body = _line_chars(2 * MAX_LINE_CHARS)
     asm = LineAssembler()
@@ -226,8 +223,6 @@ def test_line_of_twice_the_limit_gives_no_empty_line() -> None:
     assert out == body[:MAX_LINE_CHARS] + "\n" + body[MAX_LINE_CHARS:] + "\n"
 
 
-@pytest.mark.xfail(strict=True, reason="the 64 KiB limit is applied to the pending text only: "
-                   "a line partly sent by a quiet flush can grow past the limit in the console")
 def test_line_continued_after_a_quiet_flush_still_respects_the_limit() -> None:
     asm = LineAssembler()
     half = MAX_LINE_CHARS * 5 // 8
@@ -237,9 +232,6 @@ def test_line_continued_after_a_quiet_flush_still_respects_the_limit() -> None:
     assert all(len(line) <= MAX_LINE_CHARS for line in out.split("\n"))
 
 
-@pytest.mark.xfail(strict=True, reason="text after a carriage return with no newline is held "
-                   "whole (_bar_update keeps everything after the last \\r, _hold never splits "
-                   "it) and sent as one line of any length; memory grows with it too")
 def test_long_text_after_a_carriage_return_is_split() -> None:
     asm = LineAssembler()
     out = [asm.feed(b"\r", 0.0)]
@@ -387,8 +379,6 @@ def test_gap_drops_a_half_received_character() -> None:
     assert asm.feed(b"fresh\n", 1.0) == "fresh\n"
 
 
-@pytest.mark.xfail(strict=True, reason="gap() only adds a newline when finish() returned text; "
-                   "after a quiet flush left the line open, the notice is glued onto it")
 def test_gap_after_a_quiet_flush_starts_its_own_line() -> None:
     asm = LineAssembler()
     out = asm.feed(b"partial", 0.0) + asm.tick(QUIET_FLUSH_S) + asm.gap(10)
@@ -396,3 +386,12 @@ def test_gap_after_a_quiet_flush_starts_its_own_line() -> None:
     assert lines[0] == "partial"
     assert len(lines) == 3
     _assert_gap_line(lines[1], 10)
+
+
+def test_final_state_already_sent_when_quiet_is_not_repeated() -> None:
+    asm = LineAssembler()
+    assert asm.feed(b"\r" + _bar_state(500).encode(), 0.0) == _bar_state(500) + "\n"
+    assert asm.feed(b"\r" + _bar_state(1000).encode(), 0.5) == ""
+    assert asm.tick(2.0) == _bar_state(1000) + "\n"  # quiet: the latest state goes out
+    assert asm.feed(b"\n", 2.5) == ""  # the line ends on that same state: no second copy
+    assert asm.feed(b"next\n", 2.6) == "next\n"

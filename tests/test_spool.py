@@ -152,8 +152,6 @@ def test_corrupt_ack_file_replays_everything(tmp_path: Path, content: bytes) -> 
     assert Journal(path).open() == RECORDS[1:]
 
 
-@pytest.mark.xfail(strict=True, reason="_read_acked accepts a negative count; "
-                   "records[-1:] then replays only the last record instead of all")
 def test_negative_ack_file_replays_everything(tmp_path: Path) -> None:
     path = tmp_path / "j"
     _written(path, RECORDS)
@@ -161,8 +159,6 @@ def test_negative_ack_file_replays_everything(tmp_path: Path) -> None:
     assert Journal(path).open() == RECORDS
 
 
-@pytest.mark.xfail(strict=True, reason="open() clamps an ack count larger than the records in "
-                   "memory only; the stale count on disk then swallows records appended later")
 def test_stale_ack_count_on_disk_does_not_swallow_new_records(tmp_path: Path) -> None:
     path = tmp_path / "j"
     _written(path, RECORDS[:2])

@@ -35,7 +35,7 @@ class LineAssembler:
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     _pending: str = ""  # the current line's text not yet sent
-    _mid_line: bool = False  # part of the current line was already sent (with its prefix)
+    _open_chars: int = 0  # how much of the current line was already sent (a quiet partial)
     _last_feed: float = 0.0
     _bar_sent: str | None = None  # the progress state last sent for the current line
     _bar_sent_at: float = float("-inf")
@@ -72,23 +72,25 @@ class LineAssembler:
         """Some of the stream was dropped: close the line and say so in the log itself."""
         out = self.finish()
         self._decoder.reset()
-        if out and not out.endswith("\n"):
+        if self._open_chars:
             out += "\n"
-        self._mid_line = False
+            self._open_chars = 0
         return out + f"{self.prefix}[sidecar] {dropped_bytes} bytes of output were dropped here\n"
 
     def _hold(self, now: float) -> str:
         """Keep the unfinished line, sending what it must not keep: bar states, over-long text."""
-        pending = self._pending
-        if not pending:
+        if not self._pending:
             return ""
-        if _has_bar(pending):
-            return self._bar_update(now, quiet=False)
-        if len(pending) <= self.max_line_chars:
-            return ""
-        cut = len(pending) - len(pending) % self.max_line_chars
+        out = self._bar_update(now, quiet=False) if _has_bar(self._pending) else ""
+        room = self.max_line_chars - self._open_chars
+        if len(self._pending) <= room:
+            return out
+        # Over-long, even as a bar's latest state: send it in whole lines, keep the remainder.
+        pending = self._pending.lstrip("\r")
+        cut = room + (len(pending) - room - 1) // self.max_line_chars * self.max_line_chars
         self._pending = pending[cut:]
-        return self._emit(_split_long(pending[:cut] + "\n", self.max_line_chars))
+        head = _split_long(pending[:cut] + "\n", self.max_line_chars, self._open_chars)
+        return out + self._emit(head)
 
     def _bar_update(self, now: float, quiet: bool) -> str:
         """Send the bar's latest state if it changed and enough time passed (or it went quiet)."""
@@ -106,8 +108,10 @@ class LineAssembler:
         """Whole lines (the last may be unterminated at the stream's end) ready to send."""
         if "\r" in text and _BARE_CR.search(text):
             text = self._collapse_bars(text)
-        if _may_hold_long_line(text, self.max_line_chars):
-            text = _split_long(text, self.max_line_chars)
+        first_line_end = text.find("\n") % (len(text) + 1)
+        if (_may_hold_long_line(text, self.max_line_chars)
+                or self._open_chars + first_line_end > self.max_line_chars):
+            text = _split_long(text, self.max_line_chars, self._open_chars)
         return self._emit(text)
 
     def _collapse_bars(self, text: str) -> str:
@@ -117,6 +121,8 @@ class LineAssembler:
             if _BARE_CR.search(line):
                 ending = "\r\n" if line.endswith("\r\n") else "\n" if line.endswith("\n") else ""
                 lines[i] = _latest_state(line[: len(line) - len(ending)]) + ending
+        if self._bar_sent is not None and lines[0].rstrip("\r\n") == self._bar_sent:
+            lines[0] = ""  # the bar's final state already went out when it went quiet
         self._bar_sent, self._bar_sent_at = None, float("-inf")
         return "".join(lines)
 
@@ -124,10 +130,12 @@ class LineAssembler:
         """Prefix every line start, mask secrets; track whether the current line is open."""
         if not text:
             return ""
+        last_newline = text.rfind("\n")
+        open_before = self._open_chars
+        self._open_chars = (open_before if last_newline < 0 else 0) + len(text) - last_newline - 1
         if self.prefix:
-            first = "" if self._mid_line else self.prefix
+            first = "" if open_before else self.prefix
             text = first + text[:-1].replace("\n", "\n" + self.prefix) + text[-1]
-        self._mid_line = not text.endswith("\n")
         return self.mask(text)
 
 
@@ -167,15 +175,18 @@ def _latest_state(line: str) -> str:
     return ""
 
 
-def _split_long(text: str, limit: int) -> str:
-    """Break every line longer than `limit` characters into lines of at most `limit`."""
+def _split_long(text: str, limit: int, already_sent: int = 0) -> str:
+    """Break every line longer than `limit` characters into lines of at most `limit`; the
+    first line continues one of which `already_sent` characters went out before."""
     out = []
     for line in _split_lines(text):
         body = line.rstrip("\r\n")
         ending = line[len(body):]
-        if len(body) <= limit:
+        first = limit - already_sent
+        already_sent = 0
+        if len(body) <= first:
             out.append(line)
             continue
-        pieces = [body[i:i + limit] for i in range(0, len(body), limit)]
+        pieces = [body[:first]] + [body[i:i + limit] for i in range(first, len(body), limit)]
         out.append("\n".join(pieces) + ending)
     return "".join(out)
