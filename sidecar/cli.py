@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sidecar import __version__, handoff
+from sidecar import __version__, check, handoff, statusview
 from sidecar.config import ConfigError, add_options, command_of, resolve
 from sidecar.lifecycle import EVENTS, Lifecycle
 from sidecar.log import add_secret, log, setup
@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
                               usage="sidecar run [OPTIONS] -- COMMAND [ARG...]")
     add_options(run, "run")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+    watch = commands.add_parser("watch", help="follow log, JSONL and TensorBoard files until "
+                                "SIGTERM", usage="sidecar watch [OPTIONS]")
+    add_options(watch, "watch")
+
+    check.add_arguments(commands.add_parser(
+        "check", help="validate the configuration, probe the endpoint from this node, explain "
+        "what is wrong"))
+    statusview.add_arguments(commands.add_parser("status", help="counters of the running daemon"))
 
     lifecycle = commands.add_parser("lifecycle", help="post one lifecycle event, strictly")
     lifecycle.add_argument("event", choices=EVENTS)
@@ -78,6 +87,27 @@ def _run(args: argparse.Namespace) -> int:
     from sidecar.daemon import run_wrapped
 
     return asyncio.run(run_wrapped(cfg, command, os.environ))
+
+
+def _watch(args: argparse.Namespace) -> int:
+    cfg = resolve(args, "watch", os.environ)
+    setup(cfg.log_level, cfg.message_format)
+    add_secret(cfg.token)
+    if not (cfg.log or cfg.jsonl or cfg.tensorboard or cfg.hparams or cfg.hardware_interval):
+        raise ConfigError("nothing to watch: give at least one of --log, --jsonl, "
+                          "--tensorboard or --hparams, or leave --hardware-interval above 0")
+    from sidecar.daemon import run_watch
+
+    return asyncio.run(run_watch(cfg, os.environ))
+
+
+def _check(args: argparse.Namespace) -> int:
+    setup()
+    return check.check(args, os.environ)
+
+
+def _status(args: argparse.Namespace) -> int:
+    return statusview.status_command(args)
 
 
 def _lifecycle(args: argparse.Namespace) -> int:
@@ -136,4 +166,5 @@ def _demo(args: argparse.Namespace) -> int:
         return demo(Path(tmp))
 
 
-COMMANDS = {"run": _run, "lifecycle": _lifecycle, "receive": _receive, "demo": _demo}
+COMMANDS = {"run": _run, "watch": _watch, "check": _check, "status": _status,
+            "lifecycle": _lifecycle, "receive": _receive, "demo": _demo}

@@ -59,6 +59,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in"),
     Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
            choices=("plain", "cri", "auto")),
+    Option("file-watch", "str", "auto", "notice file changes by inotify with a safety poll "
+           "(auto), or by polling alone (poll: NFS, FUSE)", choices=("auto", "poll")),
     Option("node-name", "str", None, "this node's name"),
     Option("nodes", "int", None, "the run's node count"),
     Option("python", "path", None, "the trainer's interpreter, for the environment snapshot"),
@@ -119,6 +121,7 @@ class Config:
     running_when: str = "spawn"
     log_prefix: str = ""
     log_format: str = "auto"
+    file_watch: str = "auto"
     node_name: str | None = None
     nodes: int | None = None
     python: Path | None = None

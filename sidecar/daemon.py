@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sidecar import handoff
 from sidecar.config import Config
@@ -26,9 +27,17 @@ from sidecar.ingest import IngestClient
 from sidecar.lifecycle import Lifecycle
 from sidecar.log import log, mask
 from sidecar.logship import LogShipper
-from sidecar.node import resolve_node
+from sidecar.node import Node, resolve_node
+from sidecar.pipeline import Pipeline
 from sidecar.sources.child import FORWARDED_SIGNALS, Child, Pump, SpawnError
 from sidecar.sources.lines import LineAssembler
+from sidecar.status import (
+    RouteSnapshot,
+    SourceSnapshot,
+    StatusServer,
+    StatusSnapshot,
+    start_status_server,
+)
 
 TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
 OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
@@ -85,17 +94,18 @@ class _Stream:
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """`sidecar run`: report the command's lifecycle and output; returns its exit status."""
     sys.setswitchinterval(GIL_SWITCH_S)
-    node = resolve_node(cfg.node_name, environ)
+    node = resolve_node(cfg.node_name, environ, cfg.nodes)
     client = make_client(cfg)
-    run_id = cfg.platform.run_id
     if client is not None:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         await client.start()
-    lifecycle = Lifecycle(cfg.run_dir, run_id, client if node.reports_lifecycle else None)
-    shipper = LogShipper(client, run_id) if client is not None else None
+    pipeline = Pipeline(cfg, client, node) if client is not None else None
+    lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id,
+                          client if node.reports_lifecycle else None)
     await lifecycle.open()
-    if shipper is not None:
-        shipper.start()
+    if pipeline is not None:
+        pipeline.start()
+    status = await _serve_status(cfg, node, "run", client, pipeline, lifecycle)
     await lifecycle.record("starting")
 
     address = handoff.new_address()
@@ -105,8 +115,12 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     child_env[handoff.ENV_VAR] = address
 
     prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
+    shipper = pipeline.shipper if pipeline is not None else None
     streams = [_Stream(LineAssembler(mask=mask, prefix=prefix), shipper) for _ in range(2)]
     child = Child(argv, child_env)
+    if pipeline is not None:
+        pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,
+                                 find_trainer_python=True)
     if cfg.running_when == "spawn":
         await lifecycle.record("running")
     try:
@@ -114,8 +128,8 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     except SpawnError as exc:
         log.error("%s", exc)
         await lifecycle.record("failed")
-        await _drain(cfg, lifecycle, shipper, streams)
-        await _close(client, lifecycle, marker)
+        await _drain(cfg, lifecycle, pipeline, streams)
+        await _close(client, lifecycle, pipeline, marker, status)
         return EXIT_CANNOT_START
 
     loop = asyncio.get_running_loop()
@@ -126,17 +140,60 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         Pump(name, fd, sink, stream.feed, stream.gap, stream.closed.set, loop).start()
     ticker = asyncio.create_task(_tick(streams), name="ticker")
 
-    status = await child.wait()
+    exit_status = await child.wait()
     ended_at = time.time()
     lifecycle.release.clear()  # the end event waits for the output before it (the platform
-    await lifecycle.record("succeeded" if status == 0 else "failed", ended_at)  # closes logs)
+    await lifecycle.record("succeeded" if exit_status == 0 else "failed", ended_at)  # closes logs
     await _wait_all([s.closed for s in streams], OUTPUT_GRACE_S)
     ticker.cancel()
-    await _drain(cfg, lifecycle, shipper, streams, interrupted)
+    await _drain(cfg, lifecycle, pipeline, streams, interrupted)
     for signum in FORWARDED_SIGNALS:
         loop.remove_signal_handler(signum)
-    await _close(client, lifecycle, marker)
-    return status
+    await _close(client, lifecycle, pipeline, marker, status)
+    return exit_status
+
+
+async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
+    """`sidecar watch`: follow the sources until SIGTERM/SIGINT, then drain; returns 0."""
+    node = resolve_node(cfg.node_name, environ, cfg.nodes)
+    client = make_client(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if client is None:
+        log.info("reporting is off (ENABLED=0): nothing is followed; waiting for SIGTERM")
+        status = await _serve_status(cfg, node, "watch", None, None, None)
+        await stop.wait()
+        if status is not None:
+            await status.close()
+        return 0
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    await client.start()
+    pipeline = Pipeline(cfg, client, node)
+    pipeline.start()
+    pipeline.start_telemetry(environ, environ, (), None, find_trainer_python=False)
+    status = await _serve_status(cfg, node, "watch", client, pipeline, None)
+    log.info("watching %d log, %d jsonl, %d tensorboard source(s)", len(cfg.log),
+             len(cfg.jsonl), len(cfg.tensorboard))
+    await stop.wait()
+    log.info("stopping: reading every file to its end, delivering for at most %.0f s",
+             cfg.drain_timeout)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the drain
+        loop.add_signal_handler(signum, _cancel_current_task, asyncio.current_task())
+    with contextlib.suppress(asyncio.CancelledError):
+        await pipeline.drain(time.monotonic() + cfg.drain_timeout)
+    await pipeline.close()
+    await client.close()
+    if status is not None:
+        await status.close()
+    return 0
+
+
+def _cancel_current_task(task: asyncio.Task[Any] | None) -> None:
+    log.warning("second signal during shutdown: stopping the drain now")
+    if task is not None:
+        task.cancel()
 
 
 def _marker_acceptor(lifecycle: Lifecycle, running_when: str) -> handoff.Acceptor:
@@ -171,22 +228,26 @@ async def _tick(streams: Sequence[_Stream]) -> None:
             stream.tick()
 
 
-async def _drain(cfg: Config, lifecycle: Lifecycle, shipper: LogShipper | None,
+async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                  streams: Sequence[_Stream], interrupted: asyncio.Event | None = None) -> None:
     """Deliver what is left within --drain-timeout: the output first, then the end event."""
     deadline = time.monotonic() + cfg.drain_timeout
     for stream in streams:
         stream.finish()
     stop = interrupted or asyncio.Event()
-    if shipper is not None:
-        logs_deadline = time.monotonic() + cfg.drain_timeout * LOGS_DRAIN_SHARE
-        await _until(shipper.flush(cfg.drain_timeout), logs_deadline, stop)
-        await shipper.stop()
+    if pipeline is not None:
+        output_deadline = time.monotonic() + cfg.drain_timeout * LOGS_DRAIN_SHARE
+        await _until(_drained(pipeline, output_deadline), output_deadline, stop)
     delivered = await _until(lifecycle.drain(cfg.drain_timeout), deadline, stop)
     if not delivered and lifecycle.pending:
         log.warning("drain deadline reached: %d lifecycle event(s) (%s) not yet delivered, "
                     "kept in %s; the next start or `sidecar replay` delivers them",
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
+
+
+async def _drained(pipeline: Pipeline, deadline: float) -> bool:
+    await pipeline.drain(deadline)
+    return True
 
 
 async def _until(work: Awaitable[bool], deadline: float, stop: asyncio.Event) -> bool:
@@ -206,10 +267,42 @@ async def _wait_all(events: Sequence[asyncio.Event], timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout_s)
 
 
-async def _close(client: IngestClient | None, lifecycle: Lifecycle,
-                 marker: asyncio.Server) -> None:
+async def _close(client: IngestClient | None, lifecycle: Lifecycle, pipeline: Pipeline | None,
+                 marker: asyncio.Server, status: StatusServer | None) -> None:
     marker.close()
+    if status is not None:
+        await status.close()
     await lifecycle.close()
+    if pipeline is not None:
+        await pipeline.close()
     if client is not None:
         await client.close()
     sys.stdout.flush()
+
+
+async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient | None,
+                        pipeline: Pipeline | None,
+                        lifecycle: Lifecycle | None) -> StatusServer | None:
+    """The local status endpoint (--status-addr), reading the live objects at request time."""
+    started_at = time.time()
+
+    def snapshot() -> StatusSnapshot:
+        queued = {b.route: b.queued for b in pipeline.batchers} if pipeline is not None else {}
+        if pipeline is not None:
+            queued["logs"] = pipeline.shipper.queued
+        sources = tuple(
+            SourceSnapshot(kind, kind, s.bytes_read, s.records, s.points, s.invalid, s.skipped)
+            for kind, s in (pipeline.follower.stats.items() if pipeline is not None else ()))
+        sampler = pipeline.sampler if pipeline is not None else None
+        return StatusSnapshot(
+            run_id=cfg.platform.run_id, node=node.name, mode=mode, offline=client is None,
+            started_at=started_at,
+            routes=tuple(RouteSnapshot.of(route, stats, queue_depth=queued.get(route, 0))
+                         for route, stats in (client.stats.items() if client else ())),
+            sources=sources,
+            sampler_duration_s=sampler.stats.last_sample_s if sampler is not None else None,
+            lifecycle_recorded=tuple(lifecycle.recorded) if lifecycle is not None else (),
+            lifecycle_pending=tuple(lifecycle.pending) if lifecycle is not None else ())
+
+    run_dir = cfg.run_dir if client is not None else None
+    return await start_status_server(cfg.status_addr, run_dir, snapshot)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sidecar.ingest import IngestClient, Verdict, iso_ts
 from sidecar.log import log
-from sidecar.spool import Journal
+from sidecar.spool import Journal, append_dead_letter
 
 EVENTS = ("starting", "running", "succeeded", "failed")
 TERMINAL = ("succeeded", "failed")
@@ -95,14 +95,9 @@ class Lifecycle:
             await self.release.wait()
             answer = await self.client.deliver("lifecycle", self._queue[0])
             if answer.verdict is Verdict.REJECTED:
-                self._dead_letter(self._queue[0], answer.status)
+                path = append_dead_letter(self.run_dir, "lifecycle", answer.status,
+                                          self._queue[0])
+                log.error("/lifecycle: HTTP %s: the ingest refused %s for good; kept in %s",
+                          answer.status, self._queue[0].decode(), path)
             await asyncio.to_thread(self._journal.ack)
             self._queue.pop(0)
-
-    def _dead_letter(self, body: bytes, status: int | None) -> None:
-        path = self.run_dir / "dead-letter.jsonl"
-        with open(path, "ab") as fh:
-            fh.write(json.dumps({"route": "lifecycle", "status": status,
-                                 "body": body.decode()}).encode() + b"\n")
-        log.error("/lifecycle: HTTP %s: the ingest refused %s for good; kept in %s",
-                  status, body.decode(), path)

@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime
 
 MASK = "***"
+MIN_SECRET_CHARS = 8  # a shorter "secret" would be masked inside ordinary words
 _secrets: set[str] = set()
 
 log = logging.getLogger("sidecar")
@@ -16,7 +17,7 @@ log = logging.getLogger("sidecar")
 
 def add_secret(secret: str) -> None:
     """Never print `secret`: every message, whatever its source, has it replaced by ***."""
-    if secret:
+    if len(secret) >= MIN_SECRET_CHARS:
         _secrets.add(secret)
 
 

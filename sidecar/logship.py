@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from sidecar.delivery import Ticket
 from sidecar.ingest import IngestClient
 from sidecar.log import log
 
@@ -32,7 +33,7 @@ class LogShipper:
     linger_s: float = LINGER_S
     dropped_chars: int = 0
     sent_chars: int = 0
-    _chunks: deque[str] = field(default_factory=deque)
+    _chunks: deque[tuple[str, Ticket | None]] = field(default_factory=deque)
     _buffered: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -44,6 +45,11 @@ class LogShipper:
         self._task = asyncio.create_task(self._run(), name="logs-shipper")
 
     @property
+    def queued(self) -> int:
+        """Chunks of text waiting to be sent."""
+        return len(self._chunks)
+
+    @property
     def has_room(self) -> bool:
         """Whether more text is welcome; when not, a source should drop before decoding."""
         return self._buffered < self.max_buffer_chars
@@ -52,17 +58,20 @@ class LogShipper:
         """Count output a source dropped on this batcher's behalf."""
         self._drop(size, why)
 
-    def put(self, text: str) -> None:
-        """Queue `text` for `/logs`; never blocks."""
+    def put(self, text: str, ticket: Ticket | None = None) -> None:
+        """Queue `text` for `/logs`; never blocks. `ticket` is released once it was sent or
+        given up on (best-effort: either way the source may move on)."""
         if not text:
             return
-        self._chunks.append(text)
+        self._chunks.append((text, ticket.hold() if ticket else None))
         self._buffered += len(text)
         self._idle.clear()
         while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
-            oldest = self._chunks.popleft()
+            oldest, done = self._chunks.popleft()
             self._buffered -= len(oldest)
             self._drop(len(oldest), "the log buffer is full while the ingest is slow")
+            if done is not None:
+                done.release()
         self._wake.set()
 
     async def flush(self, timeout_s: float) -> bool:
@@ -92,7 +101,7 @@ class LogShipper:
                 await self._wake.wait()
             if self._buffered < self.max_request_chars:
                 await asyncio.sleep(self.linger_s)
-            batch = self._take()
+            batch, tickets = self._take()
             body = json.dumps({"run_id": self.run_id, "chunks": batch, "eof": False},
                               separators=(",", ":")).encode()
             answer = await self.client.deliver("logs", body)
@@ -101,16 +110,22 @@ class LogShipper:
                 self.sent_chars += size
             else:
                 self._drop(size, f"the ingest did not take it ({answer.detail or answer.status})")
+            for ticket in tickets:
+                ticket.release()
 
-    def _take(self) -> list[str]:
+    def _take(self) -> tuple[list[str], list[Ticket]]:
         batch: list[str] = []
+        tickets: list[Ticket] = []
         size = 0
-        while self._chunks and (not batch or size + len(self._chunks[0]) <= self.max_request_chars):
-            chunk = self._chunks.popleft()
+        while self._chunks and (not batch or size + len(self._chunks[0][0])
+                                <= self.max_request_chars):
+            chunk, ticket = self._chunks.popleft()
             batch.append(chunk)
+            if ticket is not None:
+                tickets.append(ticket)
             size += len(chunk)
         self._buffered -= size
-        return batch
+        return batch, tickets
 
     def _drop(self, chars: int, why: str) -> None:
         self.dropped_chars += chars

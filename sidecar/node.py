@@ -1,4 +1,4 @@
-"""Which node this is and its rank in the run (CONTRACT 6)."""
+"""Which node this is, its rank in the run, and whether the run spans several nodes (CONTRACT 6)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 RANK_VARIABLES = ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID", "JOB_COMPLETION_INDEX")
+NODE_COUNT_VARIABLES = ("NNODES", "SLURM_NNODES")
 
 
 @dataclass(frozen=True)
@@ -15,19 +16,47 @@ class Node:
 
     name: str
     rank: int
+    nodes: int | None = None  # the run's node count, when something says it
 
     @property
     def reports_lifecycle(self) -> bool:
+        """Rank 0 alone posts lifecycle events."""
         return self.rank == 0
 
+    @property
+    def reports_environment(self) -> bool:
+        """Rank 0 alone posts /environment."""
+        return self.rank == 0
 
-def resolve_node(node_name: str | None, environ: Mapping[str, str]) -> Node:
-    """--node-name, else the downward API's NODE_NAME, else the hostname; the first rank set."""
+    @property
+    def multi_node(self) -> bool:
+        """More than one node, by count or because this node's rank is above 0."""
+        return (self.nodes or 1) > 1 or self.rank > 0
+
+
+def resolve_node(node_name: str | None, environ: Mapping[str, str],
+                 nodes: int | None = None) -> Node:
+    """--node-name, else the downward API's NODE_NAME, else the hostname; the first rank set;
+    --nodes, else the first node count the environment gives."""
     name = node_name or environ.get("NODE_NAME") or socket.gethostname()
-    rank = 0
-    for var in RANK_VARIABLES:
-        value = environ.get(var, "").strip()
-        if value.isdigit():
-            rank = int(value)
-            break
-    return Node(name=name, rank=rank)
+    rank = next((v for v in (_count(environ, var) for var in RANK_VARIABLES) if v is not None), 0)
+    return Node(name=name, rank=rank, nodes=nodes or node_count(environ))
+
+
+def node_count(environ: Mapping[str, str]) -> int | None:
+    """NNODES, SLURM_NNODES, else WORLD_SIZE / LOCAL_WORLD_SIZE (processes over processes per
+    node); None when none of them is set to a positive whole number."""
+    for var in NODE_COUNT_VARIABLES:
+        count = _count(environ, var)
+        if count:
+            return count
+    world = _count(environ, "WORLD_SIZE")
+    local = _count(environ, "LOCAL_WORLD_SIZE")
+    if world and local:
+        return max(1, -(-world // local))
+    return None
+
+
+def _count(environ: Mapping[str, str], var: str) -> int | None:
+    value = environ.get(var, "").strip()
+    return int(value) if value.isdigit() else None

@@ -8,6 +8,7 @@ atomically. Appends and acks are fsynced: a record handed to the journal survive
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zlib
@@ -48,7 +49,7 @@ class Journal:
         stored = self._read_acked()
         self._acked = min(stored, len(self._records))
         if stored != self._acked:  # a stale count would swallow the records appended next
-            _write_atomic(self._ack_path, str(self._acked).encode())
+            write_atomic(self._ack_path, str(self._acked).encode())
         return self._records[self._acked:]
 
     def append(self, payload: bytes) -> None:
@@ -65,7 +66,7 @@ class Journal:
         if count < 0:
             raise ValueError(f"cannot acknowledge {count} records")
         self._acked = min(self._acked + count, len(self._records))
-        _write_atomic(self._ack_path, str(self._acked).encode())
+        write_atomic(self._ack_path, str(self._acked).encode())
 
     @property
     def pending(self) -> int:
@@ -86,6 +87,15 @@ class Journal:
             return 0
 
 
+def append_dead_letter(run_dir: Path, route: str, status: int | None, body: bytes) -> Path:
+    """Keep a payload the ingest refused for good, one JSON line each, for a person to look at."""
+    path = run_dir / "dead-letter.jsonl"
+    record = {"route": route, "status": status, "body": body.decode("utf-8", "replace")}
+    with open(path, "ab") as fh:
+        fh.write(json.dumps(record).encode() + b"\n")
+    return path
+
+
 def _unframe(data: bytes) -> tuple[list[bytes], int]:
     """The complete, intact records at the start of `data` and how many bytes they span."""
     records: list[bytes] = []
@@ -103,7 +113,7 @@ def _unframe(data: bytes) -> tuple[list[bytes], int]:
     return records, pos
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that a crash leaves either the old or the new content."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:

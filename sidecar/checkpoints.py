@@ -1,0 +1,90 @@
+"""Per-file offsets in the state dir, advanced only after the ingest acknowledged (CONTRACT 4).
+
+One JSON document, `offsets.json`, replaced atomically. A file is known by device, inode and a
+fingerprint of its first bytes, so a new file on a reused inode starts from its beginning. A
+corrupt or unreadable document is reported once and set aside as `offsets.json.corrupt`: every
+file is then read from its start (the ingest may see repeats, nothing is lost), never a crash
+loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar.log import log
+from sidecar.spool import write_atomic
+
+SAVE_EVERY_S = 0.5  # how often acknowledged progress is written, at most
+
+
+@dataclass
+class Mark:
+    """Where reading one file may resume."""
+
+    path: str
+    dev: int
+    ino: int
+    fingerprint: str  # hex of the file's first bytes (up to FINGERPRINT_BYTES)
+    offset: int
+    state: dict[str, Any] = field(default_factory=dict)  # the parser's own (line numbers...)
+
+
+@dataclass
+class Checkpoints:
+    """The offsets document and a background saver."""
+
+    path: Path
+    marks: dict[str, Mark] = field(default_factory=dict)  # by "dev:ino"
+    _dirty: bool = False
+    _task: asyncio.Task[None] | None = None
+
+    def load(self) -> None:
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            self.marks = {key: Mark(**value) for key, value in raw["files"].items()}
+        except FileNotFoundError:
+            self.marks = {}
+        except (ValueError, TypeError, KeyError, OSError) as exc:
+            aside = self.path.with_name(self.path.name + ".corrupt")
+            self.path.replace(aside)
+            log.error("%s is unreadable (%s): moved to %s; every file is read from its start, "
+                      "so the ingest may see repeats", self.path, exc.__class__.__name__, aside)
+            self.marks = {}
+
+    def find(self, dev: int, ino: int) -> Mark | None:
+        return self.marks.get(f"{dev}:{ino}")
+
+    def set(self, mark: Mark) -> None:
+        self.marks[f"{mark.dev}:{mark.ino}"] = mark
+        self._dirty = True
+
+    def forget(self, dev: int, ino: int) -> None:
+        if self.marks.pop(f"{dev}:{ino}", None) is not None:
+            self._dirty = True
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._saver(), name="checkpoints")
+
+    async def stop(self) -> None:
+        """Stop the saver and write what is left."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.save()
+
+    async def save(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        doc = {"version": 1, "files": {k: vars(m) for k, m in self.marks.items()}}
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        await asyncio.to_thread(write_atomic, self.path, data)
+
+    async def _saver(self) -> None:
+        while True:
+            await asyncio.sleep(SAVE_EVERY_S)
+            await self.save()

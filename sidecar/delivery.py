@@ -1,0 +1,161 @@
+"""At-least-once delivery of item routes: batched, in order, retried until acknowledged.
+
+Items (metric points, hardware points, hparams pairs, node snapshots) are queued with a `Ticket`
+that travels back when the ingest acknowledged them: a file source commits its offset only
+then. A full queue makes `put` wait (a file is its own buffer, so its reader simply pauses);
+`offer` never waits and says whether the items were taken.
+
+Answers (CONTRACT 4): 413 splits the batch and retries the halves; a permanent 4xx bisects the
+batch so that one poison item goes to the dead-letter file and the good ones get through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar.ingest import IngestClient, Verdict
+from sidecar.log import log
+from sidecar.spool import append_dead_letter
+
+MAX_POINTS_PER_REQUEST = 2048  # CONTRACT 4, /metrics
+MAX_QUEUED_ITEMS = 100_000  # beyond it, put() waits and offer() refuses
+LINGER_S = 0.05  # a small batch waits this long for company
+
+
+class Ticket:
+    """Counts outstanding parts of one unit of work; calls `on_done` when the last is acked."""
+
+    def __init__(self, on_done: Callable[[], None] | None = None) -> None:
+        self._outstanding = 1  # the creator's own hold, released by seal()
+        self._on_done = on_done
+
+    def hold(self) -> Ticket:
+        self._outstanding += 1
+        return self
+
+    def release(self) -> None:
+        self._outstanding -= 1
+        if self._outstanding == 0 and self._on_done is not None:
+            self._on_done()
+
+    def seal(self) -> None:
+        """The creator handed out every part: done once those are acknowledged."""
+        self.release()
+
+
+@dataclass
+class _Item:
+    value: Any
+    ticket: Ticket | None
+
+
+@dataclass
+class Batcher:
+    """One route's at-least-once queue; `wrap` turns a list of items into the request body."""
+
+    client: IngestClient
+    route: str
+    wrap: Callable[[list[Any]], dict[str, Any]]
+    run_dir: Path
+    max_items: int = MAX_POINTS_PER_REQUEST
+    max_queued: int = MAX_QUEUED_ITEMS
+    linger_s: float = LINGER_S
+    delivered: int = 0
+    dead_lettered: int = 0
+    _queue: deque[_Item] = field(default_factory=deque)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _room: asyncio.Event = field(default_factory=asyncio.Event)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._room.set()
+        self._idle.set()
+        self._task = asyncio.create_task(self._run(), name=f"deliver-{self.route}")
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self._queue) < self.max_queued
+
+    def offer(self, items: Sequence[Any], ticket: Ticket | None = None) -> bool:
+        """Queue `items` unless the queue is full; never waits."""
+        if not self.has_room:
+            return False
+        self.push(items, ticket)
+        return True
+
+    async def put(self, items: Sequence[Any], ticket: Ticket | None = None) -> None:
+        """Queue `items`, waiting while the queue is full."""
+        while not self.has_room:
+            self._room.clear()
+            await self._room.wait()
+        self.push(items, ticket)
+
+    def push(self, items: Sequence[Any], ticket: Ticket | None = None) -> None:
+        """Queue `items` even past the cap (a caller that checked has_room before reading)."""
+        if not items:
+            return
+        for value in items:
+            self._queue.append(_Item(value, ticket.hold() if ticket else None))
+        self._idle.clear()
+        self._wake.set()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until everything queued was acknowledged (or dead-lettered)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+            if len(self._queue) < self.max_items:
+                await asyncio.sleep(self.linger_s)
+            batch = [self._queue[i] for i in range(min(self.max_items, len(self._queue)))]
+            await self._send(batch)
+            for _ in batch:
+                self._queue.popleft()
+            if self.has_room:
+                self._room.set()
+            for item in batch:
+                if item.ticket is not None:
+                    item.ticket.release()
+
+    async def _send(self, batch: list[_Item]) -> None:
+        """Deliver `batch` until acknowledged; split it on 413 and on a permanent refusal."""
+        body = json.dumps(self.wrap([item.value for item in batch]),
+                          separators=(",", ":")).encode()
+        answer = await self.client.deliver(self.route, body)
+        if answer.ok:
+            self.delivered += len(batch)
+            return
+        if answer.verdict in (Verdict.TOO_LARGE, Verdict.REJECTED) and len(batch) > 1:
+            half = len(batch) // 2
+            await self._send(batch[:half])
+            await self._send(batch[half:])
+            return
+        self.dead_lettered += len(batch)
+        path = append_dead_letter(self.run_dir, self.route, answer.status, body)
+        log.error("/%s: HTTP %s: the ingest refused this payload for good (%s); it is kept in "
+                  "%s and later payloads go on", self.route, answer.status,
+                  answer.detail or "no reason given", path)

@@ -1,0 +1,243 @@
+"""Sources -> batchers -> ingest for one run: what `run` and `watch` share.
+
+    --log files ------\\                       /--> LogShipper (best-effort) ----------> /logs
+    --jsonl files -----> Follower --> Pipeline ---> Batcher "metrics" (at-least-once) --> /metrics
+    --tensorboard dirs /   (offsets  <-- acks  \\--> Batcher "hparams" ------------------> /hparams
+    --hparams file ---------------------------------^
+    emit(route, payload) (sampler, environment) --> Batcher per route ---------> /hardware, ...
+
+A file's offset is committed (checkpoints.py) only when every payload made from the bytes before
+it was acknowledged; the acknowledgement travels back as a `Ticket`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar.checkpoints import Checkpoints
+from sidecar.config import Config
+from sidecar.delivery import Batcher, Ticket
+from sidecar.ingest import IngestClient, iso_ts
+from sidecar.log import log, mask
+from sidecar.logship import LogShipper
+from sidecar.node import Node
+from sidecar.sources.base import Parsed, Parser
+from sidecar.sources.environment import post_environment
+from sidecar.sources.follow import Follower, Sink, SourceSpec
+from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
+from sidecar.sources.hparams import load_hparams
+from sidecar.sources.jsonl import JsonlParser
+from sidecar.sources.logfile import LogFileParser
+
+MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
+DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
+MAX_QUEUED_DOCUMENTS = 10_000
+MAX_HPARAMS_PER_REQUEST = 1000
+DRAIN_READ_STEP_S = 0.05
+ENVIRONMENT_DRAIN_SHARE = 0.25  # of --drain-timeout a snapshot still being taken may have
+
+
+def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
+    """The files `cfg` asks to follow, each kind with its parser."""
+    prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
+    specs = []
+    if cfg.log:
+        specs.append(SourceSpec("log", cfg.log, lambda path, state: LogFileParser.resume(
+            state, log_format=cfg.log_format, mask=mask, prefix=prefix)))
+    if cfg.jsonl:
+        specs.append(SourceSpec("jsonl", cfg.jsonl,
+                                lambda path, state: JsonlParser.resume(state)))
+    for folder in cfg.tensorboard:
+        specs.append(SourceSpec("tensorboard", (f"{folder}/**/events.out.tfevents.*",),
+                                _tensorboard_parser(Path(folder))))
+    return specs
+
+
+def _tensorboard_parser(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
+    def make(path: Path, state: dict[str, Any]) -> Parser:
+        relative = path.parent.relative_to(folder)
+        prefix = "" if str(relative) == "." else f"{relative.as_posix()}/"
+        return _EventFile(prefix, state)
+
+    return make
+
+
+class _EventFile:
+    """The TensorBoard event-file decoder seen as a file parser: scalars become points."""
+
+    def __init__(self, key_prefix: str, state: dict[str, Any]) -> None:
+        from sidecar.sources.tensorboard import EventFileParser
+
+        self._decoder = EventFileParser(key_prefix, state)
+
+    def parse(self, data: bytes, now: float) -> Parsed:
+        decoded = self._decoder.parse(data)
+        points = [{"key": p.key, "step": p.step, "value": p.value, "ts": iso_ts(p.wall_time)}
+                  for p in decoded.points]
+        return Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
+                      records=len(points), skipped=decoded.corrupt_records,
+                      invalid=decoded.invalid_values)
+
+    def quiet(self, data: bytes, now: float) -> Parsed:
+        return Parsed(consumed=0)  # a record still being written is waited for
+
+    def state(self) -> dict[str, Any]:
+        return self._decoder.state()
+
+
+@dataclass
+class Pipeline(Sink):
+    """Everything that posts for one run, except the lifecycle."""
+
+    cfg: Config
+    client: IngestClient
+    node: Node
+    shipper: LogShipper = field(init=False)
+    metrics: Batcher = field(init=False)
+    hparams: Batcher = field(init=False)
+    documents: dict[str, Batcher] = field(init=False)
+    checkpoints: Checkpoints = field(init=False)
+    follower: Follower = field(init=False)
+    keys: set[str] = field(default_factory=set)
+    refused_keys: set[str] = field(default_factory=set)
+    invalid: dict[str, int] = field(default_factory=dict)
+    sampler: HardwareSampler | None = None
+    _follow_task: asyncio.Task[None] | None = None
+    _environment_task: asyncio.Task[None] | None = None
+    _sampler_task: asyncio.Task[None] | None = None
+
+    def __post_init__(self) -> None:
+        run_id, run_dir = self.cfg.platform.run_id, self.cfg.run_dir
+        self.shipper = LogShipper(self.client, run_id)
+        self.metrics = Batcher(self.client, "metrics", lambda points: {
+            "run_id": run_id, "points": points}, run_dir)
+        self.hparams = Batcher(self.client, "hparams", lambda pairs: {
+            "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
+        self.documents = {route: Batcher(self.client, route, lambda docs: docs[0], run_dir,
+                                         max_items=1, max_queued=MAX_QUEUED_DOCUMENTS)
+                          for route in DOCUMENT_ROUTES}
+        self.checkpoints = Checkpoints(run_dir / "offsets.json")
+        self.follower = Follower(source_specs(self.cfg, self.node), self, self.checkpoints,
+                                 mode=self.cfg.file_watch)
+
+    @property
+    def batchers(self) -> list[Batcher]:
+        return [self.metrics, self.hparams, *self.documents.values()]
+
+    def start(self) -> None:
+        """Start delivering, load the offsets, follow the files, send --hparams."""
+        self.shipper.start()
+        for batcher in self.batchers:
+            batcher.start()
+        self.checkpoints.load()
+        self.checkpoints.start()
+        if self.cfg.hparams is not None:
+            self.hparams.push(list(load_hparams(self.cfg.hparams).items()))
+        if self.follower.specs:
+            self._follow_task = asyncio.create_task(self.follower.run(), name="follow")
+
+    def start_telemetry(self, child_env: Mapping[str, str], environ: Mapping[str, str],
+                        command: Sequence[str], trainer_pid: Callable[[], int | None] | None,
+                        find_trainer_python: bool) -> None:
+        """The environment snapshot (once) and the /hardware sampler (CONTRACT 6)."""
+        cfg = self.cfg
+        self._environment_task = asyncio.create_task(post_environment(
+            emit=self.emit, run_id=cfg.platform.run_id, node=self.node, python=cfg.python,
+            child_env=child_env, environ=environ, command=command,
+            find_trainer_python=find_trainer_python), name="environment")
+        if cfg.hardware_interval > 0:
+            disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
+                          *(Path(p) for p in cfg.tensorboard)]
+            self.sampler = HardwareSampler(
+                run_id=cfg.platform.run_id, node=self.node.name, interval_s=cfg.hardware_interval,
+                emit=self.emit, gpu_filter=gpu_filter_from_env(child_env),
+                trainer_pid=trainer_pid, disk_paths=disk_paths)
+            self._sampler_task = asyncio.create_task(self.sampler.run(), name="hardware")
+
+    async def _stop_telemetry(self) -> None:
+        """Stop sampling; a snapshot still being taken gets a share of the drain time."""
+        if self._sampler_task is not None:
+            self._sampler_task.cancel()
+        if self._environment_task is not None:
+            await asyncio.wait({self._environment_task},
+                               timeout=self.cfg.drain_timeout * ENVIRONMENT_DRAIN_SHARE)
+            self._environment_task.cancel()
+        await asyncio.gather(*(t for t in (self._sampler_task, self._environment_task) if t),
+                             return_exceptions=True)
+        if self.sampler is not None:
+            self.sampler.close()
+
+    # -- Sink ---------------------------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        return self.shipper.has_room and self.metrics.has_room and self.hparams.has_room
+
+    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
+        if parsed.text:
+            self.shipper.put(parsed.text, ticket)
+        if parsed.points:
+            self.metrics.push(self._admit(parsed.points), ticket)
+        if parsed.hparams:
+            self.hparams.push(list(parsed.hparams.items()), ticket)
+        for key, count in parsed.invalid.items():
+            if key not in self.invalid:
+                log.warning("metric %r: a NaN or infinite value is never sent; such values are "
+                            "counted per key (said once per key)", key)
+            self.invalid[key] = self.invalid.get(key, 0) + count
+
+    def emit(self, route: str, payload: dict[str, Any]) -> None:
+        """Hand one payload to an at-least-once document route; never blocks."""
+        if not self.documents[route].offer([payload]):
+            log.error("/%s: %d payloads are waiting for the ingest; this one is refused",
+                      route, self.documents[route].queued)
+
+    def _admit(self, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Points whose key fits the run's key budget; a refused key gets one ERROR."""
+        fresh = {point["key"] for point in points} - self.keys
+        if len(self.keys) + len(fresh) <= MAX_METRIC_KEYS:
+            self.keys |= fresh
+            return points
+        return [p for p in points if p["key"] in self.keys or self._new_key(p["key"])]
+
+    def _new_key(self, key: str) -> bool:
+        if len(self.keys) < MAX_METRIC_KEYS:
+            self.keys.add(key)
+            return True
+        if key not in self.refused_keys:
+            self.refused_keys.add(key)
+            log.error("metric %r refused: the run already has %d distinct metric keys, the "
+                      "platform's limit; its points are not sent", key, MAX_METRIC_KEYS)
+        return False
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    async def drain(self, deadline: float) -> None:
+        """Read every file to its end and deliver what can be delivered by `deadline`."""
+        await self._stop_telemetry()
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            await asyncio.gather(self._follow_task, return_exceptions=True)
+            while time.monotonic() < deadline:
+                if await self.follower.drain():
+                    break
+                await asyncio.sleep(DRAIN_READ_STEP_S)
+        remaining = max(deadline - time.monotonic(), 0.0)
+        await asyncio.gather(self.shipper.flush(remaining),
+                             *(b.flush(remaining) for b in self.batchers))
+        await self.checkpoints.save()
+
+    async def close(self) -> None:
+        await self.shipper.stop()
+        await asyncio.gather(*(b.stop() for b in self.batchers))
+        await self.checkpoints.stop()
+        self.follower.close()
+        undelivered = sum(b.queued for b in self.batchers)
+        if undelivered:
+            log.warning("stopped with %d items undelivered (%s); their files are read again "
+                        "from the last acknowledged offset at the next start", undelivered,
+                        ", ".join(f"{b.route} {b.queued}" for b in self.batchers if b.queued))

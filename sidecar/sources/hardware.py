@@ -1,0 +1,627 @@
+"""The /hardware sampler: GPUs (nvml.py), the host through psutil, InfiniBand from sysfs.
+
+Every `interval_s`, on a fixed schedule that does not drift, one sample becomes one `/hardware`
+payload (CONTRACT 4) with this node's name. Keys are slash-separated with the unit last
+(CONTRACT 6): `gpu/0/power_watts`, `net/eth0/rx_bytes_per_second`,
+`ib/mlx5_0/1/tx_bytes_per_second`.
+
+Reads that can block run on worker threads with a timeout, one worker per GPU plus one for the
+host and one for disk usage: a GPU fallen off the bus, or a dead NFS mount under the state dir,
+holds up only its own worker. While a worker is still stuck its reads are skipped, and they
+resume once it answers. The event loop, and so log forwarding, never waits on a read.
+
+Counters become rates from consecutive readings (`Rates`): the first reading gives no rate, and
+a counter that went backwards (reset, wrap, a new process) gives none for that interval rather
+than a negative or a spike. A value that could not be read is left out, never sent as zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from sidecar.ingest import iso_ts
+from sidecar.log import log
+from sidecar.sources import nvml
+from sidecar.sources.nvml import GpuDevice, GpuFilter, Readings, XidWatcher, gpu_filter_from_env
+
+__all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "Rates",
+           "SamplerStats", "Worker", "gpu_filter_from_env", "off_loop"]
+
+T = TypeVar("T")
+Emit = Callable[[str, dict[str, Any]], None]
+
+NVML_TIMEOUT_S = 5.0  # how long one GPU's read may take before it counts as hung
+HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
+MAX_POINTS_PER_REQUEST = 2048  # as /metrics (CONTRACT 4): a big node's sample is split
+MIN_RATE_INTERVAL_S = 0.001  # two readings closer than this give no rate (noise, not data)
+IB_WORD_BYTES = 4  # port_xmit_data / port_rcv_data count 4-byte words (IB spec, PortCounters)
+SATURATED = (2**32 - 1, 2**64 - 1)  # IB counters stop at their maximum instead of wrapping
+
+
+# ---- threads ------------------------------------------------------------------------------
+
+
+class WorkerBusy(Exception):
+    """The worker is still running an earlier read that has not returned."""
+
+
+class Worker:
+    """A daemon thread running blocking reads one at a time.
+
+    Not a ThreadPoolExecutor: its threads are joined when the interpreter exits, so one NVML call
+    hung for good would keep the sidecar from ever exiting. A daemon thread is simply left behind.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = (
+            queue.SimpleQueue())
+        self._thread: threading.Thread | None = None
+        self._busy = False
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    async def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """fn() on the worker; TimeoutError after `timeout_s`, WorkerBusy while one is stuck."""
+        if self._busy:
+            raise WorkerBusy(self.name)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            self._thread.start()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._busy = True
+        self._jobs.put((fn, future))
+        return await asyncio.wait_for(future, timeout_s)
+
+    def stop(self) -> None:
+        """End the thread once its current job (if any) returns."""
+        if self._thread is not None:
+            self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # handed to the awaiting side, never lost here
+                result, error = None, exc
+            self._busy = False
+            with contextlib.suppress(RuntimeError):  # the loop closed while we were stuck
+                future.get_loop().call_soon_threadsafe(_resolve, future, result, error)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller timed out and went on
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def off_loop(fn: Callable[[], T], timeout_s: float, name: str) -> T:
+    """fn() on a one-off daemon thread, with a timeout (TimeoutError) that never blocks the loop."""
+    worker = Worker(name)
+    try:
+        return await worker.call(fn, timeout_s)
+    finally:
+        worker.stop()
+
+
+# ---- counters -----------------------------------------------------------------------------
+
+
+def counter_rate(previous: tuple[float, float], current: tuple[float, float]) -> float | None:
+    """Per-second rate between two (value, time) readings; None across a reset or wrap."""
+    delta = current[0] - previous[0]
+    elapsed = current[1] - previous[1]
+    if delta < 0 or elapsed < MIN_RATE_INTERVAL_S:
+        return None
+    return delta / elapsed
+
+
+class Rates:
+    """Per-second rates from consecutive readings of cumulative counters, by key."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float]] = {}
+
+    def rate(self, key: str, value: float, at_s: float) -> float | None:
+        """The rate since the key's previous reading; None for its first."""
+        previous = self._last.get(key)
+        self._last[key] = (value, at_s)
+        return None if previous is None else counter_rate(previous, (value, at_s))
+
+    def forget(self, key: str) -> None:
+        self._last.pop(key, None)
+
+
+# ---- the host -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """Cumulative CPU seconds: busy (everything but idle and iowait) and total."""
+
+    busy: float
+    total: float
+
+
+@dataclass(frozen=True)
+class ProcessReading:
+    """One process of the trainer's tree."""
+
+    pid: int
+    started_s: float  # wall-clock creation time: tells a new process from a reused pid
+    cpu_s: float
+    rss_bytes: int
+    threads: int
+    open_files: int | None
+
+
+class HostProbe:
+    """What the host collector reads, one psutil call a method; tests override it to inject."""
+
+    def cpu_times(self) -> tuple[CpuTimes, list[CpuTimes]]:
+        """The whole machine's and each core's."""
+        return _cpu_times(psutil.cpu_times()), [_cpu_times(c) for c in psutil.cpu_times(True)]
+
+    def load_average(self) -> tuple[float, float, float]:
+        return psutil.getloadavg()
+
+    def memory(self) -> tuple[int, int, int]:
+        """Total, used and available bytes."""
+        vm = psutil.virtual_memory()
+        return vm.total, vm.used, vm.available
+
+    def swap(self) -> tuple[int, int]:
+        """Total and used bytes."""
+        sw = psutil.swap_memory()
+        return sw.total, sw.used
+
+    def disk_io(self) -> tuple[int, int] | None:
+        """Bytes read and written by all disks since boot."""
+        io = psutil.disk_io_counters()
+        return None if io is None else (io.read_bytes, io.write_bytes)
+
+    def net_io(self) -> dict[str, tuple[int, int]]:
+        """Bytes received and sent per interface that is up and not loopback."""
+        stats = psutil.net_if_stats()
+        counters = psutil.net_io_counters(pernic=True)
+        return {name: (c.bytes_recv, c.bytes_sent) for name, c in counters.items()
+                if name in stats and stats[name].isup and not _loopback(name, stats[name])}
+
+    def disk_usage(self, path: str) -> tuple[int, int, int]:
+        """Total, used and available bytes of the file system holding `path`."""
+        usage = psutil.disk_usage(path)
+        return usage.total, usage.used, usage.free
+
+    def process_tree(self, pid: int) -> list[ProcessReading] | None:
+        """The process `pid` and its descendants; None once it has gone."""
+        try:
+            root = psutil.Process(pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return None
+        readings = []
+        for proc in processes:
+            with contextlib.suppress(psutil.Error), proc.oneshot():
+                cpu = proc.cpu_times()
+                readings.append(ProcessReading(
+                    pid=proc.pid, started_s=proc.create_time(), cpu_s=cpu.user + cpu.system,
+                    rss_bytes=proc.memory_info().rss, threads=proc.num_threads(),
+                    open_files=_num_fds(proc)))
+        return readings
+
+
+def _cpu_times(times: Any) -> CpuTimes:
+    total = sum(float(v) for v in times)
+    idle = float(times.idle) + float(getattr(times, "iowait", 0.0))
+    return CpuTimes(busy=total - idle, total=total)
+
+
+def _loopback(name: str, stats: Any) -> bool:
+    flags = getattr(stats, "flags", "")
+    return name == "lo" or "loopback" in flags.split(",")
+
+
+def _num_fds(proc: psutil.Process) -> int | None:
+    try:
+        return proc.num_fds()
+    except (psutil.Error, AttributeError):
+        return None
+
+
+class HostCollector:
+    """CPU, load, memory, swap, disk and network rates, and the trainer's process tree."""
+
+    def __init__(self, probe: HostProbe, trainer_pid: Callable[[], int | None] | None) -> None:
+        self.probe = probe
+        self.trainer_pid = trainer_pid
+        self._cpu: tuple[CpuTimes, list[CpuTimes]] | None = None
+        self._tree: dict[tuple[int, float], float] = {}  # (pid, started) -> cpu seconds
+        self._tree_at: tuple[float, float] | None = None  # (monotonic, wall) of that reading
+
+    def read(self, now_s: float, wall_s: float) -> tuple[Readings, frozenset[int] | None]:
+        """This moment's readings, and the trainer's pids (None when there is no trainer)."""
+        out = Readings()
+        self._read_cpu(out)
+        load = self.probe.load_average()
+        for window, value in zip(("1m", "5m", "15m"), load, strict=True):
+            out.gauges[f"cpu/load_average_{window}"] = value
+        total, used, available = self.probe.memory()
+        out.gauges.update({"memory/total_bytes": total, "memory/used_bytes": used,
+                           "memory/available_bytes": available})
+        swap_total, swap_used = self.probe.swap()
+        out.gauges.update({"swap/total_bytes": swap_total, "swap/used_bytes": swap_used})
+        disk = self.probe.disk_io()
+        if disk is not None:
+            out.counters["disk/read_bytes"] = (disk[0], now_s)
+            out.counters["disk/write_bytes"] = (disk[1], now_s)
+        for name, (rx, tx) in self.probe.net_io().items():
+            out.counters[f"net/{name}/rx_bytes"] = (rx, now_s)
+            out.counters[f"net/{name}/tx_bytes"] = (tx, now_s)
+        return out, self._read_trainer(out, now_s, wall_s)
+
+    def _read_cpu(self, out: Readings) -> None:
+        current = self.probe.cpu_times()
+        previous, self._cpu = self._cpu, current
+        if previous is None:
+            return
+        total = _busy_percent(previous[0], current[0])
+        if total is not None:
+            out.gauges["cpu/utilization_percent"] = total
+        if len(previous[1]) == len(current[1]):  # a core came or went: skip this interval
+            cores = [_busy_percent(p, c) for p, c in zip(previous[1], current[1], strict=True)]
+            known = [c for c in cores if c is not None]
+            if known:
+                out.gauges["cpu/busiest_core_utilization_percent"] = max(known)
+
+    def _read_trainer(self, out: Readings, now_s: float, wall_s: float) -> frozenset[int] | None:
+        pid = self.trainer_pid() if self.trainer_pid is not None else None
+        tree = self.probe.process_tree(pid) if pid is not None else None
+        if not tree:
+            self._tree, self._tree_at = {}, None
+            return None
+        out.gauges["trainer/processes_count"] = len(tree)
+        out.gauges["trainer/rss_bytes"] = sum(p.rss_bytes for p in tree)
+        out.gauges["trainer/threads_count"] = sum(p.threads for p in tree)
+        fds = [p.open_files for p in tree]
+        if all(n is not None for n in fds):
+            out.gauges["trainer/open_files_count"] = sum(n for n in fds if n is not None)
+        cpu = {(p.pid, p.started_s): p.cpu_s for p in tree}
+        previous, previous_at = self._tree, self._tree_at
+        self._tree, self._tree_at = cpu, (now_s, wall_s)
+        if previous_at is not None and now_s - previous_at[0] >= MIN_RATE_INTERVAL_S:
+            used = _tree_cpu_delta(previous, cpu, previous_at[1])
+            out.gauges["trainer/cpu_percent"] = 100.0 * used / (now_s - previous_at[0])
+        return frozenset(p.pid for p in tree)
+
+
+def _busy_percent(previous: CpuTimes, current: CpuTimes) -> float | None:
+    busy = current.busy - previous.busy
+    total = current.total - previous.total
+    if total <= 0 or busy < 0:
+        return None
+    return min(100.0, 100.0 * busy / total)
+
+
+def _tree_cpu_delta(previous: Mapping[tuple[int, float], float],
+                    current: Mapping[tuple[int, float], float], previous_wall_s: float) -> float:
+    """CPU seconds the tree used since the last reading, process by process.
+
+    A process seen both times counts its increase; one started since counts all of its time;
+    one that exited is not seen now and counts nothing, so the total never goes negative.
+    """
+    used = 0.0
+    for key, cpu_s in current.items():
+        if key in previous:
+            used += max(cpu_s - previous[key], 0.0)
+        elif key[1] >= previous_wall_s:
+            used += cpu_s
+    return used
+
+
+class DiskUsageCollector:
+    """Usage of the file systems holding the state dir and the declared folders."""
+
+    def __init__(self, probe: HostProbe, paths: Sequence[Path]) -> None:
+        self.probe = probe
+        self.paths = tuple(paths)
+
+    def read(self) -> Readings:
+        out = Readings()
+        for mount in sorted({_mount_point(p) for p in self.paths}):
+            try:
+                total, used, available = self.probe.disk_usage(mount)
+            except OSError as exc:
+                log.debug("disk usage of %s unavailable: %s", mount, exc)
+                continue
+            name = mount.strip("/").replace("/", "_") or "root"
+            out.gauges.update({f"fs/{name}/total_bytes": total, f"fs/{name}/used_bytes": used,
+                               f"fs/{name}/available_bytes": available})
+        return out
+
+
+def _mount_point(path: Path) -> str:
+    """The mount point of `path`, or of its nearest existing parent."""
+    current = os.path.abspath(path)
+    while not os.path.ismount(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return current
+
+
+# ---- InfiniBand and RoCE ------------------------------------------------------------------
+
+# counters/ files that are data or packet counters: (sysfs name, key, multiplier).
+IB_TRAFFIC = (
+    ("port_xmit_data", "tx_bytes", IB_WORD_BYTES),
+    ("port_rcv_data", "rx_bytes", IB_WORD_BYTES),
+    ("port_xmit_packets", "tx_packets", 1),
+    ("port_rcv_packets", "rx_packets", 1),
+)
+# Error counters posted as totals (`<name>_count`), from counters/ and RoCE's hw_counters/.
+IB_ERRORS = (
+    ("counters", "symbol_error"), ("counters", "link_error_recovery"),
+    ("counters", "link_downed"), ("counters", "port_rcv_errors"),
+    ("counters", "port_rcv_remote_physical_errors"), ("counters", "port_rcv_switch_relay_errors"),
+    ("counters", "port_xmit_discards"), ("counters", "port_xmit_constraint_errors"),
+    ("counters", "port_rcv_constraint_errors"), ("counters", "local_link_integrity_errors"),
+    ("counters", "excessive_buffer_overrun_errors"), ("counters", "VL15_dropped"),
+    ("hw_counters", "out_of_sequence"), ("hw_counters", "packet_seq_err"),
+    ("hw_counters", "local_ack_timeout_err"), ("hw_counters", "rnr_nak_retry_err"),
+)
+
+
+class InfinibandCollector:
+    """Per device and port traffic and error counters from <sysfs>/class/infiniband."""
+
+    def __init__(self, sysfs_root: Path) -> None:
+        self.root = sysfs_root / "class" / "infiniband"
+        self._saturated: set[str] = set()
+
+    def read(self, now_s: float) -> Readings:
+        out = Readings()
+        for port in sorted(self.root.glob("*/ports/*")):
+            prefix = f"ib/{port.parent.parent.name}/{port.name}"
+            for filename, key, scale in IB_TRAFFIC:
+                value = _read_int(port / "counters" / filename)
+                if value is None or self._saturated_now(f"{prefix}/{filename}", value):
+                    continue
+                out.counters[f"{prefix}/{key}"] = (value * scale, now_s)
+            for folder, filename in IB_ERRORS:
+                value = _read_int(port / folder / filename)
+                if value is not None:
+                    out.gauges[f"{prefix}/{filename.lower()}_count"] = value
+        return out
+
+    def _saturated_now(self, what: str, value: int) -> bool:
+        if value not in SATURATED:
+            return False
+        if what not in self._saturated:
+            self._saturated.add(what)
+            log.info("%s is stuck at its maximum (a 32-bit counter saturates): "
+                     "its rate is left out", what)
+        return True
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ---- the sampler --------------------------------------------------------------------------
+
+
+@dataclass
+class SamplerStats:
+    """What the status endpoint shows of the sampler."""
+
+    samples: int = 0
+    last_sample_s: float | None = None  # how long the last sample took
+    gpus: int = 0  # GPUs being sampled
+    gpu_status: str = "not started"  # how many GPUs, or why there is no GPU telemetry
+    skipped_reads: int = 0  # reads skipped because the worker's previous read still hangs
+    disabled: dict[str, dict[str, str]] = field(default_factory=dict)  # "gpu/0": {query: why}
+
+
+class HardwareSampler:
+    """Samples this node every `interval_s` and emits each sample to `/hardware`."""
+
+    def __init__(self, *, run_id: str, node: str, interval_s: float, emit: Emit,
+                 gpu_filter: GpuFilter | None,
+                 trainer_pid: Callable[[], int | None] | None,
+                 disk_paths: Sequence[Path], sysfs_root: Path = Path("/sys"),
+                 nvml_timeout_s: float = NVML_TIMEOUT_S,
+                 host_timeout_s: float = HOST_TIMEOUT_S, probe: HostProbe | None = None,
+                 gpus: bool = True) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s={interval_s}: the sampler needs a positive period")
+        self.run_id = run_id
+        self.node = node
+        self.interval_s = interval_s
+        self.emit = emit
+        self.gpu_filter = gpu_filter
+        self.nvml_timeout_s = nvml_timeout_s
+        self.host_timeout_s = host_timeout_s
+        self.use_gpus = gpus
+        probe = probe or HostProbe()
+        self._host = HostCollector(probe, trainer_pid)
+        self._disks = DiskUsageCollector(probe, disk_paths)
+        self._ib = InfinibandCollector(sysfs_root)
+        self._rates = Rates()
+        self._devices: list[GpuDevice] = []
+        self._workers: dict[str, Worker] = {}
+        self._stalled: set[str] = set()
+        self._xid: XidWatcher | None = None
+        self._stats = SamplerStats()
+        self._started = False
+
+    @property
+    def stats(self) -> SamplerStats:
+        self._stats.gpus = len(self._devices)
+        self._stats.disabled = {d.key: dict(d.disabled) for d in self._devices if d.disabled}
+        return self._stats
+
+    async def run(self) -> None:
+        """Sample on a fixed schedule until cancelled; a late sample skips the ticks it missed."""
+        loop = asyncio.get_running_loop()
+        try:
+            await self.start()
+            start = loop.time()
+            tick = 0
+            while True:
+                await self.sample_once()
+                tick = max(tick + 1, math.floor((loop.time() - start) / self.interval_s) + 1)
+                await asyncio.sleep(start + tick * self.interval_s - loop.time())
+        finally:
+            self.close()
+
+    async def start(self) -> None:
+        """Open the job's GPUs (once); without NVML, say why at INFO and sample the rest."""
+        if self._started:
+            return
+        self._started = True
+        if not self.use_gpus:
+            self._stats.gpu_status = "GPU sampling off"
+            return
+        try:
+            devices, count = await self._worker("nvml").call(
+                lambda: nvml.discover(self.gpu_filter), self.nvml_timeout_s)
+        except nvml.NvmlError as exc:
+            self._no_gpus(exc.reason())
+            return
+        except TimeoutError:
+            self._no_gpus(f"NVML did not answer within {self.nvml_timeout_s:g} s")
+            return
+        self._devices = devices
+        if not devices:
+            self._no_gpus("no NVIDIA GPU found" if count == 0 or self.gpu_filter is None else
+                          f"{self.gpu_filter.describe()} selects none of this node's "
+                          f"{count} GPUs")
+            return
+        self._stats.gpu_status = f"{len(devices)} of {count} GPUs"
+        log.info("sampling %d GPU(s): %s", len(devices),
+                 ", ".join(f"{d.index} {d.name}" for d in devices))
+        self._xid = XidWatcher(devices)
+        self._xid.start()
+
+    def _no_gpus(self, reason: str) -> None:
+        self._stats.gpu_status = reason
+        log.info("no GPU telemetry on this node: %s; CPU, memory, disk and network are sampled",
+                 reason)
+
+    def close(self) -> None:
+        """Stop the XID watcher and the workers; a worker stuck in a call is left behind."""
+        if self._xid is not None:
+            self._xid.stop()
+        for worker in self._workers.values():
+            worker.stop()
+
+    async def sample_once(self) -> None:
+        """Read everything once and emit the sample."""
+        await self.start()
+        began = time.perf_counter()
+        wall_s = time.time()
+        readings = Readings()
+        host = await self._read("host", self._read_host, self.host_timeout_s)
+        trainer_pids = None
+        if host is not None:
+            readings.merge(host[0])
+            trainer_pids = host[1]
+        results = await asyncio.gather(
+            self._read("disk-usage", self._disks.read, self.host_timeout_s, "disk usage"),
+            *(self._read_gpu(device, trainer_pids) for device in self._devices))
+        for result in results:
+            if result is not None:
+                readings.merge(result)
+        self._forget_lost()
+        self._emit(self._points(readings, wall_s))
+        self._stats.samples += 1
+        self._stats.last_sample_s = time.perf_counter() - began
+
+    def _read_host(self) -> tuple[Readings, frozenset[int] | None]:
+        now_s = time.monotonic()
+        out, pids = self._host.read(now_s, time.time())
+        out.merge(self._ib.read(now_s))
+        return out, pids
+
+    async def _read_gpu(self, device: GpuDevice,
+                        trainer_pids: frozenset[int] | None) -> Readings | None:
+        return await self._read(device.key, lambda: device.read(trainer_pids),
+                                self.nvml_timeout_s, device.describe())
+
+    async def _read(self, name: str, fn: Callable[[], T], timeout_s: float,
+                    what: str = "") -> T | None:
+        """fn() on the worker `name`; None when it hangs, is still hung, or fails."""
+        what = what or name
+        try:
+            result = await self._worker(name).call(fn, timeout_s)
+        except WorkerBusy:
+            self._stats.skipped_reads += 1
+            return None
+        except TimeoutError:
+            self._stalled.add(name)
+            log.warning("%s did not answer within %g s: left out of the samples until it does",
+                        what, timeout_s)
+            return None
+        except Exception as exc:  # one failing read never stops the sampler
+            log.warning("reading %s failed: %s", what, exc)
+            return None
+        if name in self._stalled:
+            self._stalled.discard(name)
+            log.info("%s answers again", what)
+        return result
+
+    def _worker(self, name: str) -> Worker:
+        if name not in self._workers:
+            self._workers[name] = Worker(f"sample-{name}")
+        return self._workers[name]
+
+    def _forget_lost(self) -> None:
+        for device in [d for d in self._devices if d.lost]:
+            log.warning("%s is lost (%s): no longer sampled", device.describe(), device.lost)
+            self._devices.remove(device)
+            worker = self._workers.pop(device.key, None)
+            if worker is not None:
+                worker.stop()
+
+    def _points(self, readings: Readings, wall_s: float) -> list[dict[str, Any]]:
+        ts = iso_ts(wall_s)
+        values: dict[str, float] = dict(readings.gauges)
+        for key in readings.restarted:
+            self._rates.forget(key)
+        for key, (value, at_s) in readings.counters.items():
+            rate = self._rates.rate(key, value, at_s)
+            if rate is not None:
+                values[f"{key}_per_second"] = rate
+        points = [{"key": k, "value": v, "ts": ts} for k, v in values.items()
+                  if math.isfinite(v)]
+        if self._xid is not None:
+            points += [{"key": f"gpu/{e.index}/xid_code", "value": e.xid, "ts": iso_ts(e.at_s)}
+                       for e in self._xid.drain()]
+        return points
+
+    def _emit(self, points: list[dict[str, Any]]) -> None:
+        for start in range(0, len(points), MAX_POINTS_PER_REQUEST):
+            self.emit("hardware", {"run_id": self.run_id, "node": self.node,
+                                   "points": points[start:start + MAX_POINTS_PER_REQUEST]})

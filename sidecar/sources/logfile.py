@@ -1,0 +1,81 @@
+"""`--log` files -> /logs text: plain text, or Kubernetes CRI container logs (CONTRACT 5).
+
+A CRI line is `<RFC3339Nano> <stdout|stderr> <P|F> <text>`: `P` pieces are joined up to the
+`F` that ends the line, and only the text is forwarded. `auto` decides on the first whole line.
+Either way the text then takes the same path as a wrapped command's output (LineAssembler).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.sources.base import Parsed
+from sidecar.sources.lines import MAX_LINE_CHARS, LineAssembler
+
+_CRI_LINE = re.compile(rb"^(\d{4}-\d\d-\d\dT\S+) (stdout|stderr) ([PF]) ?(.*)$")
+
+
+@dataclass
+class LogFileParser:
+    """Parses one log file; `log_format` is plain, cri or auto."""
+
+    log_format: str = "auto"
+    mask: Callable[[str], str] = field(default=lambda text: text)
+    prefix: str = ""
+    _assembler: LineAssembler = field(init=False)
+    _partial: dict[bytes, list[bytes]] = field(default_factory=dict)  # CRI P pieces by stream
+
+    def __post_init__(self) -> None:
+        self._assembler = LineAssembler(mask=self.mask, prefix=self.prefix)
+
+    @classmethod
+    def resume(cls, state: dict[str, Any], **kwargs: Any) -> LogFileParser:
+        parser = cls(**kwargs)
+        if state.get("format") in ("plain", "cri"):
+            parser.log_format = state["format"]
+        return parser
+
+    def state(self) -> dict[str, Any]:
+        return {"format": self.log_format}
+
+    def parse(self, data: bytes, now: float) -> Parsed:
+        end = data.rfind(b"\n") + 1
+        if self.log_format == "auto" and end:
+            first = data[: data.find(b"\n")]
+            self.log_format = "cri" if _CRI_LINE.match(first) else "plain"
+        if self.log_format == "cri":
+            return self._cri(data[:end], now)
+        if not end and len(data) > MAX_LINE_CHARS:  # a newline-less flood: pass it in pieces
+            end = len(data)
+        if not end:
+            return Parsed(consumed=0)
+        text = self._assembler.feed(data[:end], now)
+        return Parsed(consumed=end, text=text, records=data.count(b"\n", 0, end))
+
+    def quiet(self, data: bytes, now: float) -> Parsed:
+        if self.log_format == "cri" or not data:
+            return Parsed(consumed=0)
+        text = self._assembler.feed(data, now) + self._assembler.tick(float("inf"))
+        return Parsed(consumed=len(data), text=text)
+
+    def _cri(self, data: bytes, now: float) -> Parsed:
+        out = Parsed(consumed=len(data))
+        pieces: list[bytes] = []
+        for line in data.split(b"\n")[:-1]:
+            match = _CRI_LINE.match(line)
+            if match is None:
+                out.skipped += 1
+                continue
+            _, stream, tag, text = match.groups()
+            if tag == b"P":
+                self._partial.setdefault(stream, []).append(text)
+                continue
+            pieces.extend(self._partial.pop(stream, ()))
+            pieces.append(text + b"\n")
+            out.records += 1
+        if pieces:
+            out.text = self._assembler.feed(b"".join(pieces), now)
+        return out

@@ -1,0 +1,322 @@
+"""The local status endpoint: /healthz, /readyz, /metrics (Prometheus) and /status (JSON).
+
+It serves what a `snapshot()` callable returns at request time, so the daemon's live objects stay
+the only source of truth; nothing here counts anything itself. The endpoint listens on loopback by
+default (CONTRACT 2, --status-addr); a busy port falls back to an ephemeral loopback port with
+one WARNING, never failing the run, and the address actually bound is written to
+`<run_dir>/status-addr` for `sidecar status`. Nothing secret is in any answer: the snapshot has
+no token, and every answer is masked besides.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from sidecar import __version__
+from sidecar.config import parse_host_port
+from sidecar.ingest import RouteStats
+from sidecar.log import log, mask
+
+ADDR_FILE = "status-addr"  # in the run's state folder; `sidecar status` reads it first
+_FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
+
+
+@dataclass(frozen=True)
+class RouteSnapshot:
+    """One ingest route's counters at one moment."""
+
+    route: str
+    requests: int = 0
+    accepted: int = 0
+    failures: int = 0
+    retries: int = 0
+    dropped: int = 0  # payloads given up on (for /logs: characters of output)
+    queue_depth: int = 0  # payloads waiting in memory
+    spool_bytes: int = 0  # bytes waiting on disk
+    last_success: float | None = None  # epoch seconds of the last 2xx
+    last_failure: str = ""  # why the last failed attempt failed, no secret in it
+
+    @classmethod
+    def of(cls, route: str, stats: RouteStats, *, queue_depth: int = 0,
+           spool_bytes: int = 0) -> RouteSnapshot:
+        """The snapshot of `IngestClient.stats[route]` plus what the route's batcher holds."""
+        return cls(route, stats.requests, stats.accepted, stats.failures, stats.retries,
+                   stats.dropped, queue_depth, spool_bytes, stats.last_success,
+                   stats.last_failure)
+
+
+@dataclass(frozen=True)
+class SourceSnapshot:
+    """One source's counters at one moment (a child stream, a tailed file, a TensorBoard dir)."""
+
+    name: str
+    kind: str  # "child", "log", "jsonl", "tensorboard", ...
+    bytes_read: int = 0
+    lines_read: int = 0  # lines or records
+    points: int = 0  # metric points produced
+    invalid: int = 0  # NaN/infinite values not sent
+    skipped: int = 0  # unparseable lines or corrupt records
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Everything the status endpoint shows, taken from the daemon's live objects."""
+
+    run_id: str
+    node: str
+    mode: str  # "run" or "watch"
+    offline: bool  # ENABLED=0: nothing is posted
+    started_at: float  # epoch seconds
+    routes: tuple[RouteSnapshot, ...] = ()
+    sources: tuple[SourceSnapshot, ...] = ()
+    sampler_duration_s: float | None = None  # how long the last hardware sample took
+    lifecycle_recorded: tuple[str, ...] = ()  # events recorded, in order
+    lifecycle_pending: tuple[str, ...] = ()  # events not yet acknowledged
+    taken_at: float = field(default_factory=time.time)
+
+    @property
+    def ready(self) -> bool:
+        """Offline, or the ingest accepted at least one request (configuration is loaded, or
+        there would be no snapshot)."""
+        return self.offline or any(r.last_success is not None for r in self.routes)
+
+    def to_json(self) -> dict[str, Any]:
+        """The /status document."""
+        doc = asdict(self)
+        doc.update(ready=self.ready, version=__version__)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> StatusSnapshot:
+        """Read a /status document back; ValueError when it is not one."""
+        try:
+            return cls(
+                run_id=str(doc["run_id"]), node=str(doc["node"]), mode=str(doc["mode"]),
+                offline=bool(doc["offline"]), started_at=float(doc["started_at"]),
+                routes=tuple(RouteSnapshot(**r) for r in doc.get("routes", ())),
+                sources=tuple(SourceSnapshot(**s) for s in doc.get("sources", ())),
+                sampler_duration_s=doc.get("sampler_duration_s"),
+                lifecycle_recorded=tuple(doc.get("lifecycle_recorded", ())),
+                lifecycle_pending=tuple(doc.get("lifecycle_pending", ())),
+                taken_at=float(doc.get("taken_at", time.time())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a sidecar /status document ({exc!r})") from None
+
+
+# Each row: snapshot field, metric name (the _total suffix added for counters), help text.
+_ROUTE_COUNTERS = (
+    ("requests", "sidecar_route_requests", "POST attempts to the ingest"),
+    ("accepted", "sidecar_route_accepted", "requests the ingest acknowledged (2xx)"),
+    ("failures", "sidecar_route_failures", "attempts that failed (network, 3xx, 4xx, 5xx)"),
+    ("retries", "sidecar_route_retries", "attempts that were retries after a backoff"),
+    ("dropped", "sidecar_route_dropped", "payloads given up on (for logs: characters)"),
+)
+_ROUTE_GAUGES = (
+    ("queue_depth", "sidecar_route_queue_depth", "payloads waiting in memory"),
+    ("spool_bytes", "sidecar_route_spool_bytes", "bytes waiting in the on-disk spool"),
+)
+_SOURCE_COUNTERS = (
+    ("bytes_read", "sidecar_source_read_bytes", "bytes read from the source"),
+    ("lines_read", "sidecar_source_read_lines", "lines or records read from the source"),
+    ("points", "sidecar_source_points", "metric points produced"),
+    ("invalid", "sidecar_source_invalid", "NaN or infinite values, counted and not sent"),
+    ("skipped", "sidecar_source_skipped", "unparseable lines or corrupt records skipped"),
+)
+
+
+class _SnapshotCollector:
+    """A prometheus-client collector that reads one fresh snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield from _run_metrics(snap)
+        yield from _route_metrics(snap)
+        yield from _source_metrics(snap)
+
+
+def _run_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    info = GaugeMetricFamily("sidecar_info", "the running sidecar; always 1",
+                             labels=["run_id", "node", "mode", "version"])
+    info.add_metric([snap.run_id, snap.node, snap.mode, __version__], 1)
+    yield info
+    yield GaugeMetricFamily("sidecar_offline", "1 when reporting is off (ENABLED=0)",
+                            value=int(snap.offline))
+    yield GaugeMetricFamily("sidecar_ready", "1 once the ingest accepted a request, or offline",
+                            value=int(snap.ready))
+    yield GaugeMetricFamily("sidecar_start_time_seconds", "when the sidecar started, epoch s",
+                            value=snap.started_at)
+    if snap.sampler_duration_s is not None:
+        yield GaugeMetricFamily("sidecar_sampler_duration_seconds",
+                                "how long the last hardware sample took",
+                                value=snap.sampler_duration_s)
+    yield CounterMetricFamily("sidecar_lifecycle_events_recorded",
+                              "lifecycle events recorded", value=len(snap.lifecycle_recorded))
+    yield GaugeMetricFamily("sidecar_lifecycle_events_pending",
+                            "lifecycle events not yet acknowledged",
+                            value=len(snap.lifecycle_pending))
+
+
+def _route_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    for attr, name, doc in _ROUTE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["route"])
+        for route in snap.routes:
+            counter.add_metric([route.route], getattr(route, attr))
+        yield counter
+    for attr, name, doc in _ROUTE_GAUGES:
+        gauge = GaugeMetricFamily(name, doc, labels=["route"])
+        for route in snap.routes:
+            gauge.add_metric([route.route], getattr(route, attr))
+        yield gauge
+    when = GaugeMetricFamily("sidecar_route_last_success_timestamp_seconds",
+                             "when the ingest last acknowledged this route, epoch s",
+                             labels=["route"])
+    age = GaugeMetricFamily("sidecar_route_last_success_age_seconds",
+                            "seconds since the ingest last acknowledged this route",
+                            labels=["route"])
+    for route in snap.routes:
+        if route.last_success is not None:
+            when.add_metric([route.route], route.last_success)
+            age.add_metric([route.route], max(snap.taken_at - route.last_success, 0.0))
+    yield when
+    yield age
+
+
+def _source_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    for attr, name, doc in _SOURCE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["source", "kind"])
+        for source in snap.sources:
+            counter.add_metric([source.name, source.kind], getattr(source, attr))
+        yield counter
+
+
+def _make_app(snapshot: Callable[[], StatusSnapshot]) -> web.Application:
+    registry = CollectorRegistry()
+    registry.register(_SnapshotCollector(snapshot))
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(request: web.Request) -> web.Response:
+        if snapshot().ready:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready: the ingest has not accepted a request "
+                            "yet\n")
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = mask(generate_latest(registry).decode("utf-8"))
+        return web.Response(body=text.encode("utf-8"),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status(request: web.Request) -> web.Response:
+        text = mask(json.dumps(snapshot().to_json(), ensure_ascii=False))
+        return web.Response(text=text, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/status", status)
+    return app
+
+
+class StatusServer:
+    """The running status endpoint; `address` is HOST:PORT as actually bound."""
+
+    def __init__(self, runner: web.AppRunner, address: str, addr_file: Path | None) -> None:
+        self._runner = runner
+        self.address = address
+        self.addr_file = addr_file
+
+    async def close(self) -> None:
+        """Stop listening; forget the address file if it still names this server."""
+        await self._runner.cleanup()
+        if self.addr_file is not None:
+            try:
+                if self.addr_file.read_text(encoding="utf-8").strip() == self.address:
+                    self.addr_file.unlink()
+            except OSError:
+                pass
+
+
+async def start_status_server(addr: str, run_dir: Path | None,
+                              snapshot: Callable[[], StatusSnapshot]) -> StatusServer | None:
+    """Serve the status endpoint on `addr` (HOST:PORT, or "off" for none); never raises for a
+    port that cannot be had: it falls back to an ephemeral loopback port, or to nothing."""
+    if addr == "off":
+        return None
+    host, port = parse_host_port(addr, "--status-addr")
+    runner = web.AppRunner(_make_app(snapshot), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        fallback = _FALLBACK_HOSTS[6 if ":" in host else 4]
+        try:
+            await web.TCPSite(runner, fallback, 0).start()
+        except OSError as second:
+            log.warning("--status-addr %s: cannot listen there (%s) nor on an ephemeral "
+                        "loopback port (%s); the status endpoint is off for this run",
+                        addr, _reason(exc), _reason(second))
+            await runner.cleanup()
+            return None
+        log.warning("--status-addr %s: cannot listen there (%s); the status endpoint is on %s "
+                    "instead", addr, _reason(exc), _bound(runner))
+    address = _bound(runner)
+    addr_file = _write_addr_file(run_dir, address) if run_dir is not None else None
+    log.info("status endpoint on http://%s (/status, /metrics, /healthz, /readyz)", address)
+    return StatusServer(runner, address, addr_file)
+
+
+def format_addr(host: str, port: int) -> str:
+    """HOST:PORT, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bound(runner: web.AppRunner) -> str:
+    """The address a client on this node can connect to: a wildcard host becomes loopback."""
+    host, port = runner.addresses[0][:2]
+    ip = _ip(host)
+    if ip is not None and ip.is_unspecified:
+        host = _FALLBACK_HOSTS[ip.version]
+    return format_addr(str(host), int(port))
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _reason(exc: OSError) -> str:
+    return (exc.strerror or exc.__class__.__name__).lower()
+
+
+def _write_addr_file(run_dir: Path, address: str) -> Path | None:
+    """Write `address` to <run_dir>/status-addr atomically; a failure only costs a WARNING."""
+    path = run_dir / ADDR_FILE
+    partial = run_dir / f".{ADDR_FILE}.{os.getpid()}.tmp"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        partial.write_text(address + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as exc:
+        log.warning("cannot write %s (%s): `sidecar status` will need --status-addr %s",
+                    path, _reason(exc), address)
+        return None
+    return path

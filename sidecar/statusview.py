@@ -1,0 +1,301 @@
+"""`sidecar status`: the running daemon's counters as a table, redrawn in place like `top`.
+
+It reads the daemon's `/status` (sidecar/status.py). The address is `--status-addr`, else the one
+the daemon wrote to `<state-dir>/<run>/status-addr` (state dir and run resolved as `run` resolves
+them), else the newest such file in the state dir, else the configured `--status-addr`
+(default 127.0.0.1:9620). Rates come from the difference between successive snapshots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+from sidecar.config import (
+    DEFAULT_STATUS_ADDR,
+    FAMILIES,
+    OPTIONS,
+    ConfigError,
+    default_state_dir,
+    resolve,
+)
+from sidecar.status import ADDR_FILE, RouteSnapshot, SourceSnapshot, StatusSnapshot
+
+EXIT_OK = 0
+EXIT_NO_ANSWER = 1
+REFRESH_S = 1.0
+FETCH_TIMEOUT_S = 2.0
+
+# ANSI: the alternate screen (the shell's screen comes back on exit), cursor home, clear to the
+# end of the line and of the screen (drawing over the last frame does not flicker as a full clear
+# would), cursor hidden while drawing.
+ENTER_SCREEN = "\x1b[?1049h\x1b[?25l"
+LEAVE_SCREEN = "\x1b[?25h\x1b[?1049l"
+HOME = "\x1b[H"
+CLEAR_LINE = "\x1b[K"
+CLEAR_BELOW = "\x1b[J"
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+
+
+class NoAnswer(Exception):
+    """Nothing usable answered at the status address; the message says what happened."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare `sidecar status`'s options."""
+    parser.add_argument("--status-addr", default=None, metavar="ADDR",
+                        help="the daemon's status endpoint HOST:PORT (default: the address it "
+                        "wrote to the state dir, else 127.0.0.1:9620)")
+    parser.add_argument("--once", action="store_true",
+                        help="print the table once and exit (for scripts)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help=next(o.help for o in OPTIONS if o.name == "state-dir"))
+    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with options")
+
+
+def status_command(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """Show the daemon's status: once (`--once`, or stdout not a terminal) or live until
+    Ctrl-C; 1 when nothing answers."""
+    environ = os.environ if environ is None else environ
+    candidates = find_addresses(args, environ)
+    try:
+        address, snap = _first_answer(candidates)
+    except NoAnswer as exc:
+        print(f"sidecar status: {exc}", file=sys.stderr)
+        return EXIT_NO_ANSWER
+    if args.once or not sys.stdout.isatty():
+        print("\n".join(render(snap, None, address)))
+        return EXIT_OK
+    return _live(address, snap, sys.stdout)
+
+
+def find_addresses(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
+    """Where to look for the daemon, most specific first."""
+    if args.status_addr:
+        return [args.status_addr]
+    run_dir, state_dir, configured = _configured(args, environ)
+    files = [run_dir / ADDR_FILE] if run_dir is not None else []
+    files += sorted(state_dir.glob(f"*/{ADDR_FILE}"), key=_mtime, reverse=True)
+    found = [_read_addr(path) for path in files]
+    wanted = [*found, configured if configured != "off" else DEFAULT_STATUS_ADDR]
+    return list(dict.fromkeys(addr for addr in wanted if addr))
+
+
+def fetch(address: str) -> StatusSnapshot:
+    """GET http://ADDRESS/status; NoAnswer says why it failed."""
+    try:
+        with _DIRECT.open(f"http://{address}/status", timeout=FETCH_TIMEOUT_S) as response:
+            doc = json.loads(response.read())
+        return StatusSnapshot.from_json(doc)
+    except urllib.error.HTTPError as exc:
+        raise NoAnswer(f"{address} answered HTTP {exc.code}: not a sidecar status "
+                       "endpoint") from None
+    except urllib.error.URLError as exc:
+        raise NoAnswer(f"nothing answers at {address} ({_reason(exc.reason)})") from None
+    except (TimeoutError, OSError) as exc:
+        raise NoAnswer(f"nothing answers at {address} ({_reason(exc)})") from None
+    except ValueError as exc:
+        raise NoAnswer(f"{address} did not answer with a sidecar status ({exc})") from None
+
+
+def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str) -> list[str]:
+    """The table as lines of text, with rates when a previous snapshot is given."""
+    elapsed = snap.taken_at - previous.taken_at if previous is not None else 0.0
+    routes = {r.route: r for r in previous.routes} if previous is not None else {}
+    sources = {(s.name, s.kind): s for s in previous.sources} if previous is not None else {}
+    clock = datetime.fromtimestamp(snap.taken_at).strftime("%H:%M:%S")
+    state = "offline (ENABLED=0): nothing is posted" if snap.offline else (
+        "ready" if snap.ready else "not ready: the ingest has not accepted a request yet")
+    lines = [
+        f"sidecar {snap.mode}  run {snap.run_id or '-'}  node {snap.node}  up "
+        f"{_duration(snap.taken_at - snap.started_at)}  {state}  [{address} {clock}]",
+        f"lifecycle: {', '.join(snap.lifecycle_recorded) or '-'}   "
+        f"pending: {', '.join(snap.lifecycle_pending) or '-'}"
+        + (f"   hardware sample: {snap.sampler_duration_s:.2f} s"
+           if snap.sampler_duration_s is not None else ""),
+        "",
+    ]
+    lines += _table(
+        ("ROUTE", "REQUESTS", "REQ/S", "ACCEPTED", "FAILED", "RETRIES", "DROPPED", "QUEUE",
+         "SPOOL", "LAST OK", "LAST ERROR"),
+        [_route_row(route, routes.get(route.route), elapsed, snap.taken_at)
+         for route in snap.routes], "no route has been used yet", left=(0, 10))
+    lines.append("")
+    lines += _table(
+        ("SOURCE", "KIND", "READ", "READ/S", "LINES", "LINES/S", "POINTS", "POINTS/S",
+         "INVALID", "SKIPPED"),
+        [_source_row(source, sources.get((source.name, source.kind)), elapsed)
+         for source in snap.sources], "no source yet", left=(0, 1))
+    return lines
+
+
+def _route_row(route: RouteSnapshot, before: RouteSnapshot | None, elapsed: float,
+               now: float) -> list[str]:
+    last_ok = "-" if route.last_success is None else f"{_duration(now - route.last_success)} ago"
+    return [route.route, str(route.requests), _rate(route, before, "requests", elapsed),
+            str(route.accepted), str(route.failures), str(route.retries), str(route.dropped),
+            str(route.queue_depth), _bytes(route.spool_bytes), last_ok, route.last_failure or "-"]
+
+
+def _source_row(source: SourceSnapshot, before: SourceSnapshot | None,
+                elapsed: float) -> list[str]:
+    byte_rate = _rate(source, before, "bytes_read", elapsed, _bytes)
+    return [source.name, source.kind, _bytes(source.bytes_read),
+            byte_rate if byte_rate == "-" else byte_rate + "/s", str(source.lines_read),
+            _rate(source, before, "lines_read", elapsed), str(source.points),
+            _rate(source, before, "points", elapsed), str(source.invalid), str(source.skipped)]
+
+
+def _rate(now: object, before: object | None, attr: str, elapsed: float,
+          shown: Callable[[float], str] = lambda v: f"{v:.1f}") -> str:
+    if before is None or elapsed <= 0:
+        return "-"
+    return shown(max(getattr(now, attr) - getattr(before, attr), 0) / elapsed)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], empty: str,
+           left: Sequence[int]) -> list[str]:
+    """Columns padded to their widest cell: those in `left` left-aligned, the rest (numbers)
+    right-aligned."""
+    if not rows:
+        return [headers[0], f"  ({empty})"]
+    widths = [max(len(row[i]) for row in (headers, *rows)) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(width) if i in left else cell.rjust(width)
+                         for i, (cell, width) in enumerate(zip(cells, widths, strict=True)))
+
+    return [line(headers).rstrip(), *(line(row).rstrip() for row in rows)]
+
+
+def _live(address: str, first: StatusSnapshot, out: TextIO) -> int:
+    """Redraw every REFRESH_S until Ctrl-C (or SIGTERM/SIGHUP); keeps the last frame when the
+    daemon stops answering, saying since when."""
+    snap, previous, trouble = first, None, ""
+    deadline = time.monotonic()
+    with _screen(out):
+        try:
+            while True:
+                _draw(out, render(snap, previous, address), trouble)
+                deadline += REFRESH_S
+                time.sleep(max(deadline - time.monotonic(), 0.0))
+                try:
+                    snap, previous, trouble = fetch(address), snap, ""
+                except NoAnswer as exc:
+                    clock = datetime.now().strftime("%H:%M:%S")
+                    trouble = trouble or f"{exc} since {clock}; retrying (Ctrl-C to quit)"
+        except KeyboardInterrupt:
+            pass
+    return EXIT_OK
+
+
+def _draw(out: TextIO, lines: list[str], trouble: str) -> None:
+    width, height = shutil.get_terminal_size()
+    if trouble:
+        lines = [f"\x1b[7m{trouble[:width]}\x1b[0m", *lines]
+    if len(lines) > height - 1:
+        lines = [*lines[:height - 2], f"... {len(lines) - height + 2} more lines"]
+    out.write(HOME + "".join(line[:width] + CLEAR_LINE + "\n" for line in lines) + CLEAR_BELOW)
+    out.flush()
+
+
+@contextmanager
+def _screen(out: TextIO) -> Iterator[None]:
+    """The alternate screen while drawing; SIGTERM and SIGHUP end it as Ctrl-C does."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    saved = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    out.write(ENTER_SCREEN)
+    try:
+        yield
+    finally:
+        out.write(LEAVE_SCREEN)
+        out.flush()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _first_answer(candidates: Sequence[str]) -> tuple[str, StatusSnapshot]:
+    problems = []
+    for address in candidates:
+        try:
+            return address, fetch(address)
+        except NoAnswer as exc:
+            problems.append(str(exc))
+    raise NoAnswer("; ".join(problems) + ". Is `sidecar run` or `sidecar watch` running on this "
+                   f"node? It writes its address to <state-dir>/<run>/{ADDR_FILE}; else pass "
+                   "--status-addr HOST:PORT")
+
+
+def _configured(args: argparse.Namespace,
+                environ: Mapping[str, str]) -> tuple[Path | None, Path, str]:
+    """The run's folder (None when the platform variables are absent), the state dir and the
+    configured --status-addr, resolved as `run` resolves them."""
+    try:
+        cfg = resolve(args, "status", environ)
+        return cfg.run_dir, cfg.state_dir, cfg.status_addr
+    except ConfigError:
+        pass
+    # A shell without the platform's variables (a node's login shell): resolve the options only.
+    platform = {name for f in FAMILIES for name in (f.enabled, f.endpoint, f.run_id, f.token)}
+    offline = {k: v for k, v in environ.items() if k not in platform}
+    offline[FAMILIES[0].enabled] = "0"
+    try:
+        cfg = resolve(args, "status", offline)
+    except ConfigError:
+        return None, default_state_dir(environ), DEFAULT_STATUS_ADDR
+    return None, cfg.state_dir, cfg.status_addr
+
+
+def _read_addr(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _reason(reason: object) -> str:
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror.lower()
+    if isinstance(reason, TimeoutError):
+        return "timed out"
+    return str(reason)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _bytes(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KiB", "MiB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GiB"

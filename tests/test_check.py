@@ -1,0 +1,403 @@
+"""`sidecar check` against a real ingest over loopback, answering each failure in turn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from sidecar import check as check_module
+from sidecar.check import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, add_arguments, check
+from sidecar.receive import Fault
+from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ, platform_env
+from tests.ingest_server import RunningIngest
+
+# Until the CLI has `sidecar check`, the real process is started through this one-liner; the
+# tests marked `wired` below run the `sidecar check` command itself once cli.py has it.
+CHECK_MAIN = ("import argparse, os, sys; from sidecar.check import add_arguments, check; "
+              "p = argparse.ArgumentParser(); add_arguments(p); "
+              "sys.exit(check(p.parse_args(sys.argv[1:]), os.environ))")
+
+
+def cli_has(command: str) -> bool:
+    from sidecar.cli import COMMANDS
+
+    return command in COMMANDS
+
+
+wired = pytest.mark.skipif(not cli_has("check"), reason="cli.py does not have `check` yet")
+
+
+@dataclass
+class Checked:
+    code: int
+    out: str
+    steps: dict[str, str] = field(default_factory=dict)  # step name -> its whole line
+
+    def line(self, step: str) -> str:
+        return self.steps[step]
+
+
+@pytest.fixture(autouse=True)
+def no_container_markers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether this machine has /.dockerenv must not change the results; tests that want a
+    container say so."""
+    monkeypatch.setattr(check_module, "CONTAINER_MARKERS", ())
+
+
+def run_check(env: Mapping[str, str], capsys: pytest.CaptureFixture[str], *options: str
+              ) -> Checked:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    code = check(parser.parse_args(list(options)), env)
+    out = capsys.readouterr().out
+    assert TOKEN not in out
+    steps = {}
+    for line in out.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("ok", "warn", "FAIL", "skip"):
+            steps[rest.split()[0]] = line
+    return Checked(code, out, steps)
+
+
+def test_healthy_endpoint_exits_0(ingest: RunningIngest, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_check(platform_env(ingest, tmp_path), capsys)
+    assert result.code == EXIT_OK, result.out
+    assert list(result.steps) == ["configuration", "state", "dns", "address", "tcp", "tls",
+                                  "probe"]
+    assert "StarForge" in result.line("configuration")
+    assert "token from STARFORGE_TOKEN" in result.line("configuration")
+    assert result.line("probe").startswith("ok ")
+    assert "HTTP 200" in result.line("probe")
+    assert result.out.splitlines()[-1] == "sidecar check: ok"
+    assert ingest.records("logs") == [{"run_id": RUN_ID, "chunks": [], "eof": False}]
+
+
+def test_json_is_one_document(ingest: RunningIngest, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_check(platform_env(ingest, tmp_path), capsys, "--json")
+    doc = json.loads(result.out)
+    assert result.code == EXIT_OK
+    assert doc["ok"] is True and doc["exit_status"] == 0
+    assert doc["run_id"] == RUN_ID and doc["endpoint"] == ingest.base_url
+    assert [(s["name"], s["status"]) for s in doc["steps"]] == [
+        ("configuration", "ok"), ("state", "ok"), ("dns", "ok"), ("address", "ok"),
+        ("tcp", "ok"), ("tls", "skip"), ("probe", "ok")]
+    assert doc["steps"][-1]["details"] == {"http_status": 200, "verdict": "accepted"}
+
+
+def test_refused(ingest: RunningIngest, tmp_path: Path,
+                 capsys: pytest.CaptureFixture[str]) -> None:
+    env = platform_env(ingest, tmp_path)
+    ingest.stop_listening()
+    result = run_check(env, capsys)
+    assert result.code == EXIT_FAILED
+    assert result.line("tcp").startswith("FAIL")
+    assert "refused the connection" in result.line("tcp")
+    assert "probe" not in result.steps
+    assert result.out.splitlines()[-1] == "sidecar check: failed (first failed step: tcp)"
+
+
+def test_name_that_does_not_resolve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_check(platform_env("https://ingest.invalid/api/ingest", tmp_path), capsys)
+    assert result.code == EXIT_FAILED
+    assert result.line("dns").startswith("FAIL")
+    assert "ingest.invalid" in result.line("dns")
+    assert "STARFORGE_ENDPOINT" in result.line("dns") or "resolv.conf" in result.line("dns")
+    assert "tcp" not in result.steps
+
+
+@pytest.mark.parametrize(("fault", "expected"), [
+    (Fault(route="logs", status=401), ["HTTP 401", "rejected the token", "30 days",
+                                       f"STARFORGE_RUN_ID={RUN_ID}"]),
+    (Fault(route="logs", status=403), ["HTTP 403", "rejected the token"]),
+    (Fault(route="logs", redirect="https://login.example.com/sso?next=/api/ingest/logs"),
+     ["HTTP 307", "https://login.example.com", "not followed", "STARFORGE_ENDPOINT"]),
+    (Fault(route="logs", status=502), ["HTTP 502", "healthy backend"]),
+    (Fault(route="logs", status=503, retry_after="7"), ["HTTP 503", "Retry-After 7 s"]),
+])
+def test_each_answer_has_its_diagnosis(ingest: RunningIngest, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str], fault: Fault,
+                                       expected: list[str]) -> None:
+    ingest.add_fault(fault)
+    result = run_check(platform_env(ingest, tmp_path), capsys)
+    assert result.code == EXIT_FAILED
+    probe = result.line("probe")
+    assert probe.startswith("FAIL")
+    for text in expected:
+        assert text in probe
+    assert "sso?next" not in probe  # the redirect's path and query are not repeated
+    assert ingest.records("logs") == []
+
+
+def test_wrong_token_from_the_real_ingest(ingest: RunningIngest, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-from-an-older-run-0000\n")
+    result = run_check(platform_env(ingest, tmp_path), capsys, "--token-file", str(token_file))
+    assert result.code == EXIT_FAILED
+    assert "HTTP 401" in result.line("probe")
+    assert f"--token-file {token_file}" in result.line("probe")
+    assert "tok-from-an-older-run-0000" not in result.out
+
+
+def test_base_url_without_api_ingest_is_404(ingest: RunningIngest, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    base = ingest.base_url.removesuffix("/api/ingest")
+    result = run_check(platform_env(base, tmp_path), capsys)
+    assert result.code == EXIT_FAILED
+    assert "HTTP 404" in result.line("probe")
+    assert "ending in /api/ingest" in result.line("probe")
+
+
+def test_probe_that_hangs_times_out(ingest: RunningIngest, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    ingest.add_fault(Fault(route="logs", latency_s=60))
+    result = run_check(platform_env(ingest, tmp_path), capsys, "--timeout", "0.5")
+    assert result.code == EXIT_FAILED
+    assert "no answer within 0.5 s" in result.line("probe")
+
+
+def test_loopback_endpoint_inside_a_pod(ingest: RunningIngest, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    env = platform_env(ingest, tmp_path, KUBERNETES_SERVICE_HOST="10.96.0.1")
+    result = run_check(env, capsys)
+    assert result.code == EXIT_FAILED  # although something on loopback took the probe
+    address = result.line("address")
+    assert address.startswith("FAIL")
+    assert "the ingest URL must be reachable from the GPU node" in address
+    assert "127.0.0.1 inside a pod is the pod itself" in address
+    assert "KUBERNETES_SERVICE_HOST" in address
+    assert result.line("probe").startswith("ok")
+    assert result.out.splitlines()[-1] == "sidecar check: failed (first failed step: address)"
+
+
+def test_loopback_in_a_plain_container_is_settled_by_the_probe(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / ".dockerenv"
+    marker.touch()
+    monkeypatch.setattr(check_module, "CONTAINER_MARKERS", ((marker, "a marker exists"),))
+    env = platform_env(ingest, tmp_path)
+    accepted = run_check(env, capsys)
+    assert accepted.code == EXIT_OK
+    assert accepted.line("address").startswith("warn")
+    assert "inside a container is the container itself" in accepted.line("address")
+    ingest.stop_listening()
+    refused = run_check(env, capsys)
+    assert refused.code == EXIT_FAILED
+    assert refused.line("address").startswith("warn")
+    assert refused.line("tcp").startswith("FAIL")
+
+
+def test_proxy_is_mentioned_when_the_request_failed(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env = platform_env(ingest, tmp_path, HTTPS_PROXY="http://alice:s3cr@t@proxy.corp:3128")
+    healthy = run_check(env, capsys)
+    assert healthy.code == EXIT_OK
+    assert "proxy" not in healthy.steps
+    ingest.stop_listening()
+    failed = run_check(env, capsys)
+    assert failed.code == EXIT_FAILED
+    proxy = failed.line("proxy")
+    assert "HTTPS_PROXY=http://***@proxy.corp:3128" in proxy
+    assert "s3cr" not in failed.out and "alice" not in failed.out
+
+
+def test_configuration_error_is_a_failed_step(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    env = platform_env("http://127.0.0.1:9/api/ingest", tmp_path)
+    del env["STARFORGE_ENABLED"]
+    result = run_check(env, capsys)
+    assert result.code == EXIT_CONFIG
+    assert result.line("configuration").startswith("FAIL")
+    assert "STARFORGE_ENABLED" in result.line("configuration")
+    assert "Traceback" not in result.out
+    assert list(result.steps) == ["configuration"]
+
+
+def test_reporting_off_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env = clean_environ()
+    env.update(STARFORGE_ENABLED="0", SIDECAR_STATE_DIR=str(tmp_path))
+    result = run_check(env, capsys)
+    assert result.code == EXIT_OK
+    assert "reporting is off" in result.line("configuration")
+    assert list(result.steps) == ["configuration"]
+
+
+def test_state_dir_that_cannot_be_made(ingest: RunningIngest, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_check(platform_env(ingest, blocker / "state"), capsys)
+    assert result.code == EXIT_FAILED
+    assert result.line("state").startswith("FAIL")
+    assert "--state-dir" in result.line("state")
+    assert result.line("probe").startswith("ok")
+
+
+@pytest.mark.parametrize(("address", "kind"), [
+    ("127.0.0.1", "loopback"), ("127.8.9.10", "loopback"), ("::1", "loopback"),
+    ("169.254.169.254", "link-local"), ("fe80::1%eth0", "link-local"),
+    ("0.0.0.0", "unspecified"), ("10.0.0.5", ""), ("2001:db8::1", ""), ("192.0.2.7", "")])
+def test_addresses_that_never_leave_the_node(address: str, kind: str) -> None:
+    assert check_module._local_kind(address) == kind
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TlsIngest:
+    base_url: str
+    received: list[dict[str, Any]]
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (its own CA) and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sidecar test ingest")])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(hours=1)).not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(
+            digital_signature=True, key_cert_sign=True, crl_sign=False, content_commitment=False,
+            key_encipherment=False, data_encipherment=False, key_agreement=False,
+            encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()),
+                       critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "ingest.pem", directory / "ingest.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@contextmanager
+def tls_ingest(cert: Path, key: Path) -> Iterator[TlsIngest]:
+    """An aiohttp ingest over TLS on loopback taking /api/ingest/logs with the test's token."""
+    received: list[dict[str, Any]] = []
+
+    async def logs(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return web.json_response({"ok": False}, status=401)
+        received.append(await request.json())
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/api/ingest/logs", logs)
+    runner = web.AppRunner(app, access_log=None)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="tls-ingest", daemon=True)
+    thread.start()
+
+    async def start() -> int:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context).start()
+        return int(runner.addresses[0][1])
+
+    try:
+        port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+        yield TlsIngest(f"https://127.0.0.1:{port}/api/ingest", received)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_self_signed_endpoint_then_ca_file(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    cert, key = self_signed_certificate(tmp_path)
+    with tls_ingest(cert, key) as server:
+        env = platform_env(server.base_url, tmp_path)
+        untrusted = run_check(env, capsys)
+        assert untrusted.code == EXIT_FAILED
+        tls = untrusted.line("tls")
+        assert tls.startswith("FAIL")
+        assert "self-signed" in tls and "not trusted" in tls
+        assert "--ca-file" in tls
+        assert "probe" not in untrusted.steps
+
+        trusted = run_check(env, capsys, "--ca-file", str(cert))
+        assert trusted.code == EXIT_OK, trusted.out
+        assert trusted.line("tls").startswith("ok")
+        assert "sidecar test ingest" in trusted.line("tls")
+        assert trusted.line("probe").startswith("ok")
+        assert server.received == [{"run_id": RUN_ID, "chunks": [], "eof": False}]
+
+
+def test_https_to_a_plain_http_port(ingest: RunningIngest, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_check(platform_env(ingest.base_url.replace("http:", "https:"), tmp_path), capsys)
+    assert result.code == EXIT_FAILED
+    assert "plain HTTP" in result.line("tls")
+
+
+# -- the real process ----------------------------------------------------------------------------
+
+
+def check_process(args: list[str], env: Mapping[str, str], *, cli: bool = False
+                  ) -> subprocess.CompletedProcess[str]:
+    command = [*SIDECAR, "check"] if cli else [sys.executable, "-c", CHECK_MAIN]
+    return subprocess.run([*command, *args], env=dict(env), capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_process_healthy_and_rejected(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path)
+    healthy = check_process(["--json"], env)
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+    assert json.loads(healthy.stdout)["steps"][-1]["status"] == "ok"
+    rejected = check_process(["--json"], {**env, "STARFORGE_TOKEN": "tok-revoked-1234"})
+    assert rejected.returncode == 1
+    doc = json.loads(rejected.stdout)
+    assert doc["steps"][-1]["details"]["http_status"] == 401
+    for output in (healthy, rejected):
+        assert TOKEN not in output.stdout + output.stderr
+        assert "tok-revoked-1234" not in output.stdout + output.stderr
+
+
+@wired
+def test_cli_check(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path)
+    healthy = check_process([], env, cli=True)
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+    assert healthy.stdout.splitlines()[-1] == "sidecar check: ok"
+    ingest.add_fault(Fault(route="logs", status=401))
+    rejected = check_process(["--json"], env, cli=True)
+    assert rejected.returncode == 1
+    assert json.loads(rejected.stdout)["steps"][-1]["details"]["http_status"] == 401

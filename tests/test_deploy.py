@@ -1,0 +1,413 @@
+"""The deployment files say what a reviewer checks (issue 7).
+
+The Kubernetes tests render the kustomize overlays with `kubectl kustomize` (offline) and are
+skipped where kubectl is absent. Schema validation, hadolint and systemd-analyze run in
+deploy/validate.sh; the bundle is built and run by deploy/bundle/build.sh.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import functools
+import glob
+import importlib.util
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from sidecar.config import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+OVERLAYS = sorted(p.name for p in (DEPLOY / "kubernetes" / "overlays").iterdir() if p.is_dir())
+# Overlays where the sidecar is its own container (the wrapper runs it inside the trainer's).
+POD_SIDECAR_OVERLAYS = ["native-sidecar", "cri-logs", "multi-node"]
+KUBECTL = shutil.which("kubectl")
+DRAIN_TIMEOUT_S = next(float(o.default) for o in OPTIONS if o.name == "drain-timeout")
+# What SIGKILL-free shutdown needs beyond the drain itself: the process's own exit, the kubelet.
+SHUTDOWN_MARGIN_S = 5
+SOURCE_OPTIONS = ("--log", "--jsonl", "--tensorboard")
+
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
+
+Manifest = dict[str, Any]
+
+
+def render(overlay: str) -> list[Manifest]:
+    """The overlay's objects as `kubectl kustomize` renders them (a fresh copy each call)."""
+    return copy.deepcopy(_rendered(overlay))
+
+
+@functools.cache
+def _rendered(overlay: str) -> list[Manifest]:
+    assert KUBECTL is not None
+    out = subprocess.run([KUBECTL, "kustomize", str(DEPLOY / "kubernetes" / "overlays" / overlay)],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def the(objects: list[Manifest], kind: str) -> Manifest:
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(overlay: str) -> Manifest:
+    spec: Manifest = the(render(overlay), "Job")["spec"]["template"]["spec"]
+    return spec
+
+
+def container(spec: Manifest, name: str) -> Manifest:
+    every = spec.get("initContainers", []) + spec["containers"]
+    found: list[Manifest] = [c for c in every if c["name"] == name]
+    assert found, f"no container {name!r} in {[c['name'] for c in every]}"
+    return found[0]
+
+
+def env(c: Manifest) -> dict[str, Any]:
+    """Each variable's literal value, or its valueFrom."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def option_values(c: Manifest, option: str) -> list[str]:
+    """Every value of `--option` given as `--option=VALUE` in the container's command and args."""
+    argv = c.get("command", []) + c.get("args", [])
+    return [a.split("=", 1)[1] for a in argv if a.startswith(option + "=")]
+
+
+def drain_timeout_s(c: Manifest) -> float:
+    given = [*option_values(c, "--drain-timeout"), env(c).get("SIDECAR_DRAIN_TIMEOUT")]
+    return DRAIN_TIMEOUT_S if given[0] is None else float(given[0])
+
+
+def mount_for(c: Manifest, path: str) -> Manifest:
+    """The container's volume mount that holds `path` (the deepest one)."""
+    holding = [m for m in c.get("volumeMounts", [])
+               if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert holding, f"{c['name']}: nothing mounted at {path}"
+    deepest: Manifest = max(holding, key=lambda m: len(m["mountPath"]))
+    return deepest
+
+
+def volume(spec: Manifest, name: str) -> Manifest:
+    found: Manifest = next(v for v in spec["volumes"] if v["name"] == name)
+    return found
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_one_job(overlay: str) -> None:
+    objects = render(overlay)
+    assert the(objects, "Job")["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    assert all(o.get("apiVersion") and o["metadata"].get("name") for o in objects)
+
+
+@needs_kubectl
+def test_native_sidecar_is_an_init_container_that_restarts_always() -> None:
+    spec = pod_spec("native-sidecar")
+    sidecar = container(spec, "sidecar")
+    assert sidecar in spec["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["args"][0] == "watch"
+    assert [c["name"] for c in spec["containers"]] == ["trainer"]
+
+
+def in_trainer(spec: Manifest, path: str) -> str:
+    """`path` as the sidecar sees it, as the trainer sees it (through the same volume)."""
+    mount = mount_for(container(spec, "sidecar"), path)
+    shared = [m for m in container(spec, "trainer")["volumeMounts"] if m["name"] == mount["name"]]
+    assert shared, f"the trainer does not mount the volume holding {path}"
+    assert not shared[0].get("readOnly"), f"the trainer cannot write {path}"
+    return str(shared[0]["mountPath"]) + path[len(mount["mountPath"]):]
+
+
+@needs_kubectl
+def test_sidecar_follows_files_in_an_emptydir_the_trainer_writes() -> None:
+    spec = pod_spec("native-sidecar")
+    sidecar, trainer = container(spec, "sidecar"), container(spec, "trainer")
+    for option in SOURCE_OPTIONS:
+        [path] = option_values(sidecar, option)
+        mount = mount_for(sidecar, path)
+        assert mount.get("readOnly") is True, "the sidecar only reads the trainer's files"
+        assert "emptyDir" in volume(spec, mount["name"])
+        in_trainer(spec, path)
+    # The trainer is told to write its metrics and events where the sidecar looks.
+    written = [a.split("=", 1)[1] for a in trainer["args"] if "=" in a]
+    for option in ("--jsonl", "--tensorboard"):
+        [path] = option_values(sidecar, option)
+        assert [w for w in written if fnmatch.fnmatch(w, in_trainer(spec, path))], option
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", POD_SIDECAR_OVERLAYS)
+def test_sidecar_container_is_locked_down(overlay: str) -> None:
+    spec = pod_spec(overlay)
+    assert_locked_down(container(spec, "sidecar"))
+
+
+@needs_kubectl
+def test_bundle_copier_is_locked_down() -> None:
+    assert_locked_down(container(pod_spec("wrapper"), "sidecar-bundle"))
+
+
+def assert_locked_down(c: Manifest) -> None:
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc.get("runAsUser", 1) != 0
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert not sc.get("privileged", False)
+    assert {"requests", "limits"} <= set(c["resources"])
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", POD_SIDECAR_OVERLAYS)
+def test_state_dir_is_a_writable_volume(overlay: str) -> None:
+    spec = pod_spec(overlay)
+    sidecar = container(spec, "sidecar")
+    mount = mount_for(sidecar, env(sidecar)["SIDECAR_STATE_DIR"])
+    assert not mount.get("readOnly") and "emptyDir" in volume(spec, mount["name"])
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", POD_SIDECAR_OVERLAYS)
+def test_liveness_probe_reaches_the_status_server(overlay: str) -> None:
+    sidecar = container(pod_spec(overlay), "sidecar")
+    probe = sidecar["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/healthz"
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    port = ports.get(probe["port"], probe["port"])
+    host, _, bound = env(sidecar)["SIDECAR_STATUS_ADDR"].rpartition(":")
+    # The kubelet probes the pod's IP, so loopback (the default) would fail every probe.
+    assert host == "0.0.0.0"
+    assert int(bound) == port
+
+
+@needs_kubectl
+async def test_probe_path_is_served_by_the_status_server() -> None:
+    from sidecar.status import start_status_server
+
+    path = container(pod_spec("native-sidecar"), "sidecar")["livenessProbe"]["httpGet"]["path"]
+
+    def snapshot() -> Any:
+        raise AssertionError("a liveness probe must not need a status snapshot")
+
+    server = await start_status_server("127.0.0.1:0", None, snapshot)
+    assert server is not None
+    try:
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://{server.address}{path}") as response:
+            assert response.status == 200
+    finally:
+        await server.close()
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grace_period_exceeds_the_drain_timeout(overlay: str) -> None:
+    spec = pod_spec(overlay)
+    name = "trainer" if overlay == "wrapper" else "sidecar"
+    drain_s = drain_timeout_s(container(spec, name))
+    assert spec["terminationGracePeriodSeconds"] >= drain_s + SHUTDOWN_MARGIN_S
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_token_is_a_mounted_secret_file(overlay: str) -> None:
+    spec = pod_spec(overlay)
+    c = container(spec, "trainer" if overlay == "wrapper" else "sidecar")
+    mount = mount_for(c, env(c)["SIDECAR_TOKEN_FILE"])
+    assert mount["readOnly"] is True and "secret" in volume(spec, mount["name"])
+    every = spec.get("initContainers", []) + spec["containers"]
+    assert not [n for x in every for n, v in env(x).items() if "TOKEN" in n and isinstance(v, str)
+                and n != "SIDECAR_TOKEN_FILE"], "a token written into the manifest"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_node_and_pod_come_from_the_downward_api(overlay: str) -> None:
+    c = container(pod_spec(overlay), "trainer" if overlay == "wrapper" else "sidecar")
+    fields = {n: v["fieldRef"]["fieldPath"] for n, v in env(c).items()
+              if isinstance(v, dict) and "fieldRef" in v}
+    assert fields["NODE_NAME"] == "spec.nodeName"
+    assert fields["POD_NAME"] == "metadata.name"
+    assert fields["POD_NAMESPACE"] == "metadata.namespace"
+
+
+@needs_kubectl
+def test_sidecar_sees_gpus_without_requesting_any() -> None:
+    spec = pod_spec("native-sidecar")
+    assert env(container(spec, "sidecar"))["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "nvidia.com/gpu" in container(spec, "trainer")["resources"]["limits"]
+
+
+# A stand-in trainer: prints, exits with argv[1]; on SIGTERM prints again ("checkpointing") and
+# exits with argv[2].
+TRAINER = """
+import signal, sys, time
+def stop(*_):
+    print("checkpoint saved", flush=True)
+    sys.exit(int(sys.argv[2]))
+signal.signal(signal.SIGTERM, stop)
+print("step 1", flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(30)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def start_teeing_trainer(tmp_path: Path, *trainer_args: str) -> subprocess.Popen[str]:
+    """The native-sidecar overlay's trainer command, run here with the stand-in trainer."""
+    trainer = container(pod_spec("native-sidecar"), "trainer")
+    assert "$(" not in " ".join(trainer["command"]), "the kubelet would expand $(...)"
+    command = [a.replace("/run/sidecar", str(tmp_path)) for a in trainer["command"]]
+    return subprocess.Popen([*command, sys.executable, "-c", TRAINER, *trainer_args],
+                            stdout=subprocess.PIPE, text=True)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("status", [0, 3])
+def test_teeing_trainer_exits_with_its_own_status(tmp_path: Path, status: int) -> None:
+    shell = start_teeing_trainer(tmp_path, str(status), "0")
+    stdout, _ = shell.communicate(timeout=30)
+    assert shell.returncode == status
+    assert stdout == "step 1\n" == (tmp_path / "logs" / "train.log").read_text()
+    # ...in a file the sidecar follows.
+    spec = pod_spec("native-sidecar")
+    [log] = option_values(container(spec, "sidecar"), "--log")
+    followed = in_trainer(spec, log).replace("/run/sidecar", str(tmp_path))
+    assert glob.glob(followed) == [str(tmp_path / "logs" / "train.log")]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("status", [0, 143])
+def test_teeing_trainer_gets_sigterm_and_its_last_words_are_kept(tmp_path: Path,
+                                                                 status: int) -> None:
+    shell = start_teeing_trainer(tmp_path, "wait", str(status))
+    assert shell.stdout is not None and shell.stdout.readline() == "step 1\n"
+    shell.send_signal(signal.SIGTERM)
+    stdout, _ = shell.communicate(timeout=30)
+    assert shell.returncode == status
+    log = (tmp_path / "logs" / "train.log").read_text()
+    assert stdout == "checkpoint saved\n" and log == "step 1\ncheckpoint saved\n"
+
+
+@needs_kubectl
+def test_cri_logs_are_read_through_a_read_only_host_mount() -> None:
+    spec = pod_spec("cri-logs")
+    sidecar, trainer = container(spec, "sidecar"), container(spec, "trainer")
+    assert option_values(sidecar, "--log-format") == ["cri"]
+    [log] = option_values(sidecar, "--log")
+    assert log.startswith("/var/log/pods/$(POD_NAMESPACE)_$(POD_NAME)_$(POD_UID)/trainer/")
+    assert {"POD_NAMESPACE", "POD_NAME", "POD_UID"} <= set(env(sidecar))
+    mount = mount_for(sidecar, log)
+    assert mount["readOnly"] is True
+    assert volume(spec, mount["name"])["hostPath"]["path"] == "/var/log/pods"
+    assert "tee" not in trainer["command"] + trainer.get("args", [])
+
+
+@needs_kubectl
+def test_wrapper_runs_the_trainer_under_the_copied_bundle() -> None:
+    spec = pod_spec("wrapper")
+    trainer, copier = container(spec, "trainer"), container(spec, "sidecar-bundle")
+    assert [c["name"] for c in spec["initContainers"]] == ["sidecar-bundle"]
+    assert "restartPolicy" not in copier, "the copier must finish before the trainer starts"
+    assert trainer["command"][:2] == ["/sidecar/bin/sidecar", "run"]
+    assert trainer["command"][-1] == "--"
+    copied = mount_for(copier, "/sidecar")["name"]
+    assert mount_for(trainer, "/sidecar/bin/sidecar")["name"] == copied
+    assert "livenessProbe" not in trainer, "a sidecar hang must never restart the trainer"
+    assert "SIDECAR_STATUS_ADDR" not in env(trainer), "loopback: nothing to probe or scrape"
+    annotations = the(render("wrapper"), "Job")["spec"]["template"]["metadata"]
+    assert "prometheus.io/scrape" not in annotations.get("annotations", {})
+
+
+@needs_kubectl
+def test_multi_node_rank_is_the_completion_index() -> None:
+    objects = render("multi-node")
+    job, service = the(objects, "Job"), the(objects, "Service")
+    spec = job["spec"]["template"]["spec"]
+    sidecar, trainer = container(spec, "sidecar"), container(spec, "trainer")
+    assert job["spec"]["completionMode"] == "Indexed"
+    nodes = job["spec"]["completions"]
+    assert nodes > 1 and job["spec"]["parallelism"] == nodes
+    assert int(env(sidecar)["SIDECAR_NODES"]) == nodes == int(env(trainer)["NNODES"])
+    index = env(sidecar)["JOB_COMPLETION_INDEX"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert service["spec"]["clusterIP"] == "None" and spec["subdomain"] == service["metadata"][
+        "name"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_dockerfile_runs_sidecar_unprivileged_with_a_healthcheck() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    final = text.rsplit("\nFROM ", 1)[1]
+    assert re.search(r"^ARG PYTHON_IMAGE=python:\S+-slim", text, re.M)
+    assert re.search(r"^USER [1-9][0-9]*:[1-9][0-9]*$", final, re.M), "numeric, non-root"
+    assert 'ENTRYPOINT ["sidecar"]' in final
+    healthcheck = next(line for line in final.splitlines() if line.strip().startswith("CMD ["))
+    assert "urllib" in healthcheck and "/healthz" in healthcheck and "curl" not in healthcheck
+    assert "org.opencontainers.image.version" in final
+
+
+def unit_settings() -> dict[str, str]:
+    unit = (DEPLOY / "systemd" / "sidecar.service").read_text()
+    return dict(line.split("=", 1) for line in unit.splitlines()
+                if "=" in line and not line.startswith("#"))
+
+
+def test_systemd_unit_keeps_its_state_in_the_state_directory() -> None:
+    unit = unit_settings()
+    assert unit["ExecStart"].split()[1] == "watch"
+    assert f"--state-dir=/var/lib/{unit['StateDirectory']}" in unit["ExecStart"].split()
+    assert unit["EnvironmentFile"].startswith("/etc/sidecar/")
+    assert unit["Restart"] == "on-failure" and unit["RestartPreventExitStatus"] == "2"
+    assert float(unit["TimeoutStopSec"]) >= DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S
+    hardening = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes"}
+    assert hardening.items() <= unit.items()
+    assert "PrivateDevices" not in unit, "it would hide /dev/nvidia* from NVML"
+
+
+@pytest.fixture
+def entry() -> Iterator[ModuleType]:
+    """deploy/bundle/entry.py, the bundle's entry point, imported as a module."""
+    spec = importlib.util.spec_from_file_location("bundle_entry",
+                                                  DEPLOY / "bundle" / "entry.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ({"LD_LIBRARY_PATH": "/b/_internal", "_PYI_ARCHIVE_FILE": "/b/sidecar"}, {}),
+    ({"LD_LIBRARY_PATH": "/b/_internal:/opt/x", "LD_LIBRARY_PATH_ORIG": "/opt/x"},
+     {"LD_LIBRARY_PATH": "/opt/x"}),
+    ({"LD_LIBRARY_PATH": "/b/_internal:/usr/local/cuda/lib64", "PATH": "/usr/bin"},
+     {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PATH": "/usr/bin"}),
+])
+def test_bundle_gives_the_wrapped_command_the_environment_it_was_given(
+        entry: ModuleType, before: dict[str, str], after: dict[str, str]) -> None:
+    environ = dict(before)
+    entry.restore_loader_environment(environ, "/b/_internal")
+    assert environ == after
+
+
+def test_bundle_leaves_a_named_ca_file_alone(entry: ModuleType) -> None:
+    environ = {"SSL_CERT_FILE": "/etc/private-ca.pem"}
+    entry.name_system_ca_file(environ)
+    assert environ == {"SSL_CERT_FILE": "/etc/private-ca.pem"}

@@ -1,0 +1,508 @@
+"""The status endpoint over real HTTP, and `sidecar status` in a real pseudo-terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.ingest import IngestClient
+from sidecar.log import add_secret, log
+from sidecar.receive import Fault
+from sidecar.status import (
+    ADDR_FILE,
+    RouteSnapshot,
+    SourceSnapshot,
+    StatusServer,
+    StatusSnapshot,
+    start_status_server,
+)
+from sidecar.statusview import HOME, LEAVE_SCREEN
+from tests.conftest import RUN_ID, SIDECAR, TOKEN, Sidecar, platform_env, python_child
+from tests.ingest_server import RunningIngest, wait_until
+
+# Until the CLI has `sidecar status`, the real process is started through this one-liner; the
+# tests marked `wired` run `sidecar status` (and `sidecar run` serving it) once cli.py has it.
+STATUS_MAIN = ("import argparse, sys; from sidecar.statusview import add_arguments, "
+               "status_command; p = argparse.ArgumentParser(); add_arguments(p); "
+               "sys.exit(status_command(p.parse_args(sys.argv[1:])))")
+STATUS_COMMAND = [sys.executable, "-c", STATUS_MAIN]
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def cli_has(command: str) -> bool:
+    from sidecar.cli import COMMANDS
+
+    return command in COMMANDS
+
+
+wired = pytest.mark.skipif(not cli_has("status"), reason="cli.py does not have `status` yet")
+
+
+def sample(**changes: object) -> StatusSnapshot:
+    snap = StatusSnapshot(
+        run_id=RUN_ID, node="gpu-07", mode="run", offline=False, started_at=1_790_000_000.0,
+        routes=(
+            RouteSnapshot("lifecycle", requests=3, accepted=2, failures=1, retries=1,
+                          last_success=1_790_000_100.0, last_failure="HTTP 502"),
+            RouteSnapshot("logs", requests=40, accepted=37, failures=3, retries=2, dropped=512,
+                          queue_depth=4, spool_bytes=0, last_success=1_790_000_110.0),
+            RouteSnapshot("metrics", requests=9, accepted=9, queue_depth=1, spool_bytes=65536,
+                          last_success=1_790_000_111.0),
+        ),
+        sources=(
+            SourceSnapshot("stdout", "child", bytes_read=123_456, lines_read=789),
+            SourceSnapshot("/data/run/metrics.jsonl", "jsonl", bytes_read=2048, lines_read=20,
+                           points=60, invalid=2, skipped=1),
+        ),
+        sampler_duration_s=0.125,
+        lifecycle_recorded=("starting", "running"),
+        lifecycle_pending=("running",),
+        taken_at=1_790_000_120.0,
+    )
+    return replace(snap, **changes)  # type: ignore[arg-type]
+
+
+async def get(address: str, path: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(f"http://{address}{path}") as r:
+        return r.status, await r.text()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, parsed by prometheus_client's own parser."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return found
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@contextmanager
+def warnings_of_sidecar() -> Iterator[list[logging.LogRecord]]:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.WARNING)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+# -- the endpoint ------------------------------------------------------------------------------
+
+
+async def test_metrics_equal_the_snapshot(tmp_path: Path) -> None:
+    snap = sample()
+    server = await start_status_server("127.0.0.1:0", tmp_path, lambda: snap)
+    assert server is not None
+    try:
+        status, text = await get(server.address, "/metrics")
+    finally:
+        await server.close()
+    assert status == 200
+    found = samples(text)
+
+    def value(name: str, **labels: str) -> float:
+        return found[(name, tuple(sorted(labels.items())))]
+
+    assert value("sidecar_info", run_id=RUN_ID, node="gpu-07", mode="run",
+                 version="0.1.0") == 1
+    assert value("sidecar_offline") == 0
+    assert value("sidecar_ready") == 1
+    assert value("sidecar_start_time_seconds") == snap.started_at
+    assert value("sidecar_sampler_duration_seconds") == 0.125
+    assert value("sidecar_lifecycle_events_recorded_total") == 2
+    assert value("sidecar_lifecycle_events_pending") == 1
+    for route in snap.routes:
+        r = route.route
+        assert value("sidecar_route_requests_total", route=r) == route.requests
+        assert value("sidecar_route_accepted_total", route=r) == route.accepted
+        assert value("sidecar_route_failures_total", route=r) == route.failures
+        assert value("sidecar_route_retries_total", route=r) == route.retries
+        assert value("sidecar_route_dropped_total", route=r) == route.dropped
+        assert value("sidecar_route_queue_depth", route=r) == route.queue_depth
+        assert value("sidecar_route_spool_bytes", route=r) == route.spool_bytes
+        assert route.last_success is not None
+        assert value("sidecar_route_last_success_timestamp_seconds",
+                     route=r) == route.last_success
+        assert value("sidecar_route_last_success_age_seconds",
+                     route=r) == snap.taken_at - route.last_success
+    for source in snap.sources:
+        labels = {"source": source.name, "kind": source.kind}
+        assert value("sidecar_source_read_bytes_total", **labels) == source.bytes_read
+        assert value("sidecar_source_read_lines_total", **labels) == source.lines_read
+        assert value("sidecar_source_points_total", **labels) == source.points
+        assert value("sidecar_source_invalid_total", **labels) == source.invalid
+        assert value("sidecar_source_skipped_total", **labels) == source.skipped
+    assert all(name.startswith("sidecar_") for name, _ in found)
+
+
+async def test_metrics_count_what_the_ingest_received(ingest: RunningIngest,
+                                                      tmp_path: Path) -> None:
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    started = time.time()
+
+    def snapshot() -> StatusSnapshot:
+        routes = tuple(RouteSnapshot.of(name, stats) for name, stats in client.stats.items())
+        return StatusSnapshot(RUN_ID, "gpu-07", "watch", False, started, routes=routes)
+
+    server = await start_status_server("127.0.0.1:0", tmp_path, snapshot)
+    assert server is not None
+    try:
+        _, before = await get(server.address, "/readyz")
+        for n in range(3):
+            body = json.dumps({"run_id": RUN_ID, "chunks": [f"line {n}\n"], "eof": False})
+            assert (await client.post("logs", body.encode())).ok
+        ingest.add_fault(Fault(route="logs", status=500, times=2))
+        assert not (await client.post("logs", b"{}")).ok
+        assert not (await client.post("logs", b"{}")).ok
+        scraped, text = await get(server.address, "/metrics")
+        ready, _ = await get(server.address, "/readyz")
+    finally:
+        await server.close()
+        await client.close()
+    found = samples(text)
+    received = ingest.stats.routes["logs"]
+    assert found[("sidecar_route_accepted_total", (("route", "logs"),))] == received.accepted == 3
+    assert found[("sidecar_route_failures_total", (("route", "logs"),))] == sum(
+        received.rejected.values()) == 2
+    assert found[("sidecar_route_requests_total", (("route", "logs"),))] == 5
+    assert scraped == 200
+    assert before.startswith("not ready") and ready == 200
+
+
+async def test_healthz_and_readyz_transitions(tmp_path: Path) -> None:
+    current = [sample(routes=(RouteSnapshot("lifecycle", requests=4, failures=4),))]
+    server = await start_status_server("127.0.0.1:0", tmp_path, lambda: current[0])
+    assert server is not None
+    try:
+        assert await get(server.address, "/healthz") == (200, "ok\n")
+        not_ready = await get(server.address, "/readyz")
+        current[0] = sample()
+        ready = await get(server.address, "/readyz")
+        current[0] = sample(routes=(), offline=True)
+        offline = await get(server.address, "/readyz")
+    finally:
+        await server.close()
+    assert not_ready[0] == 503 and "not ready" in not_ready[1]
+    assert ready == (200, "ready\n")
+    assert offline == (200, "ready\n")
+
+
+async def test_status_json_round_trips(tmp_path: Path) -> None:
+    snap = sample()
+    server = await start_status_server("127.0.0.1:0", tmp_path, lambda: snap)
+    assert server is not None
+    try:
+        status, text = await get(server.address, "/status")
+    finally:
+        await server.close()
+    assert status == 200
+    doc = json.loads(text)
+    assert doc["ready"] is True and doc["version"] == "0.1.0"
+    assert doc["routes"][1]["route"] == "logs" and doc["routes"][1]["dropped"] == 512
+    assert StatusSnapshot.from_json(doc) == snap
+
+
+async def test_nothing_secret_in_any_answer(tmp_path: Path) -> None:
+    add_secret(TOKEN)
+    snap = sample(routes=(RouteSnapshot("logs", requests=1, failures=1,
+                                        last_failure=f"echoed {TOKEN}"),),
+                  sources=(SourceSnapshot(f"/tmp/{TOKEN}.log", "log"),))
+    server = await start_status_server("127.0.0.1:0", tmp_path, lambda: snap)
+    assert server is not None
+    try:
+        answers = [await get(server.address, path)
+                   for path in ("/status", "/metrics", "/healthz", "/readyz")]
+    finally:
+        await server.close()
+    for _, text in answers:
+        assert TOKEN not in text
+    assert "***" in answers[0][1] and "***" in answers[1][1]
+
+
+async def test_busy_port_falls_back_with_one_warning(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        with warnings_of_sidecar() as warnings:
+            server = await start_status_server(taken, tmp_path / "run", sample)
+        assert server is not None
+        try:
+            assert server.address != taken
+            assert server.address.startswith("127.0.0.1:")
+            assert (tmp_path / "run" / ADDR_FILE).read_text() == server.address + "\n"
+            assert await get(server.address, "/healthz") == (200, "ok\n")
+        finally:
+            await server.close()
+    assert [r.levelno for r in warnings] == [logging.WARNING]
+    message = warnings[0].getMessage()
+    assert taken in message and server.address in message and "in use" in message
+
+
+async def test_addr_file_names_a_connectable_address(tmp_path: Path) -> None:
+    server = await start_status_server("0.0.0.0:0", tmp_path, sample)
+    assert server is not None
+    try:
+        written = (tmp_path / ADDR_FILE).read_text().strip()
+        assert written == server.address and written.startswith("127.0.0.1:")
+        assert await get(written, "/healthz") == (200, "ok\n")
+        assert names(tmp_path) == [ADDR_FILE]  # no temporary file left
+    finally:
+        await server.close()
+    assert not (tmp_path / ADDR_FILE).exists()
+
+
+async def test_off_starts_nothing(tmp_path: Path) -> None:
+    called: list[int] = []
+
+    def snapshot() -> StatusSnapshot:
+        called.append(1)
+        return sample()
+
+    assert await start_status_server("off", tmp_path, snapshot) is None
+    assert names(tmp_path) == []
+    assert called == []
+
+
+# -- `sidecar status` ----------------------------------------------------------------------------
+
+
+@dataclass
+class Counters:
+    """What the test's snapshot serves; the test changes it while `sidecar status` watches."""
+
+    requests: int = 40
+    bytes_read: int = 1000
+
+    def snapshot(self) -> StatusSnapshot:
+        snap = sample(taken_at=time.time())
+        logs = replace(snap.routes[1], requests=self.requests)
+        stdout = replace(snap.sources[0], bytes_read=self.bytes_read)
+        return replace(snap, routes=(snap.routes[0], logs, snap.routes[2]),
+                       sources=(stdout, snap.sources[1]))
+
+
+@contextmanager
+def serving(snapshot: Callable[[], StatusSnapshot], run_dir: Path | None) -> Iterator[str]:
+    """A status server on its own loop in a thread, for tests that drive a process."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="status-server", daemon=True)
+    thread.start()
+    server: StatusServer | None = None
+    try:
+        server = asyncio.run_coroutine_threadsafe(
+            start_status_server("127.0.0.1:0", run_dir, snapshot), loop).result(10)
+        assert server is not None
+        yield server.address
+    finally:
+        if server is not None:
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def status_process(args: list[str], env: dict[str, str] | None = None, *, cli: bool = False
+                   ) -> subprocess.CompletedProcess[str]:
+    command = [*SIDECAR, "status"] if cli else STATUS_COMMAND
+    return subprocess.run([*command, *args], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_once_prints_the_table(tmp_path: Path) -> None:
+    with serving(Counters().snapshot, None) as address:
+        done = status_process(["--once", "--status-addr", address])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"sidecar run  run {RUN_ID}  node gpu-07  up ")
+    assert "ready" in lines[0] and address in lines[0]
+    assert lines[1].startswith("lifecycle: starting, running   pending: running")
+    assert "hardware sample: 0.12 s" in lines[1]
+    routes = next(i for i, line in enumerate(lines) if line.startswith("ROUTE"))
+    assert lines[routes].split() == ["ROUTE", "REQUESTS", "REQ/S", "ACCEPTED", "FAILED",
+                                     "RETRIES", "DROPPED", "QUEUE", "SPOOL", "LAST", "OK",
+                                     "LAST", "ERROR"]
+    assert lines[routes + 1].split()[:8] == ["lifecycle", "3", "-", "2", "1", "1", "0", "0"]
+    assert lines[routes + 1].endswith("HTTP 502")
+    assert lines[routes + 2].split()[:8] == ["logs", "40", "-", "37", "3", "2", "512", "4"]
+    assert "64.0 KiB" in lines[routes + 3]
+    sources = next(i for i, line in enumerate(lines) if line.startswith("SOURCE"))
+    assert lines[sources + 1].split()[:3] == ["stdout", "child", "1000"]
+    assert lines[sources + 2].split() == ["/data/run/metrics.jsonl", "jsonl", "2.0", "KiB", "-",
+                                          "20", "-", "60", "-", "2", "1"]
+    assert "\x1b" not in done.stdout
+
+
+def test_address_found_in_the_state_dir(ingest: RunningIngest, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = platform_env(ingest, state)
+    del env["SIDECAR_STATUS_ADDR"]
+    with serving(Counters().snapshot, state / RUN_ID):
+        from_run_dir = status_process(["--once"], env)
+        shell = {k: v for k, v in env.items() if not k.startswith("STARFORGE_")}
+        from_scan = status_process(["--once"], shell)  # a login shell without the variables
+    assert from_run_dir.returncode == 0, from_run_dir.stderr
+    assert from_scan.returncode == 0, from_scan.stderr
+    assert f"run {RUN_ID}" in from_run_dir.stdout and f"run {RUN_ID}" in from_scan.stdout
+
+
+def test_nothing_answers(tmp_path: Path) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    done = status_process(["--once", "--status-addr", address])
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert f"nothing answers at {address} (connection refused)" in done.stderr
+    assert "--status-addr" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+class Terminal:
+    """A process on the slave side of a pseudo-terminal; the test reads its screen output."""
+
+    def __init__(self, command: list[str], rows: int = 40, columns: int = 160) -> None:
+        master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+        self.proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave,
+                                     start_new_session=True)
+        os.close(slave)
+        self.master = master
+        self.output = b""
+
+    def read_until(self, condition: Callable[[str], bool], timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not condition(self.text):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"screen not as expected within {timeout} s:\n{self.text}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:  # EIO: the process closed the terminal
+                    chunk = b""
+                if not chunk:
+                    raise AssertionError(f"the process closed the terminal:\n{self.text}")
+                self.output += chunk
+        return self.text
+
+    @property
+    def text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+    def frames(self) -> list[str]:
+        """Each redraw's text, without escape sequences or carriage returns."""
+        parts = self.text.split(HOME)[1:]
+        return [ANSI.sub("", part).replace("\r", "") for part in parts]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        os.close(self.master)
+
+
+def logs_requests(frame: str) -> int | None:
+    row = next((line for line in frame.splitlines() if line.startswith("logs ")), None)
+    return int(row.split()[1]) if row else None
+
+
+def test_live_table_refreshes_in_place_until_ctrl_c(tmp_path: Path) -> None:
+    counters = Counters()
+    with serving(counters.snapshot, None) as address:
+        terminal = Terminal([*STATUS_COMMAND, "--status-addr", address])
+        try:
+            terminal.read_until(lambda _: any(logs_requests(f) == 40
+                                              for f in terminal.frames()))
+            counters.requests, counters.bytes_read = 46, 1000 + 4096
+            terminal.read_until(lambda _: any(logs_requests(f) == 46
+                                              for f in terminal.frames()))
+            terminal.proc.send_signal(signal.SIGINT)
+            assert terminal.proc.wait(10) == 0
+            terminal.read_until(lambda text: LEAVE_SCREEN in text)
+        finally:
+            terminal.close()
+    frames = terminal.frames()
+    first = next(f for f in frames if logs_requests(f) == 40)
+    changed = next(f for f in frames if logs_requests(f) == 46)
+    assert frames.index(first) < frames.index(changed)
+    assert f"run {RUN_ID}" in first and "ROUTE" in first and "SOURCE" in first
+    assert first.splitlines()[4].startswith("lifecycle ")
+    assert first.splitlines()[4].split()[2] == "-"  # no rate from a single snapshot
+    row = next(line for line in changed.splitlines() if line.startswith("logs "))
+    assert float(row.split()[2]) > 0  # REQ/S, from the two snapshots
+    stdout = next(line for line in changed.splitlines() if line.startswith("stdout "))
+    rate = re.search(r" (\d+\.\d|\d+) (B|KiB)/s ", stdout)
+    assert rate is not None and float(rate.group(1)) > 0, stdout
+    assert terminal.text.startswith("\x1b[?1049h")  # the alternate screen, left at the end
+    assert terminal.text.rstrip().endswith(LEAVE_SCREEN.rstrip())
+
+
+# -- with a real run (once the CLI and the daemon are wired) --------------------------------------
+
+
+@wired
+def test_run_serves_status_and_metrics(ingest: RunningIngest, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    child = python_child(
+        "import os, time\nprint('hello from the trainer', flush=True)\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n")
+    state = tmp_path / "state"
+    env = platform_env(ingest, state, SIDECAR_STATUS_ADDR="127.0.0.1:0")
+    run = Sidecar(["run", "--", *child], env, tmp_path / "run")
+    try:
+        addr_file = state / RUN_ID / ADDR_FILE
+        wait_until(addr_file.exists, 20, "the run wrote its status address")
+        address = addr_file.read_text().strip()
+        ingest.wait_for(lambda: ingest.stats.routes["logs"].accepted >= 1
+                        and ingest.stats.routes["lifecycle"].accepted == 2, 20)
+
+        def scraped_equal_received() -> bool:
+            found = samples(asyncio.run(get(address, "/metrics"))[1])
+            return all(found.get(("sidecar_route_accepted_total", (("route", r),)))
+                       == ingest.stats.routes[r].accepted for r in ("logs", "lifecycle"))
+
+        wait_until(scraped_equal_received, 10, "/metrics equals what the ingest received")
+        shown = status_process(["--once"], env, cli=True)
+        assert shown.returncode == 0, shown.stderr
+        assert f"run {RUN_ID}" in shown.stdout and "logs" in shown.stdout
+    finally:
+        go.touch()
+    assert run.wait(30).status == 0
+
