@@ -18,7 +18,6 @@ from typing import Any
 from sidecar.log import log
 from sidecar.spool import write_atomic
 
-SAVE_EVERY_S = 0.5  # how often acknowledged progress is written, at most
 
 
 @dataclass
@@ -40,6 +39,7 @@ class Checkpoints:
     path: Path
     marks: dict[str, Mark] = field(default_factory=dict)  # by "dev:ino"
     _dirty: bool = False
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
 
     def load(self) -> None:
@@ -61,10 +61,12 @@ class Checkpoints:
     def set(self, mark: Mark) -> None:
         self.marks[f"{mark.dev}:{mark.ino}"] = mark
         self._dirty = True
+        self._changed.set()
 
     def forget(self, dev: int, ino: int) -> None:
         if self.marks.pop(f"{dev}:{ino}", None) is not None:
             self._dirty = True
+            self._changed.set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._saver(), name="checkpoints")
@@ -85,6 +87,9 @@ class Checkpoints:
         await asyncio.to_thread(write_atomic, self.path, data)
 
     async def _saver(self) -> None:
+        # Written as soon as progress is acknowledged (changes that arrive during a write are
+        # coalesced into the next one): a crash repeats only what was in flight.
         while True:
-            await asyncio.sleep(SAVE_EVERY_S)
+            await self._changed.wait()
+            self._changed.clear()
             await self.save()

@@ -39,6 +39,8 @@ DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
 MAX_QUEUED_DOCUMENTS = 10_000
 MAX_HPARAMS_PER_REQUEST = 1000
 DRAIN_READ_STEP_S = 0.05
+JSONL_PARSE_BYTES = 64 << 10  # about one /metrics request of points: what a crash may repeat
+TENSORBOARD_PARSE_BYTES = 256 << 10
 ENVIRONMENT_DRAIN_SHARE = 0.25  # of --drain-timeout a snapshot still being taken may have
 
 
@@ -51,10 +53,12 @@ def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
             state, log_format=cfg.log_format, mask=mask, prefix=prefix)))
     if cfg.jsonl:
         specs.append(SourceSpec("jsonl", cfg.jsonl,
-                                lambda path, state: JsonlParser.resume(state)))
+                                lambda path, state: JsonlParser.resume(state),
+                                parse_bytes=JSONL_PARSE_BYTES))
     for folder in cfg.tensorboard:
         specs.append(SourceSpec("tensorboard", (f"{folder}/**/events.out.tfevents.*",),
-                                _tensorboard_parser(Path(folder))))
+                                _tensorboard_parser(Path(folder)),
+                                parse_bytes=TENSORBOARD_PARSE_BYTES))
     return specs
 
 

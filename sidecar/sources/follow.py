@@ -44,6 +44,8 @@ class SourceSpec:
     kind: str  # "log", "jsonl", "tensorboard"
     patterns: tuple[str, ...]
     make_parser: Callable[[Path, dict[str, Any]], Parser]  # (path, saved state) -> parser
+    parse_bytes: int = READ_BYTES  # bytes handed to the parser at once: the granularity of
+    #                                acknowledgement, so of what a crash can repeat
 
 
 @dataclass
@@ -272,10 +274,21 @@ class Follower:
             tail.last_data = time.monotonic()
             self.stats[tail.spec.kind].bytes_read += len(data)
             tail.buffer += data
-            self._parse(tail, tail.parser.parse(tail.buffer, time.time()))
+            self._parse_buffer(tail)
         quiet = final or tail.retired or time.monotonic() - tail.last_data >= QUIET_S
         if tail.buffer and quiet and self.sink.has_room():
             self._parse(tail, tail.parser.quiet(tail.buffer, time.time()))
+
+    def _parse_buffer(self, tail: _Tail) -> None:
+        """Parse the buffer a slice at a time (a slice too short for one record: all of it)."""
+        while tail.buffer:
+            now = time.time()
+            parsed = tail.parser.parse(tail.buffer[:tail.spec.parse_bytes], now)
+            if not parsed.consumed and len(tail.buffer) > tail.spec.parse_bytes:
+                parsed = tail.parser.parse(tail.buffer, now)
+            if not parsed.consumed:
+                return
+            self._parse(tail, parsed)
 
     def _parse(self, tail: _Tail, parsed: Parsed) -> None:
         if parsed.consumed == 0 and not parsed.skipped:
