@@ -19,7 +19,6 @@ from sidecar.log import log
 from sidecar.spool import write_atomic
 
 
-
 @dataclass
 class Mark:
     """Where reading one file may resume."""

@@ -155,7 +155,7 @@ def rotate_by_hand(kind: str, log: Path, fh: IO[str], writer: Writer, ingest: Ru
         ingest.wait_for(lambda: len(log_lines(ingest)) >= seen, 10, "read before deletion")
         fh.close()
         log.unlink()
-        return open(log, "a")  # noqa: SIM115
+        return open(log, "a")
     raise AssertionError(kind)
 
 
