@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     lifecycle.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                            help="give up (exit 1, event kept for replay) after this long")
 
+    replay = commands.add_parser("replay", help="deliver what an earlier run left spooled")
+    replay.add_argument("--state-dir", default=None, help="the state dir the run used")
+    replay.add_argument("--token-file", default=None, help="read the token from this file")
+    replay.add_argument("--config", default=None, metavar="FILE", help="TOML options file")
+    replay.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="give up (exit 1, data kept) after this long")
+
     receive = commands.add_parser("receive", help="a local ingest server that checks the "
                                   "contract and stores what it accepts")
     receive.add_argument("--host", default="127.0.0.1")
@@ -141,7 +148,7 @@ async def _post_lifecycle(cfg: object, event: str, timeout_s: float) -> int:
         await lifecycle.open()
         await lifecycle.record(event, time.time())
         if await lifecycle.drain(timeout_s):
-            return 0
+            return 1 if lifecycle.rejected else 0
         log.error("lifecycle %s: not acknowledged within %.0f s (%s); kept in %s for the next "
                   "start or `sidecar replay`", event, timeout_s,
                   client.route_stats("lifecycle").last_failure, cfg.run_dir)
@@ -149,6 +156,15 @@ async def _post_lifecycle(cfg: object, event: str, timeout_s: float) -> int:
     finally:
         await lifecycle.close()
         await client.close()
+
+
+def _replay(args: argparse.Namespace) -> int:
+    cfg = resolve(args, "replay", os.environ)
+    setup(cfg.log_level, cfg.message_format)
+    add_secret(cfg.token)
+    from sidecar.replay import replay
+
+    return asyncio.run(replay(cfg, args.timeout))
 
 
 def _receive(args: argparse.Namespace) -> int:
@@ -167,4 +183,4 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": _run, "watch": _watch, "check": _check, "status": _status,
-            "lifecycle": _lifecycle, "receive": _receive, "demo": _demo}
+            "lifecycle": _lifecycle, "replay": _replay, "receive": _receive, "demo": _demo}

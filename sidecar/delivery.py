@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.diskqueue import DiskQueue, SpoolFull
 from sidecar.ingest import IngestClient, Verdict
-from sidecar.log import log
+from sidecar.log import Throttle, log
 from sidecar.spool import append_dead_letter
 
 MAX_POINTS_PER_REQUEST = 2048  # CONTRACT 4, /metrics
-MAX_QUEUED_ITEMS = 100_000  # beyond it, put() waits and offer() refuses
+MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8 requests)
 LINGER_S = 0.05  # a small batch waits this long for company
 
 
@@ -66,8 +67,11 @@ class Batcher:
     max_items: int = MAX_POINTS_PER_REQUEST
     max_queued: int = MAX_QUEUED_ITEMS
     linger_s: float = LINGER_S
+    spill: DiskQueue | None = None  # overflow on disk, for routes whose source cannot wait
     delivered: int = 0
     dead_lettered: int = 0
+    refused: int = 0
+    _throttle: Throttle = field(default_factory=Throttle)
     _queue: deque[_Item] = field(default_factory=deque)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _room: asyncio.Event = field(default_factory=asyncio.Event)
@@ -81,17 +85,36 @@ class Batcher:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Items waiting, in memory and on disk."""
+        return len(self._queue) + (self.spill.records if self.spill is not None else 0)
 
     @property
     def has_room(self) -> bool:
         return len(self._queue) < self.max_queued
 
     def offer(self, items: Sequence[Any], ticket: Ticket | None = None) -> bool:
-        """Queue `items` unless the queue is full; never waits."""
+        """Queue `items` without waiting: in memory, else on disk behind what is there, else
+        refuse them (False, with an ERROR at most once a minute). A ticket does not travel to
+        disk: only routes without file offsets (documents) spill."""
+        if self.spill is not None and (self.spill.records or not self.has_room):
+            return self._to_disk(items)
         if not self.has_room:
             return False
         self.push(items, ticket)
+        return True
+
+    def _to_disk(self, items: Sequence[Any]) -> bool:
+        assert self.spill is not None
+        try:
+            self.spill.append([json.dumps(item).encode() for item in items])
+        except SpoolFull as exc:
+            self.refused += len(items)
+            if self._throttle.admit("full") is not None:
+                log.error("/%s: %s; refusing new payloads (%d refused so far) until the ingest "
+                          "takes what is waiting", self.route, exc, self.refused)
+            return False
+        self._idle.clear()
+        self._wake.set()
         return True
 
     async def put(self, items: Sequence[Any], ticket: Ticket | None = None) -> None:
@@ -110,6 +133,21 @@ class Batcher:
         self._idle.clear()
         self._wake.set()
 
+    async def persist(self) -> int:
+        """Move what waits in memory to the disk spool (shutdown); returns how many moved.
+        They land behind what is already on disk: the routes that spill (hardware and
+        environment snapshots) carry their own times, so their order does not matter."""
+        if self.spill is None or not self._queue:
+            return 0
+        payloads = [json.dumps(item.value).encode() for item in self._queue]
+        try:
+            await asyncio.to_thread(self.spill.append, payloads)
+        except SpoolFull as exc:
+            log.error("/%s: %s; %d payloads are lost", self.route, exc, len(payloads))
+            return 0
+        self._queue.clear()
+        return len(payloads)
+
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was acknowledged (or dead-lettered)."""
         try:
@@ -125,10 +163,14 @@ class Batcher:
 
     async def _run(self) -> None:
         while True:
+            if not self._queue and self.spill is not None and self.spill.records:
+                await self._send_spilled()
+                continue
             if not self._queue:
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
+                continue
             if len(self._queue) < self.max_items:
                 await asyncio.sleep(self.linger_s)
             batch = [self._queue[i] for i in range(min(self.max_items, len(self._queue)))]
@@ -140,6 +182,12 @@ class Batcher:
             for item in batch:
                 if item.ticket is not None:
                     item.ticket.release()
+
+    async def _send_spilled(self) -> None:
+        assert self.spill is not None
+        payloads = await asyncio.to_thread(self.spill.peek, self.max_items)
+        await self._send([_Item(json.loads(payload), None) for payload in payloads])
+        await asyncio.to_thread(self.spill.ack, len(payloads))
 
     async def _send(self, batch: list[_Item]) -> None:
         """Deliver `batch` until acknowledged; split it on 413 and on a permanent refusal."""
@@ -155,7 +203,11 @@ class Batcher:
             await self._send(batch[half:])
             return
         self.dead_lettered += len(batch)
-        path = append_dead_letter(self.run_dir, self.route, answer.status, body)
-        log.error("/%s: HTTP %s: the ingest refused this payload for good (%s); it is kept in "
-                  "%s and later payloads go on", self.route, answer.status,
-                  answer.detail or "no reason given", path)
+        try:
+            path = append_dead_letter(self.run_dir, self.route, answer.status, body)
+            kept = f"it is kept in {path}"
+        except OSError as exc:
+            kept = f"it could not be kept ({exc.strerror}) and is lost"
+        log.error("/%s: HTTP %s: the ingest refused this payload for good (%s); %s; later "
+                  "payloads go on", self.route, answer.status, answer.detail or "no reason given",
+                  kept)

@@ -29,6 +29,7 @@ class Lifecycle:
     run_id: str
     client: IngestClient | None  # None: offline, events are recorded in memory only
     recorded: list[str] = field(default_factory=list)
+    rejected: int = 0  # events the ingest refused for good (dead-lettered)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     _journal: Journal | None = None
     _queue: list[bytes] = field(default_factory=list)
@@ -95,6 +96,7 @@ class Lifecycle:
             await self.release.wait()
             answer = await self.client.deliver("lifecycle", self._queue[0])
             if answer.verdict is Verdict.REJECTED:
+                self.rejected += 1
                 path = append_dead_letter(self.run_dir, "lifecycle", answer.status,
                                           self._queue[0])
                 log.error("/lifecycle: HTTP %s: the ingest refused %s for good; kept in %s",

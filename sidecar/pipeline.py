@@ -22,6 +22,7 @@ from typing import Any
 from sidecar.checkpoints import Checkpoints
 from sidecar.config import Config
 from sidecar.delivery import Batcher, Ticket
+from sidecar.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.ingest import IngestClient, iso_ts
 from sidecar.log import log, mask
 from sidecar.logship import LogShipper
@@ -36,12 +37,21 @@ from sidecar.sources.logfile import LogFileParser
 
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
-MAX_QUEUED_DOCUMENTS = 10_000
+MAX_QUEUED_DOCUMENTS = 64  # in memory; more waits in the disk spool
+HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
 MAX_HPARAMS_PER_REQUEST = 1000
 DRAIN_READ_STEP_S = 0.05
 JSONL_PARSE_BYTES = 64 << 10  # about one /metrics request of points: what a crash may repeat
 TENSORBOARD_PARSE_BYTES = 256 << 10
 ENVIRONMENT_DRAIN_SHARE = 0.25  # of --drain-timeout a snapshot still being taken may have
+
+
+def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher:
+    """The batcher of a route whose payloads are documents, spilling to disk when it must."""
+    cap = HARDWARE_SPOOL_BYTES if route == "hardware" else MAX_SPOOL_BYTES
+    spill = DiskQueue(run_dir / "spool" / route.replace("/", "_"), max_bytes=cap)
+    return Batcher(client, route, lambda docs: docs[0], run_dir, max_items=1,
+                   max_queued=MAX_QUEUED_DOCUMENTS, spill=spill)
 
 
 def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
@@ -111,6 +121,7 @@ class Pipeline(Sink):
     refused_keys: set[str] = field(default_factory=set)
     invalid: dict[str, int] = field(default_factory=dict)
     sampler: HardwareSampler | None = None
+    _thinned: int = 0
     _follow_task: asyncio.Task[None] | None = None
     _environment_task: asyncio.Task[None] | None = None
     _sampler_task: asyncio.Task[None] | None = None
@@ -122,8 +133,7 @@ class Pipeline(Sink):
             "run_id": run_id, "points": points}, run_dir)
         self.hparams = Batcher(self.client, "hparams", lambda pairs: {
             "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
-        self.documents = {route: Batcher(self.client, route, lambda docs: docs[0], run_dir,
-                                         max_items=1, max_queued=MAX_QUEUED_DOCUMENTS)
+        self.documents = {route: document_batcher(self.client, route, run_dir)
                           for route in DOCUMENT_ROUTES}
         self.checkpoints = Checkpoints(run_dir / "offsets.json")
         self.follower = Follower(source_specs(self.cfg, self.node), self, self.checkpoints,
@@ -137,6 +147,8 @@ class Pipeline(Sink):
         """Start delivering, load the offsets, follow the files, send --hparams."""
         self.shipper.start()
         for batcher in self.batchers:
+            if batcher.spill is not None:
+                batcher.spill.open()
             batcher.start()
         self.checkpoints.load()
         self.checkpoints.start()
@@ -195,10 +207,19 @@ class Pipeline(Sink):
             self.invalid[key] = self.invalid.get(key, 0) + count
 
     def emit(self, route: str, payload: dict[str, Any]) -> None:
-        """Hand one payload to an at-least-once document route; never blocks."""
-        if not self.documents[route].offer([payload]):
-            log.error("/%s: %d payloads are waiting for the ingest; this one is refused",
-                      route, self.documents[route].queued)
+        """Hand one payload to an at-least-once document route; never blocks. Past half its
+        spool, every other hardware sample is dropped (thinned) to keep room for the rest."""
+        batcher = self.documents[route]
+        spill = batcher.spill
+        if route == "hardware" and spill is not None and spill.size_bytes > spill.max_bytes // 2:
+            self._thinned += 1
+            if self._thinned % 2:
+                if self._thinned % 1000 == 1:
+                    log.warning("/hardware: the ingest has been unreachable long enough to fill "
+                                "half the hardware spool; keeping every other sample (%d dropped "
+                                "so far)", self._thinned // 2 + 1)
+                return
+        batcher.offer([payload])
 
     def _admit(self, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Points whose key fits the run's key budget; a refused key gets one ERROR."""
@@ -236,12 +257,19 @@ class Pipeline(Sink):
         await self.checkpoints.save()
 
     async def close(self) -> None:
+        """Stop; what is undelivered is spooled (documents) or left to the files, and said in
+        one line."""
         await self.shipper.stop()
         await asyncio.gather(*(b.stop() for b in self.batchers))
+        for batcher in self.documents.values():
+            await batcher.persist()
         await self.checkpoints.stop()
         self.follower.close()
-        undelivered = sum(b.queued for b in self.batchers)
-        if undelivered:
-            log.warning("stopped with %d items undelivered (%s); their files are read again "
-                        "from the last acknowledged offset at the next start", undelivered,
-                        ", ".join(f"{b.route} {b.queued}" for b in self.batchers if b.queued))
+        left = {b.route: b.queued for b in self.batchers if b.queued}
+        if left or self.shipper.dropped_chars:
+            log.warning(
+                "stopped with undelivered data: %s; log output dropped: %d characters. Metric "
+                "points are read again from their files' last acknowledged offsets at the next "
+                "start; spooled payloads are in %s, for the next start or `sidecar replay`",
+                ", ".join(f"{route} {n}" for route, n in left.items()) or "none",
+                self.shipper.dropped_chars, self.cfg.run_dir / "spool")

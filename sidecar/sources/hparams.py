@@ -23,7 +23,11 @@ def load_hparams(path: Path) -> dict[str, Scalar]:
     if not isinstance(data, dict):
         raise ConfigError(f"--hparams {path}: the top level is a {type(data).__name__}, "
                           "not a mapping of names to values")
-    return flatten(data)
+    try:
+        return flatten(data)
+    except RecursionError:
+        raise ConfigError(f"--hparams {path}: nested too deeply, or a YAML alias refers to "
+                          "itself") from None
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:
@@ -45,6 +49,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:
 
 def _parse(path: Path, raw: bytes) -> Any:
     suffix = path.suffix.lower()
+    kind = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}.get(suffix, "JSON")
     try:
         if suffix == ".toml":
             return tomllib.loads(raw.decode("utf-8"))
@@ -54,7 +59,8 @@ def _parse(path: Path, raw: bytes) -> Any:
             return yaml.safe_load(raw)
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        kind = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}.get(suffix, "JSON")
         raise ConfigError(f"--hparams {path}: not valid {kind} ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"--hparams {path}: {kind} nested too deeply to read") from None
     except Exception as exc:  # yaml.YAMLError and its kin
-        raise ConfigError(f"--hparams {path}: not valid YAML ({exc})") from None
+        raise ConfigError(f"--hparams {path}: not valid {kind} ({exc})") from None

@@ -56,7 +56,11 @@ class JsonlParser:
             return out
         read_ts = iso_ts(now)
         for raw in data[out.consumed:end].split(b"\n")[:-1]:
-            self._line(raw, read_ts, out)
+            if len(raw) > MAX_LINE_BYTES:
+                out.records += 1
+                out.skipped += 1
+            else:
+                self._line(raw, read_ts, out)
             self.line += 1
         out.consumed = end
         return out
@@ -67,7 +71,7 @@ class JsonlParser:
         out.records += 1
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
             out.skipped += 1
             return
         if not isinstance(obj, dict):
@@ -88,7 +92,10 @@ class JsonlParser:
 
 
 def _point(out: Parsed, key: str, step: int, value: Any, ts: str) -> None:
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        number = math.inf
     if not math.isfinite(number):
         out.invalid[key] = out.invalid.get(key, 0) + 1
         return
@@ -99,7 +106,7 @@ def _point(out: Parsed, key: str, step: int, value: Any, ts: str) -> None:
 def _leaves(obj: dict[str, Any], top: bool, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Numeric and boolean leaves as (slash/joined/key, value); step and time fields skipped."""
     for key, value in obj.items():
-        if top and (key in STEP_FIELDS or key in TIME_FIELDS):
+        if (top and (key in STEP_FIELDS or key in TIME_FIELDS)) or not key:
             continue
         name = f"{prefix}{key}"
         if isinstance(value, dict):
@@ -126,15 +133,14 @@ def _time_of(obj: dict[str, Any]) -> str | None:
     """The record's own time as ISO-8601 UTC: epoch seconds or ISO-8601 (UTC without a zone)."""
     for name in TIME_FIELDS:
         value = obj.get(name)
-        if isinstance(value, int | float) and not isinstance(value, bool) and \
-                math.isfinite(value):
-            return iso_ts(float(value))
-        if isinstance(value, str):
-            try:
+        try:
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return iso_ts(float(value))
+            if isinstance(value, str):
                 when = datetime.fromisoformat(value)
-            except ValueError:
-                continue
-            if when.tzinfo is None:
-                when = when.replace(tzinfo=UTC)
-            return when.astimezone(UTC).isoformat()
+                if when.tzinfo is None:
+                    when = when.replace(tzinfo=UTC)
+                return when.astimezone(UTC).isoformat()
+        except (ValueError, OverflowError, OSError):  # not a time, or beyond what one can be
+            continue
     return None

@@ -15,7 +15,9 @@ from typing import Any
 from sidecar.sources.base import Parsed
 from sidecar.sources.lines import MAX_LINE_CHARS, LineAssembler
 
-_CRI_LINE = re.compile(rb"^(\d{4}-\d\d-\d\dT\S+) (stdout|stderr) ([PF]) ?(.*)$")
+_CRI_LINE = re.compile(
+    rb"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)) (stdout|stderr) ([PF])"
+    rb"(?: (.*))?$")
 
 
 @dataclass
@@ -69,7 +71,7 @@ class LogFileParser:
             if match is None:
                 out.skipped += 1
                 continue
-            _, stream, tag, text = match.groups()
+            _, stream, tag, text = match.groups(b"")
             if tag == b"P":
                 self._partial.setdefault(stream, []).append(text)
                 continue

@@ -1,0 +1,67 @@
+"""`sidecar replay`: deliver what an earlier run left in its state folder (issue: nothing lost).
+
+A node restarted or a pod rescheduled onto the same volume leaves lifecycle events in the
+journal and hardware/environment payloads in the spool; this delivers them with a progress line
+and exits 0 only when nothing is left. Metric points need no replay: `sidecar watch` reads their
+files again from the last acknowledged offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from sidecar.config import Config, ConfigError
+from sidecar.daemon import make_client
+from sidecar.lifecycle import Lifecycle
+from sidecar.log import log
+from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
+
+PROGRESS_EVERY_S = 0.5
+
+
+async def replay(cfg: Config, timeout_s: float) -> int:
+    """Deliver the run's journal and spool; 0 when everything was acknowledged, else 1."""
+    client = make_client(cfg)
+    if client is None:
+        raise ConfigError("replay needs reporting on: set STARFORGE_ENABLED=1 (or "
+                          "TUNEPLANE_JOB_ENABLED=1) with the run's endpoint, run id and token")
+    if not cfg.run_dir.is_dir():
+        print(f"replay: nothing to deliver, {cfg.run_dir} does not exist", file=sys.stderr)
+        return 0
+    await client.start()
+    lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
+    batchers = [document_batcher(client, route, cfg.run_dir) for route in DOCUMENT_ROUTES]
+    try:
+        await lifecycle.open()
+        for batcher in batchers:
+            assert batcher.spill is not None
+            batcher.spill.open()
+            batcher.start()
+
+        def left() -> int:
+            return len(lifecycle.pending) + sum(b.queued for b in batchers)
+
+        total = left()
+        deadline = time.monotonic() + timeout_s
+        while left() and time.monotonic() < deadline:
+            print(f"\rreplay: {total - left()}/{total} payloads delivered", end="",
+                  file=sys.stderr, flush=True)
+            await asyncio.sleep(PROGRESS_EVERY_S)
+        print(f"\rreplay: {total - left()}/{total} payloads delivered", file=sys.stderr)
+        if left():
+            log.error("replay: %d payloads still undelivered after %.0f s (last failure: %s); "
+                      "they stay in %s", left(), timeout_s, _last_failure(client), cfg.run_dir)
+            return 1
+        return 0
+    finally:
+        await lifecycle.close()
+        await asyncio.gather(*(b.stop() for b in batchers))
+        await client.close()
+
+
+def _last_failure(client: object) -> str:
+    stats = getattr(client, "stats", {})
+    reasons = [s.last_failure for s in stats.values() if s.last_failure]
+    return reasons[-1] if reasons else "none recorded"

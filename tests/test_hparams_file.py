@@ -1,0 +1,199 @@
+"""`--hparams FILE`: JSON, YAML and TOML configs flattened with dots for /hparams."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.config import ConfigError
+from sidecar.sources.hparams import flatten, load_hparams
+
+NESTED: dict[str, Any] = {
+    "model": {"name": "resnet50", "layers": [64, 128, {"units": 256, "act": "gelu"}],
+              "dropout": 0.1},
+    "optimizer": {"lr": 0.0003, "betas": [0.9, 0.999], "amsgrad": False},
+    "epochs": 90,
+    "seed": None,
+}
+FLAT = {
+    "model.name": "resnet50", "model.layers.0": 64, "model.layers.1": 128,
+    "model.layers.2.units": 256, "model.layers.2.act": "gelu", "model.dropout": 0.1,
+    "optimizer.lr": 0.0003, "optimizer.betas.0": 0.9, "optimizer.betas.1": 0.999,
+    "optimizer.amsgrad": False, "epochs": 90, "seed": None,
+}
+TOML = """\
+epochs = 90
+[model]
+name = "resnet50"
+layers = [64, 128, {units = 256, act = "gelu"}]
+dropout = 0.1
+[optimizer]
+lr = 0.0003
+betas = [0.9, 0.999]
+amsgrad = false
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str | bytes) -> Path:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _assert_same_types(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert got == expected
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in expected.items()}
+
+
+# --- the three formats -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["config.json", "config.JSON", "hparams"])
+def test_json_is_flattened_with_dots(tmp_path: Path, name: str) -> None:
+    _assert_same_types(load_hparams(_write(tmp_path, name, json.dumps(NESTED))), FLAT)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config.yml", "config.YAML"])
+def test_yaml_is_flattened_with_dots(tmp_path: Path, name: str) -> None:
+    _assert_same_types(load_hparams(_write(tmp_path, name, yaml.safe_dump(NESTED))), FLAT)
+
+
+def test_toml_is_flattened_with_dots(tmp_path: Path) -> None:
+    expected = {k: v for k, v in FLAT.items() if k != "seed"}  # TOML has no null
+    _assert_same_types(load_hparams(_write(tmp_path, "config.toml", TOML)), expected)
+
+
+def test_scalars_are_kept_with_their_types(tmp_path: Path) -> None:
+    text = 'text = "a"\nempty = ""\nint = -3\nbig = 9007199254740993\nfloat = 2.5\nyes = true\n'
+    got = load_hparams(_write(tmp_path, "c.toml", text))
+    _assert_same_types(got, {"text": "a", "empty": "", "int": -3, "big": 9007199254740993,
+                             "float": 2.5, "yes": True})
+
+
+def test_dates_become_strings(tmp_path: Path) -> None:
+    got = load_hparams(_write(tmp_path, "c.yaml", "day: 2026-11-30\n"))
+    assert got == {"day": "2026-11-30"}
+    toml = load_hparams(_write(tmp_path, "c.toml", "at = 2026-11-30T10:00:00Z\n"))
+    assert isinstance(toml["at"], str) and toml["at"].startswith("2026-11-30")
+
+
+# --- invalid numbers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("c.json", '{"lr": NaN, "a": [1, Infinity, 3], "b": {"c": -Infinity}, "ok": 1.5}'),
+    ("c.yaml", "lr: .nan\na: [1, .inf, 3]\nb: {c: -.inf}\nok: 1.5\n"),
+    ("c.toml", "lr = nan\na = [1, inf, 3]\nok = 1.5\n[b]\nc = -inf\n"),
+])
+def test_nan_and_infinities_are_dropped(tmp_path: Path, name: str, text: str) -> None:
+    got = load_hparams(_write(tmp_path, name, text))
+    assert got == {"a.0": 1, "a.2": 3, "ok": 1.5}
+    assert all(not isinstance(v, float) or math.isfinite(v) for v in got.values())
+
+
+# --- flatten on its own --------------------------------------------------------------------------
+
+
+def test_flatten_nested_dicts_lists_and_tuples() -> None:
+    got = flatten({"a": {"b": {"c": 1}}, "l": [[1, 2], {"x": "y"}], "t": (True, None)})
+    assert got == {"a.b.c": 1, "l.0.0": 1, "l.0.1": 2, "l.1.x": "y", "t.0": True, "t.1": None}
+
+
+def test_flatten_with_a_prefix_and_empty_containers() -> None:
+    assert flatten({"a": 1, "e": {}, "l": []}, prefix="cfg.") == {"cfg.a": 1}
+
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=4),
+                  st.floats(allow_nan=False, allow_infinity=False))
+_tree = st.recursive(_leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.text(alphabet="abc", min_size=1, max_size=3), inner, max_size=3)),
+    max_leaves=15)
+
+
+@given(data=st.dictionaries(st.text(alphabet="xyz", min_size=1, max_size=3), _tree, max_size=4))
+def test_flatten_gives_only_scalars_and_every_leaf_is_reachable(data: dict[str, Any]) -> None:
+    flat = flatten(data)
+    for key, value in flat.items():
+        assert value is None or isinstance(value, str | int | float | bool)
+        node: Any = data
+        for part in key.split("."):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        assert node == value
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "text", "kind"), [
+    ("c.json", '{"lr": 0.1,', "JSON"),
+    ("c.json", "", "JSON"),
+    ("c.json", b'{"a": "\xff"}', "JSON"),
+    ("c.yaml", "a: [1, 2\nb: 3\n", "YAML"),
+    ("c.yml", "a: b: c\n", "YAML"),
+    ("c.yaml", b"a: \xff\xfe\n", "YAML"),
+    ("c.toml", "lr = \n", "TOML"),
+    ("c.toml", b'x = "\xff"\n', "TOML"),
+    ("c.toml", "a = 1\na = 2\n", "TOML"),
+])
+def test_bad_file_is_a_config_error_naming_the_option_and_file(
+        tmp_path: Path, name: str, text: str | bytes, kind: str) -> None:
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as caught:
+        load_hparams(path)
+    message = str(caught.value)
+    assert "--hparams" in message and str(path) in message
+    assert kind in message
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("c.json", "[1, 2, 3]"), ("c.json", "42"), ("c.json", '"text"'), ("c.json", "null"),
+    ("c.yaml", "- a\n- b\n"), ("c.yaml", "just a string\n"), ("c.yaml", ""),
+])
+def test_top_level_that_is_not_a_mapping_is_a_config_error(
+        tmp_path: Path, name: str, text: str) -> None:
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as caught:
+        load_hparams(path)
+    assert "--hparams" in str(caught.value) and str(path) in str(caught.value)
+    assert "mapping" in str(caught.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_hparams(path)
+    assert "--hparams" in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_folder_instead_of_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_hparams(tmp_path)
+    assert "--hparams" in str(caught.value) and str(tmp_path) in str(caught.value)
+
+
+# --- bugs found --------------------------------------------------------------------------------
+
+
+def test_self_referencing_yaml_alias_is_a_config_error(tmp_path: Path) -> None:
+    path = _write(tmp_path, "c.yaml", "a: &loop [1, *loop]\n")
+    with pytest.raises(ConfigError) as caught:
+        load_hparams(path)
+    assert "--hparams" in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_too_deeply_nested_json_is_reported_as_json(tmp_path: Path) -> None:
+    path = _write(tmp_path, "c.json", "[" * 100_000)
+    with pytest.raises(ConfigError) as caught:
+        load_hparams(path)
+    assert "JSON" in str(caught.value) and "YAML" not in str(caught.value)

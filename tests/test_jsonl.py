@@ -1,0 +1,358 @@
+"""JsonlParser: JSONL metric logs -> /metrics points (CONTRACT 5, JSONL)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.sources import jsonl
+from sidecar.sources.jsonl import MAX_LINE_BYTES, JsonlParser
+
+NOW = 1_790_000_000.25  # the read time the caller supplies
+NOW_TS = datetime.fromtimestamp(NOW, UTC)
+
+
+@dataclass
+class Fed:
+    """Everything a run of parse calls produced, added up, as a file follower would see it."""
+
+    points: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    records: int = 0
+    invalid: dict[str, int] = field(default_factory=dict)
+    left: bytes = b""  # bytes offered but not consumed yet
+    most_held: int = 0  # the largest buffer the follower had to keep between calls
+
+
+def _follow(parser: JsonlParser, blocks: Sequence[bytes], now: float = NOW) -> Fed:
+    """Feed `blocks` as a follower does: the unconsumed rest is offered again with new bytes."""
+    fed = Fed()
+    for block in blocks:
+        fed.left += block
+        parsed = parser.parse(fed.left, now)
+        assert 0 <= parsed.consumed <= len(fed.left)
+        fed.left = fed.left[parsed.consumed:]
+        fed.most_held = max(fed.most_held, len(fed.left))
+        fed.points += parsed.points
+        fed.skipped += parsed.skipped
+        fed.records += parsed.records
+        for key, count in parsed.invalid.items():
+            fed.invalid[key] = fed.invalid.get(key, 0) + count
+    return fed
+
+
+def _parse(text: str, parser: JsonlParser | None = None) -> Fed:
+    return _follow(parser or JsonlParser(), [text.encode()])
+
+
+def _blocks(data: bytes, cuts: Sequence[int]) -> list[bytes]:
+    """`data` cut at the given offsets (any order, duplicates allowed)."""
+    points = sorted({min(max(c, 0), len(data)) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points)]
+
+
+def _by_key(fed: Fed) -> dict[str, dict[str, Any]]:
+    keyed = {p["key"]: p for p in fed.points}
+    assert len(keyed) == len(fed.points), f"a key was sent twice: {fed.points}"
+    return keyed
+
+
+def _when(point: dict[str, Any]) -> datetime:
+    """The point's time, which must be ISO-8601 in UTC."""
+    when = datetime.fromisoformat(point["ts"])
+    assert when.utcoffset() is not None and when.utcoffset() == UTC.utcoffset(None), point
+    return when
+
+
+# --- {"key", "value"} points -----------------------------------------------------------------
+
+
+def test_key_value_object_is_one_point_with_its_step() -> None:
+    fed = _parse('{"key": "loss", "value": 0.25, "step": 7, "epoch": 3, "note": "x"}\n')
+    assert fed.points == [{"key": "loss", "step": 7, "value": 0.25, "ts": fed.points[0]["ts"]}]
+    assert _when(fed.points[0]) == NOW_TS
+    assert fed.skipped == 0 and fed.records == 1
+
+
+def test_key_value_step_defaults_to_zero_not_the_line_number() -> None:
+    fed = _parse('\n\n{"key": "acc", "value": 1}\n')
+    assert [(p["key"], p["step"], p["value"]) for p in fed.points] == [("acc", 0, 1)]
+
+
+@pytest.mark.parametrize(("value", "sent"), [("true", 1), ("false", 0), ("3", 3), ("-2.5", -2.5)])
+def test_key_value_accepts_numbers_and_booleans(value: str, sent: float) -> None:
+    fed = _parse(f'{{"key": "k", "value": {value}}}\n')
+    assert [p["value"] for p in fed.points] == [sent]
+    assert not isinstance(fed.points[0]["value"], bool)
+
+
+# --- records ---------------------------------------------------------------------------------
+
+
+def test_record_numeric_leaves_become_points_nested_keys_joined_with_slash() -> None:
+    line = {"loss": 0.5, "acc": 2, "done": True, "off": False, "name": "resnet",
+            "sizes": [1, 2, 3], "none": None,
+            "opt": {"lr": 0.001, "betas": {"b1": 0.9, "label": "adam"}, "empty": {}}}
+    fed = _parse(json.dumps(line) + "\n")
+    assert {k: p["value"] for k, p in _by_key(fed).items()} == {
+        "loss": 0.5, "acc": 2, "done": 1, "off": 0, "opt/lr": 0.001, "opt/betas/b1": 0.9}
+    assert all(not isinstance(p["value"], bool) for p in fed.points)
+    assert {p["step"] for p in fed.points} == {0}
+    assert all(_when(p) == NOW_TS for p in fed.points)
+
+
+@pytest.mark.parametrize(("fields", "step"), [
+    ({"step": 5, "global_step": 6, "_step": 7, "iteration": 8}, 5),
+    ({"global_step": 6, "_step": 7, "iteration": 8}, 6),
+    ({"_step": 7, "iteration": 8}, 7),
+    ({"iteration": 8}, 8),
+    ({"step": 9.0}, 9),
+    ({}, 2),  # the 0-based line number: two lines come before it
+])
+def test_record_step_is_the_first_step_field_present_else_the_line_number(
+        fields: dict[str, Any], step: int) -> None:
+    fed = _parse('{"warmup": 1}\n\n' + json.dumps({**fields, "loss": 0.1}) + "\n")
+    assert [(p["key"], p["step"]) for p in fed.points] == [("warmup", 0), ("loss", step)]
+
+
+def test_step_and_time_fields_are_not_points() -> None:
+    fed = _parse(json.dumps({"step": 1, "global_step": 2, "_step": 3, "iteration": 4,
+                             "ts": 1.7e9, "timestamp": 1.7e9, "_timestamp": 1.7e9,
+                             "time": 1.7e9, "loss": 0.5}) + "\n")
+    assert [p["key"] for p in fed.points] == ["loss"]
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"ts": 1_700_000_000}, datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC)),
+    ({"timestamp": 1_700_000_000.5}, datetime(2023, 11, 14, 22, 13, 20, 500000, tzinfo=UTC)),
+    ({"_timestamp": "2026-11-30T10:00:00Z"}, datetime(2026, 11, 30, 10, tzinfo=UTC)),
+    ({"time": "2026-11-30T12:00:00+02:00"}, datetime(2026, 11, 30, 10, tzinfo=UTC)),
+    ({"ts": "2026-11-30T10:00:00"}, datetime(2026, 11, 30, 10, tzinfo=UTC)),  # no zone: UTC
+    ({"time": 1_600_000_000, "ts": 1_700_000_000},
+     datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC)),  # ts comes first
+    ({"_timestamp": "2026-11-30T10:00:00Z", "timestamp": 1_700_000_000},
+     datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC)),  # timestamp comes first
+    ({}, NOW_TS),  # the time it was read
+])
+def test_record_time_from_the_first_time_field_else_the_read_time(
+        fields: dict[str, Any], expected: datetime) -> None:
+    fed = _parse(json.dumps({**fields, "loss": 1}) + "\n")
+    assert [p["key"] for p in fed.points] == ["loss"]
+    assert _when(fed.points[0]) == expected
+
+
+def test_record_with_only_ignored_values_gives_no_points_and_is_not_skipped() -> None:
+    fed = _parse('{"name": "x", "tags": [1, 2], "none": null, "nested": {"s": "y"}}\n')
+    assert fed.points == [] and fed.skipped == 0
+
+
+# --- line numbers ----------------------------------------------------------------------------
+
+
+def test_line_number_counts_blank_and_bad_lines() -> None:
+    fed = _parse('\n   \nnot json\n[1, 2]\n{"loss": 1}\n')
+    assert [(p["key"], p["step"]) for p in fed.points] == [("loss", 4)]
+    assert fed.skipped == 2
+
+
+def test_line_number_continues_across_calls_and_a_resume() -> None:
+    parser = JsonlParser()
+    first = _follow(parser, [b'{"a": 1}\n\nbad\n{"b": 2}\n{"c": '])
+    assert [(p["key"], p["step"]) for p in first.points] == [("a", 0), ("b", 3)]
+    assert parser.state() == {"line": 4}  # the unfinished fifth line is not counted yet
+    resumed = JsonlParser.resume(json.loads(json.dumps(parser.state())))
+    rest = _follow(resumed, [first.left + b'3}\n{"d": 4}\n'])
+    assert [(p["key"], p["step"]) for p in rest.points] == [("c", 4), ("d", 5)]
+    assert resumed.state() == {"line": 6}
+
+
+def test_fresh_parser_and_empty_state_start_at_line_zero() -> None:
+    assert JsonlParser().state() == {"line": 0}
+    assert JsonlParser.resume({}).state() == {"line": 0}
+    assert [p["step"] for p in _parse('{"a": 1}\n', JsonlParser.resume({})).points] == [0]
+
+
+# --- invalid numbers and bad lines -------------------------------------------------------------
+
+
+def test_nan_and_infinities_are_counted_per_key_and_never_sent() -> None:
+    fed = _parse('{"loss": NaN, "acc": 0.5}\n'
+                 '{"loss": Infinity, "grad": {"norm": -Infinity}}\n'
+                 '{"key": "lr", "value": NaN}\n'
+                 '{"key": "lr", "value": Infinity, "step": 3}\n')
+    assert [(p["key"], p["value"]) for p in fed.points] == [("acc", 0.5)]
+    assert fed.invalid == {"loss": 2, "grad/norm": 1, "lr": 2}
+    assert all(math.isfinite(p["value"]) for p in fed.points)
+    assert fed.skipped == 0
+
+
+@pytest.mark.parametrize("line", [
+    "not json", "{bad", '{"a": 1', "[1, 2]", "3", '"text"', "null", "true", "{} {}",
+    '{"a": 1}}'])
+def test_a_line_not_json_or_not_an_object_is_skipped_and_counted(line: str) -> None:
+    fed = _parse(f'{{"before": 1}}\n{line}\n{{"after": 2}}\n')
+    assert [(p["key"], p["step"]) for p in fed.points] == [("before", 0), ("after", 2)]
+    assert fed.skipped == 1
+
+
+def test_invalid_utf8_line_is_skipped_not_fatal() -> None:
+    fed = _follow(JsonlParser(), [b'{"a": "\xff\xfe"}\n\xc3\x28\n{"b": 1}\n'])
+    assert [(p["key"], p["step"]) for p in fed.points] == [("b", 2)]
+    assert fed.skipped == 2
+
+
+def test_crlf_line_endings_are_accepted() -> None:
+    fed = _follow(JsonlParser(), [b'{"a": 1}\r\n{"b": 2}\r\n'])
+    assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 1)]
+
+
+# --- unfinished and over-long lines ----------------------------------------------------------
+
+
+def test_last_line_without_newline_waits_and_is_then_parsed_once() -> None:
+    parser = JsonlParser()
+    first = parser.parse(b'{"a": 1}\n{"b": 2}', NOW)
+    assert first.consumed == len(b'{"a": 1}\n')
+    assert [p["key"] for p in first.points] == ["a"]
+    assert parser.parse(b'{"b": 2}', NOW).consumed == 0  # offered again, still unfinished
+    done = parser.parse(b'{"b": 2}\n', NOW)
+    assert done.consumed == len(b'{"b": 2}\n')
+    assert [(p["key"], p["step"]) for p in done.points] == [("b", 1)]
+    assert parser.parse(b"", NOW).points == []
+
+
+@pytest.mark.parametrize("data", [b'{"b": 2}', b'{"a": 1}\n', b"", b"garbage"])
+def test_quiet_never_consumes(data: bytes) -> None:
+    parser = JsonlParser()
+    quiet = parser.quiet(data, NOW)
+    assert quiet.consumed == 0 and quiet.points == [] and quiet.skipped == 0
+    assert parser.state() == {"line": 0}
+
+
+def test_over_long_line_is_skipped_and_counted_without_holding_it() -> None:
+    chunk = 1 << 20  # what a follower reads at a time
+    long_line = b'{"huge": "' + b"x" * (MAX_LINE_BYTES + 3 * chunk) + b'"}\n'
+    data = b'{"a": 1}\n' + long_line + b'{"b": 2}\n'
+    fed = _follow(JsonlParser(), _blocks(data, range(0, len(data), chunk)))
+    assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 2)]
+    assert fed.skipped == 1
+    assert fed.left == b""
+    assert fed.most_held <= MAX_LINE_BYTES + chunk
+
+
+def test_over_long_line_skipping_ends_at_its_newline_even_in_small_pieces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", 32)
+    data = b'{"a": 1}\n' + b"y" * 200 + b'\n{"b": 2}\n{"c": 3}\n'
+    parser = JsonlParser()
+    fed = _follow(parser, _blocks(data, range(0, len(data), 7)))
+    assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 2), ("c", 3)]
+    assert fed.skipped == 1
+    assert fed.most_held <= 32 + 7
+    assert parser.state() == {"line": 4}
+
+
+def test_over_long_line_is_skipped_however_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", 64)
+    data = json.dumps({"loss": 1, "pad": "z" * 100}).encode() + b"\n"
+    in_pieces = _follow(JsonlParser(), _blocks(data, range(0, len(data), 8)))
+    whole = _follow(JsonlParser(), [data])
+    assert (in_pieces.points, in_pieces.skipped) == ([], 1)
+    assert (whole.points, whole.skipped) == ([], 1)
+
+
+# --- robustness --------------------------------------------------------------------------------
+
+
+_cuts = st.lists(st.integers(min_value=0, max_value=700), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=600), cuts=_cuts)
+def test_random_bytes_never_raise_and_split_anywhere_gives_the_same_result(
+        data: bytes, cuts: list[int]) -> None:
+    whole = _follow(JsonlParser(), [data])
+    split = _follow(JsonlParser(), _blocks(data, cuts))
+    assert split.points == whole.points
+    assert split.skipped == whole.skipped
+    assert split.invalid == whole.invalid
+    assert split.left == whole.left == data[data.rfind(b"\n") + 1:]
+
+
+_scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**62), max_value=2**62),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5))
+_name = st.sampled_from(["loss", "acc", "lr", "key", "value", "step", "global_step", "_step",
+                         "iteration", "a", "é"])
+_json = st.recursive(_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(_name, inner, max_size=4)), max_leaves=12)
+_line = st.one_of(
+    st.dictionaries(_name, _json, max_size=6).map(json.dumps),
+    st.builds(lambda k, v, s: json.dumps({"key": k, "value": v, "step": s}),
+              _name, _scalar, st.integers(min_value=0, max_value=10**6)),
+    _json.map(json.dumps),
+    st.sampled_from(["", "  ", "not json", "{", '{"a":'])).map(str.encode)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(_line, max_size=12), cuts=_cuts, tail=st.booleans())
+def test_splitting_json_lines_at_any_byte_gives_the_same_points(
+        lines: list[bytes], cuts: list[int], tail: bool) -> None:
+    data = b"\n".join(lines) + (b"\n" if tail else b"")
+    one, many = JsonlParser(), JsonlParser()
+    whole = _follow(one, [data])
+    split = _follow(many, _blocks(data, cuts))
+    assert split.points == whole.points
+    assert (split.skipped, split.records, split.invalid) == (
+        whole.skipped, whole.records, whole.invalid)
+    assert many.state() == one.state() == {"line": data.count(b"\n")}
+    assert all(math.isfinite(p["value"]) and not isinstance(p["value"], bool)
+               for p in whole.points)
+
+
+def test_many_lines_in_one_call() -> None:
+    data = "".join(json.dumps({"step": i, "loss": i / 10}) + "\n" for i in range(5000))
+    fed = _parse(data)
+    assert [p["step"] for p in fed.points] == list(range(5000))
+    assert fed.records == 5000
+
+
+# --- bugs found --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line", [
+    '{"ts": 1700000000000, "loss": 1}', '{"ts": 1e20, "loss": 1}',
+    '{"timestamp": -1e15, "loss": 1}', '{"time": "0001-01-01T00:00:00+01:00", "loss": 1}'],
+    ids=["milliseconds", "huge", "negative", "iso-min"])
+def test_out_of_range_time_does_not_raise(line: str) -> None:
+    fed = _parse(line + "\n")
+    assert len(fed.points) + fed.skipped == 1
+    assert all(p["key"] == "loss" for p in fed.points)
+
+
+@pytest.mark.parametrize("line", ['{"loss": 1%s}', '{"key": "loss", "value": 1%s}'],
+                         ids=["record", "key-value"])
+def test_integer_too_large_for_a_float_is_invalid_not_fatal(line: str) -> None:
+    fed = _parse(line % ("0" * 400) + "\n")
+    assert fed.points == []
+    assert fed.invalid.get("loss", 0) + fed.skipped == 1
+
+
+def test_deeply_nested_line_is_skipped_not_fatal() -> None:
+    fed = _parse("[" * 100_000 + '\n{"after": 1}\n')
+    assert [(p["key"], p["step"]) for p in fed.points] == [("after", 1)]
+    assert fed.skipped == 1
+
+
+def test_record_with_an_empty_key_sends_no_empty_key() -> None:
+    fed = _parse('{"": 1, "ok": 2}\n')
+    assert [p["key"] for p in fed.points] == ["ok"]
