@@ -50,15 +50,6 @@ class _JsonFormatter(logging.Formatter):
         return mask(json.dumps(doc, ensure_ascii=False))
 
 
-def setup(level: str = "info", message_format: str = "text") -> None:
-    """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if message_format == "json" else _TextFormatter())
-    log.handlers[:] = [handler]
-    log.setLevel(level.upper())
-    log.propagate = False
-
-
 class Throttle:
     """Lets a repeated message through once per `interval_s`, counting the ones it held back."""
 
@@ -76,3 +67,33 @@ class Throttle:
             return None
         self._last[key] = now
         return self._held.pop(key, 0)
+
+
+class _RepeatFilter(logging.Filter):
+    """The same WARNING or ERROR again within a minute is held back and counted; the next
+    one let through says how many were held."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        super().__init__()
+        self._throttle = Throttle(interval_s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        held = self._throttle.admit(f"{record.levelno}:{record.getMessage()}")
+        if held is None:
+            return False
+        if held:
+            record.msg = f"{record.getMessage()} ({held} more like this in the last minute)"
+            record.args = None
+        return True
+
+
+def setup(level: str = "info", message_format: str = "text") -> None:
+    """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_RepeatFilter())
+    handler.setFormatter(_JsonFormatter() if message_format == "json" else _TextFormatter())
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False

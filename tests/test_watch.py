@@ -355,3 +355,24 @@ def test_sigkill_and_restart_lose_nothing(ingest: RunningIngest, tmp_path: Path,
           f"{repeats} repeats from unacknowledged tails")
     # Repeats come only from what was acknowledged but not yet checkpointed at a kill (0.1 s).
     assert repeats < (len(writer.written) + len(metric_lines)) // 2
+
+
+def test_tensorboard_scalars_and_hparams(ingest: RunningIngest, tmp_path: Path,
+                                         folder: Path) -> None:
+    tensorboardx = pytest.importorskip("tensorboardX")
+    logdir = folder / "tb"
+    watch = Watch(ingest, tmp_path, "--tensorboard", str(logdir)).start()
+    with tensorboardx.SummaryWriter(str(logdir)) as top, \
+            tensorboardx.SummaryWriter(str(logdir / "eval")) as sub:
+        for step in range(50):
+            top.add_scalar("loss", 1.0 / (step + 1), step)
+            sub.add_scalar("accuracy", step / 50, step)
+        top.add_scalar("broken", float("nan"), 0)
+        top.add_hparams({"lr": 0.001, "optimizer": "adam"}, {"hp/metric": 1.0})
+    ingest.wait_for(lambda: len(points(ingest)) >= 100 and ingest.records("hparams"), 15)
+    assert watch.stop().status == 0
+    by_key = Counter(str(p["key"]) for p in points(ingest))
+    assert by_key["loss"] == 50 and by_key["eval/accuracy"] == 50
+    assert "broken" not in by_key
+    params = {k: v for r in ingest.records("hparams") for k, v in r["params"].items()}
+    assert params["lr"] == 0.001 and params["optimizer"] == "adam"
