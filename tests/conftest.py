@@ -10,8 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.ingest_server import RunningIngest, running_ingest
+
+# The suite shares two cores with the sidecars it starts: no timing-based health checks.
+settings.register_profile("sidecar", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("sidecar")
 
 RUN_ID = "run-4f2a91"
 TOKEN = "tok-SECRET-0123456789abcdef"
