@@ -376,3 +376,16 @@ def test_tensorboard_scalars_and_hparams(ingest: RunningIngest, tmp_path: Path,
     assert "broken" not in by_key
     params = {k: v for r in ingest.records("hparams") for k, v in r["params"].items()}
     assert params["lr"] == 0.001 and params["optimizer"] == "adam"
+
+
+def test_poll_mode_follows_without_file_events(ingest: RunningIngest, tmp_path: Path,
+                                               folder: Path) -> None:
+    log = folder / "nfs.log"
+    watch = Watch(ingest, tmp_path, "--log", str(log), "--file-watch", "poll").start()
+    writer = Writer()
+    with open(log, "a") as fh:
+        for tag in ("a", "b", "c"):
+            writer.write(fh, 10, tag)
+            ingest.wait_for(lambda t=tag: any(x.startswith(t) for x in log_lines(ingest)), 10)
+    assert watch.stop().status == 0
+    assert log_lines(ingest) == writer.written
