@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.aio import cancel
 from sidecar.log import log
 from sidecar.spool import write_atomic
 
@@ -72,9 +73,7 @@ class Checkpoints:
 
     async def stop(self) -> None:
         """Stop the saver and write what is left."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel(self._task)
         await self.save()
 
     async def save(self) -> None:

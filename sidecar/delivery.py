@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.aio import cancel, wait_set
 from sidecar.diskqueue import DiskQueue, SpoolFull
 from sidecar.ingest import IngestClient, Verdict
 from sidecar.log import Throttle, log
@@ -150,16 +151,10 @@ class Batcher:
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was acknowledged (or dead-lettered)."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.aio import cancel, wait_set
 from sidecar.ingest import IngestClient, Verdict, iso_ts
 from sidecar.log import log
 from sidecar.spool import Journal, append_dead_letter
@@ -69,11 +70,7 @@ class Lifecycle:
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every recorded event is acknowledged; False when `timeout_s` ran out."""
         self.release.set()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout_s)
 
     @property
     def pending(self) -> list[str]:
@@ -81,9 +78,7 @@ class Lifecycle:
         return [json.loads(body)["event"] for body in self._queue]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel(self._task)
 
     async def _run(self) -> None:
         assert self.client is not None and self._journal is not None

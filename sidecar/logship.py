@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from sidecar.aio import cancel, wait_set
 from sidecar.delivery import Ticket
 from sidecar.ingest import IngestClient
 from sidecar.log import log
@@ -77,17 +78,11 @@ class LogShipper:
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was sent or dropped; False if `timeout_s` ran out."""
         self._wake.set()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout_s)
 
     async def stop(self) -> None:
         """Stop shipping; what is still buffered is counted as dropped."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel(self._task)
         if self._buffered:
             self._drop(self._buffered, "shutdown reached its drain deadline")
             self._chunks.clear()

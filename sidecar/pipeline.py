@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.aio import cancel
 from sidecar.checkpoints import Checkpoints
 from sidecar.config import Config
 from sidecar.delivery import Batcher, Ticket
@@ -177,14 +178,11 @@ class Pipeline(Sink):
 
     async def _stop_telemetry(self) -> None:
         """Stop sampling; a snapshot still being taken gets a share of the drain time."""
-        if self._sampler_task is not None:
-            self._sampler_task.cancel()
+        await cancel(self._sampler_task)
         if self._environment_task is not None:
             await asyncio.wait({self._environment_task},
                                timeout=self.cfg.drain_timeout * ENVIRONMENT_DRAIN_SHARE)
-            self._environment_task.cancel()
-        await asyncio.gather(*(t for t in (self._sampler_task, self._environment_task) if t),
-                             return_exceptions=True)
+        await cancel(self._environment_task)
         if self.sampler is not None:
             self.sampler.close()
 
@@ -245,8 +243,7 @@ class Pipeline(Sink):
         """Read every file to its end and deliver what can be delivered by `deadline`."""
         await self._stop_telemetry()
         if self._follow_task is not None:
-            self._follow_task.cancel()
-            await asyncio.gather(self._follow_task, return_exceptions=True)
+            await cancel(self._follow_task)
             while time.monotonic() < deadline:
                 if await self.follower.drain():
                     break
