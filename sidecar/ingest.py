@@ -223,6 +223,8 @@ class IngestClient:
             self._reread_token()
         if answer.verdict in (Verdict.AUTH, Verdict.REDIRECT, Verdict.REJECTED):
             self._error_once_a_minute(route, answer)
+        elif ROUTES[route].guarantee is not Guarantee.BEST_EFFORT:
+            self._unreachable_once_a_minute(route, answer)
 
     def _reread_token(self) -> None:
         try:
@@ -241,6 +243,15 @@ class IngestClient:
         }[answer.verdict]
         more = f" ({held} more since the last message)" if held else ""
         log.error("/%s: HTTP %s: %s%s", route, answer.status, what, more)
+
+    def _unreachable_once_a_minute(self, route: str, answer: Answer) -> None:
+        held = self._throttle.admit(f"{route}:{answer.verdict.value}")
+        if held is None:
+            return
+        more = f" ({held} more failed attempts since the last message)" if held else ""
+        log.warning("/%s: the ingest did not take a payload (%s); it is kept and retried with "
+                    "backoff%s; `sidecar check` probes the endpoint from this node", route,
+                    answer.detail or f"HTTP {answer.status}", more)
 
     async def deliver(self, route: str, body: bytes) -> Answer:
         """POST with the route's retry policy; returns the final answer (accepted or given up)."""
