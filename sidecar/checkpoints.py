@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import cancel
-from sidecar.log import log
+from sidecar.log import log, state_write_failed
 from sidecar.spool import write_atomic
+
+SAVE_RETRY_S = 1.0
 
 
 @dataclass
@@ -76,13 +78,21 @@ class Checkpoints:
         await cancel(self._task)
         await self.save()
 
-    async def save(self) -> None:
+    async def save(self) -> bool:
+        """Write the offsets if they changed; False when the state dir refused (a full disk:
+        they stay in memory, and a crash meanwhile repeats what was delivered since)."""
         if not self._dirty:
-            return
+            return True
         self._dirty = False
         doc = {"version": 1, "files": {k: vars(m) for k, m in self.marks.items()}}
         data = json.dumps(doc, separators=(",", ":")).encode()
-        await asyncio.to_thread(write_atomic, self.path, data)
+        try:
+            await asyncio.to_thread(write_atomic, self.path, data)
+        except OSError as exc:
+            self._dirty = True
+            state_write_failed(self.path, exc)
+            return False
+        return True
 
     async def _saver(self) -> None:
         # Written as soon as progress is acknowledged (changes that arrive during a write are
@@ -90,4 +100,6 @@ class Checkpoints:
         while True:
             await self._changed.wait()
             self._changed.clear()
-            await self.save()
+            if not await self.save():
+                await asyncio.sleep(SAVE_RETRY_S)
+                self._changed.set()

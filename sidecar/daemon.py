@@ -181,6 +181,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
              cfg.drain_timeout)
     for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the drain
         loop.add_signal_handler(signum, _cancel_current_task, asyncio.current_task())
+    client.hurry()
     with contextlib.suppress(asyncio.CancelledError):
         await pipeline.drain(time.monotonic() + cfg.drain_timeout)
     await pipeline.close()
@@ -232,6 +233,8 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                  streams: Sequence[_Stream], interrupted: asyncio.Event | None = None) -> None:
     """Deliver what is left within --drain-timeout: the output first, then the end event."""
     deadline = time.monotonic() + cfg.drain_timeout
+    if pipeline is not None:
+        pipeline.client.hurry()
     for stream in streams:
         stream.finish()
     stop = interrupted or asyncio.Event()

@@ -22,7 +22,7 @@ from typing import Any
 from sidecar.aio import cancel, wait_set
 from sidecar.diskqueue import DiskQueue, SpoolFull
 from sidecar.ingest import IngestClient, Verdict
-from sidecar.log import Throttle, log
+from sidecar.log import Throttle, log, state_write_failed
 from sidecar.spool import append_dead_letter
 
 MAX_POINTS_PER_REQUEST = 2048  # CONTRACT 4, /metrics
@@ -110,7 +110,7 @@ class Batcher:
             self.spill.append([json.dumps(item).encode() for item in items])
         except SpoolFull as exc:
             self.refused += len(items)
-            if self._throttle.admit("full") is not None:
+            if self._throttle.admit("full") is not None and exc.__cause__ is None:
                 log.error("/%s: %s; refusing new payloads (%d refused so far) until the ingest "
                           "takes what is waiting", self.route, exc, self.refused)
             return False
@@ -144,7 +144,8 @@ class Batcher:
         try:
             await asyncio.to_thread(self.spill.append, payloads)
         except SpoolFull as exc:
-            log.error("/%s: %s; %d payloads are lost", self.route, exc, len(payloads))
+            if exc.__cause__ is None:  # a full disk was said already
+                log.error("/%s: %s; %d payloads are lost", self.route, exc, len(payloads))
             return 0
         self._queue.clear()
         return len(payloads)
@@ -202,7 +203,8 @@ class Batcher:
             path = append_dead_letter(self.run_dir, self.route, answer.status, body)
             kept = f"it is kept in {path}"
         except OSError as exc:
-            kept = f"it could not be kept ({exc.strerror}) and is lost"
+            state_write_failed(self.run_dir / "dead-letter.jsonl", exc)
+            kept = "it could not be kept and is lost"
         log.error("/%s: HTTP %s: the ingest refused this payload for good (%s); %s; later "
                   "payloads go on", self.route, answer.status, answer.detail or "no reason given",
                   kept)

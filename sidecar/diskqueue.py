@@ -12,14 +12,13 @@ lands here only when the ingest is already failing, at the rate of a few a secon
 from __future__ import annotations
 
 import contextlib
-import os
 import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.log import log
-from sidecar.spool import write_atomic
+from sidecar.log import log, state_write_failed
+from sidecar.spool import append_frames, frame, write_atomic
 
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 4 << 20
@@ -76,18 +75,16 @@ class DiskQueue:
 
     def append(self, payloads: list[bytes]) -> None:
         """Store `payloads` durably at the end; SpoolFull when the cap or the disk says no."""
-        frames = b"".join(_HEADER.pack(len(p), zlib.crc32(p)) + p for p in payloads)
+        frames = b"".join(frame(p) for p in payloads)
         if self._bytes + len(frames) > self.max_bytes:
             raise SpoolFull(f"the spool of {self.folder.name} reached its cap of "
                             f"{self.max_bytes >> 20} MiB")
         if not self._segments or self._path(self._segments[-1]).stat().st_size >= SEGMENT_BYTES:
             self._segments.append(self._segments[-1] + 1 if self._segments else 0)
         try:
-            with open(self._path(self._segments[-1]), "ab") as fh:
-                fh.write(frames)
-                fh.flush()
-                os.fsync(fh.fileno())
+            append_frames(self._path(self._segments[-1]), frames)
         except OSError as exc:  # ENOSPC and its kin: refused like a full spool
+            state_write_failed(self.folder, exc)
             raise SpoolFull(f"cannot write the spool in {self.folder}: {exc.strerror}") from exc
         self._bytes += len(frames)
         self._records += len(payloads)
@@ -123,7 +120,10 @@ class DiskQueue:
                 self._segments.remove(segment)
                 segment, offset = self._segments[0], 0
         self._cursor = (segment, offset)
-        write_atomic(self.folder / "cursor", f"{segment} {offset}".encode())
+        try:
+            write_atomic(self.folder / "cursor", f"{segment} {offset}".encode())
+        except OSError as exc:  # kept in memory; a crash before the next write repeats them
+            state_write_failed(self.folder / "cursor", exc)
         if self._records == 0:
             self._reset()
 

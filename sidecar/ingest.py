@@ -29,6 +29,7 @@ from tenacity import (
     wait_random,
 )
 
+from sidecar.aio import wait_set
 from sidecar.log import Throttle, log
 
 
@@ -64,6 +65,7 @@ ROUTES: dict[str, RoutePolicy] = {
 }
 
 CONNECT_TIMEOUT_S = 5.0
+DRAIN_BACKOFF_S = 0.5
 MAX_RETRY_AFTER_S = 300.0
 
 
@@ -159,6 +161,7 @@ class IngestClient:
     _session: aiohttp.ClientSession | None = None
     _token: str = field(default="", repr=False)
     _throttle: Throttle = field(default_factory=Throttle)
+    _hurry: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
         """Open the keep-alive session; call once from the event loop."""
@@ -264,7 +267,7 @@ class IngestClient:
         def wait(state: RetryCallState) -> float:
             answer = state.outcome.result() if state.outcome else None
             if isinstance(answer, Answer) and answer.retry_after_s is not None:
-                return answer.retry_after_s
+                return -answer.retry_after_s  # negative: as told, see _sleep
             return backoff(state)
 
         def retryable(answer: Answer) -> bool:
@@ -276,11 +279,26 @@ class IngestClient:
             self.route_stats(route).retries += 1
 
         retrying = AsyncRetrying(
-            stop=stop, wait=wait, retry=retry_if_result(retryable), sleep=asyncio.sleep,
+            stop=stop, wait=wait, retry=retry_if_result(retryable), sleep=self._sleep,
             before_sleep=count_retry, retry_error_callback=lambda state: state.outcome.result()
             if state.outcome else Answer(Verdict.RETRY))
         answer: Answer = await retrying(self.post, route, body)
         return answer
+
+    def hurry(self) -> None:
+        """Shutdown began: backoff waits end now and stay short (Retry-After still holds)."""
+        self._hurry.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Between attempts. A negative wait is a Retry-After, honoured whole; a backoff wait
+        ends when the drain begins, and is at most DRAIN_BACKOFF_S during it, so a long
+        backoff grown during a flapping outage cannot outlast --drain-timeout."""
+        if seconds < 0:
+            await asyncio.sleep(-seconds)
+        elif self._hurry.is_set():
+            await asyncio.sleep(min(seconds, DRAIN_BACKOFF_S))
+        else:
+            await wait_set(self._hurry, seconds)
 
 
 def _describe(exc: BaseException) -> str:

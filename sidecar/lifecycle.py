@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
 from sidecar.ingest import IngestClient, Verdict, iso_ts
-from sidecar.log import log
+from sidecar.log import log, state_write_failed
 from sidecar.spool import Journal, append_dead_letter
 
 EVENTS = ("starting", "running", "succeeded", "failed")
@@ -33,7 +33,7 @@ class Lifecycle:
     rejected: int = 0  # events the ingest refused for good (dead-lettered)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     _journal: Journal | None = None
-    _queue: list[bytes] = field(default_factory=list)
+    _queue: list[tuple[bytes, bool]] = field(default_factory=list)  # (body, in the journal)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
@@ -45,7 +45,7 @@ class Lifecycle:
         if self.client is None:
             return
         self._journal = Journal(self.run_dir / "lifecycle.journal")
-        self._queue = await asyncio.to_thread(self._journal.open)
+        self._queue = [(body, True) for body in await asyncio.to_thread(self._journal.open)]
         if self._queue:
             log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
                      len(self._queue))
@@ -62,8 +62,12 @@ class Lifecycle:
         if self._journal is None:
             return
         body = json.dumps({"run_id": self.run_id, "event": event, "ts": iso_ts(when)}).encode()
-        await asyncio.to_thread(self._journal.append, body)
-        self._queue.append(body)
+        try:
+            await asyncio.to_thread(self._journal.append, body)
+            self._queue.append((body, True))
+        except OSError as exc:  # a full disk must not stop the run: deliver from memory
+            state_write_failed(self.run_dir / "lifecycle.journal", exc)
+            self._queue.append((body, False))
         self._idle.clear()
         self._wake.set()
 
@@ -75,10 +79,15 @@ class Lifecycle:
     @property
     def pending(self) -> list[str]:
         """The events not yet acknowledged, oldest first."""
-        return [json.loads(body)["event"] for body in self._queue]
+        return [json.loads(body)["event"] for body, _ in self._queue]
 
     async def close(self) -> None:
         await cancel(self._task)
+        if self._journal is not None:
+            try:  # an acknowledgement the disk refused earlier, so the next start does not
+                await asyncio.to_thread(self._journal.save_ack)  # post the event again
+            except OSError as exc:
+                state_write_failed(self.run_dir / "lifecycle.journal.acked", exc)
 
     async def _run(self) -> None:
         assert self.client is not None and self._journal is not None
@@ -89,12 +98,23 @@ class Lifecycle:
                 await self._wake.wait()
                 continue
             await self.release.wait()
-            answer = await self.client.deliver("lifecycle", self._queue[0])
+            body, journaled = self._queue[0]
+            answer = await self.client.deliver("lifecycle", body)
             if answer.verdict is Verdict.REJECTED:
                 self.rejected += 1
-                path = append_dead_letter(self.run_dir, "lifecycle", answer.status,
-                                          self._queue[0])
-                log.error("/lifecycle: HTTP %s: the ingest refused %s for good; kept in %s",
-                          answer.status, self._queue[0].decode(), path)
-            await asyncio.to_thread(self._journal.ack)
+                self._dead_letter(body, answer.status)
+            if journaled:
+                try:
+                    await asyncio.to_thread(self._journal.ack)
+                except OSError as exc:  # the next acknowledgement written records this one too
+                    state_write_failed(self.run_dir / "lifecycle.journal.acked", exc)
             self._queue.pop(0)
+
+    def _dead_letter(self, body: bytes, status: int | None) -> None:
+        try:
+            where = f"kept in {append_dead_letter(self.run_dir, 'lifecycle', status, body)}"
+        except OSError as exc:
+            state_write_failed(self.run_dir / "dead-letter.jsonl", exc)
+            where = "not kept"
+        log.error("/lifecycle: HTTP %s: the ingest refused %s for good; %s", status,
+                  body.decode(), where)

@@ -89,6 +89,22 @@ class _RepeatFilter(logging.Filter):
         return True
 
 
+_state_dir_trouble = Throttle()
+
+
+def state_write_failed(path: object, exc: OSError) -> None:
+    """A write to the state dir failed (a full disk, most often): one ERROR a minute for all
+    of them together, since they share one cause and one fix."""
+    held = _state_dir_trouble.admit("state-dir")
+    if held is None:
+        return
+    more = f" ({held} more failed writes since the last message)" if held else ""
+    log.error("cannot write to the state dir (%s: %s): lifecycle events and file offsets are kept "
+              "in memory and written once it can be, spooled payloads are refused meanwhile, "
+              "and the trainer is not affected; free space or give --state-dir more%s",
+              path, exc.strerror or exc, more)
+
+
 def setup(level: str = "info", message_format: str = "text") -> None:
     """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects."""
     handler = logging.StreamHandler(sys.stderr)

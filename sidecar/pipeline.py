@@ -38,7 +38,7 @@ from sidecar.sources.logfile import LogFileParser
 
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
-MAX_QUEUED_DOCUMENTS = 64  # in memory; more waits in the disk spool
+MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
 HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
 MAX_HPARAMS_PER_REQUEST = 1000
 DRAIN_READ_STEP_S = 0.05
@@ -263,10 +263,12 @@ class Pipeline(Sink):
         await self.checkpoints.stop()
         self.follower.close()
         left = {b.route: b.queued for b in self.batchers if b.queued}
-        if left or self.shipper.dropped_chars:
+        if left:
             log.warning(
-                "stopped with undelivered data: %s; log output dropped: %d characters. Metric "
-                "points are read again from their files' last acknowledged offsets at the next "
-                "start; spooled payloads are in %s, for the next start or `sidecar replay`",
-                ", ".join(f"{route} {n}" for route, n in left.items()) or "none",
-                self.shipper.dropped_chars, self.cfg.run_dir / "spool")
+                "stopped with undelivered data: %s. Metric points are read again from their "
+                "files' last acknowledged offsets at the next start; spooled payloads are in "
+                "%s, for the next start or `sidecar replay`",
+                ", ".join(f"{route} {n}" for route, n in left.items()), self.cfg.run_dir / "spool")
+        if self.shipper.dropped_chars:
+            log.warning("log output not delivered to /logs in this run: %d characters",
+                        self.shipper.dropped_chars)

@@ -8,6 +8,7 @@ atomically. Appends and acks are fsynced: a record handed to the journal survive
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -29,6 +30,7 @@ class Journal:
     torn_bytes: int = 0
     _records: list[bytes] = field(default_factory=list)
     _acked: int = 0
+    _ack_saved: bool = True
 
     @property
     def _ack_path(self) -> Path:
@@ -53,12 +55,9 @@ class Journal:
         return self._records[self._acked:]
 
     def append(self, payload: bytes) -> None:
-        """Add one record durably (blocking: call from a thread on the event loop's behalf)."""
-        frame = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-        with open(self.path, "ab") as fh:
-            fh.write(frame)
-            fh.flush()
-            os.fsync(fh.fileno())
+        """Add one record durably (blocking: call from a thread on the event loop's behalf);
+        OSError (a full disk) leaves the journal as it was."""
+        append_frames(self.path, frame(payload))
         self._records.append(payload)
 
     def ack(self, count: int = 1) -> None:
@@ -66,7 +65,15 @@ class Journal:
         if count < 0:
             raise ValueError(f"cannot acknowledge {count} records")
         self._acked = min(self._acked + count, len(self._records))
+        self._ack_saved = False
         write_atomic(self._ack_path, str(self._acked).encode())
+        self._ack_saved = True
+
+    def save_ack(self) -> None:
+        """Write the acknowledged count again if its last write failed (a full disk)."""
+        if not self._ack_saved:
+            write_atomic(self._ack_path, str(self._acked).encode())
+            self._ack_saved = True
 
     @property
     def pending(self) -> int:
@@ -85,6 +92,25 @@ class Journal:
             log.warning("%s is corrupt; replaying the whole journal (the ingest may see "
                         "repeats)", self._ack_path)
             return 0
+
+
+def frame(payload: bytes) -> bytes:
+    """`payload` framed with its length and CRC32, so that a torn copy is recognised."""
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def append_frames(path: Path, frames: bytes) -> None:
+    """Append and fsync; on failure (ENOSPC...) cut the file back so no partial frame stays."""
+    with open(path, "ab") as fh:
+        size = fh.tell()
+        try:
+            fh.write(frames)
+            fh.flush()
+            os.fsync(fh.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):
+                fh.truncate(size)
+            raise
 
 
 def append_dead_letter(run_dir: Path, route: str, status: int | None, body: bytes) -> Path:
