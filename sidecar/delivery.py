@@ -69,6 +69,7 @@ class Batcher:
     max_queued: int = MAX_QUEUED_ITEMS
     linger_s: float = LINGER_S
     spill: DiskQueue | None = None  # overflow on disk, for routes whose source cannot wait
+    on_room: Callable[[], None] | None = None  # called when room comes back (wakes a reader)
     delivered: int = 0
     dead_lettered: int = 0
     refused: int = 0
@@ -175,6 +176,8 @@ class Batcher:
                 self._queue.popleft()
             if self.has_room:
                 self._room.set()
+                if self.on_room is not None:
+                    self.on_room()
             for item in batch:
                 if item.ticket is not None:
                     item.ticket.release()

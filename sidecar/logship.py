@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.aio import cancel, wait_set
@@ -20,7 +21,8 @@ from sidecar.log import log
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
 MAX_REQUEST_CHARS = 1 << 20  # text in one request
-LINGER_S = 0.2  # how long a small batch waits for more text
+LINGER_S = 0.05  # how long a small batch waits for more text
+FLUSH_STALL_S = 1.0  # a flush gives up once nothing was sent or dropped for this long
 
 
 @dataclass
@@ -34,6 +36,7 @@ class LogShipper:
     linger_s: float = LINGER_S
     dropped_chars: int = 0
     sent_chars: int = 0
+    on_room: Callable[[], None] | None = None  # called when room comes back (wakes a reader)
     _chunks: deque[tuple[str, Ticket | None]] = field(default_factory=deque)
     _buffered: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -52,8 +55,10 @@ class LogShipper:
 
     @property
     def has_room(self) -> bool:
-        """Whether more text is welcome; when not, a source should drop before decoding."""
-        return self._buffered < self.max_buffer_chars
+        """Whether a whole request's worth of text is still welcome, so that what a source
+        puts after asking is never dropped; when not, a source waits (a file) or drops before
+        decoding (a pipe)."""
+        return self._buffered + self.max_request_chars <= self.max_buffer_chars
 
     def count_dropped(self, size: int, why: str) -> None:
         """Count output a source dropped on this batcher's behalf."""
@@ -76,9 +81,19 @@ class LogShipper:
         self._wake.set()
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait until everything queued was sent or dropped; False if `timeout_s` ran out."""
+        """Wait until everything queued was sent or dropped; False if `timeout_s` ran out or
+        nothing moved for FLUSH_STALL_S (a hung ingest: logs are best-effort, and the end
+        event waits behind them)."""
         self._wake.set()
-        return await wait_set(self._idle, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        moved = -1
+        while not self._idle.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.sent_chars + self.dropped_chars == moved:
+                return False
+            moved = self.sent_chars + self.dropped_chars
+            await wait_set(self._idle, min(FLUSH_STALL_S, left))
+        return True
 
     async def stop(self) -> None:
         """Stop shipping; what is still buffered is counted as dropped."""
@@ -97,6 +112,8 @@ class LogShipper:
             if self._buffered < self.max_request_chars:
                 await asyncio.sleep(self.linger_s)
             batch, tickets = self._take()
+            if self.on_room is not None and self.has_room:
+                self.on_room()
             body = json.dumps({"run_id": self.run_id, "chunks": batch, "eof": False},
                               separators=(",", ":")).encode()
             answer = await self.client.deliver("logs", body)

@@ -139,6 +139,8 @@ class Pipeline(Sink):
         self.checkpoints = Checkpoints(run_dir / "offsets.json")
         self.follower = Follower(source_specs(self.cfg, self.node), self, self.checkpoints,
                                  mode=self.cfg.file_watch)
+        for sink in (self.shipper, self.metrics, self.hparams):
+            sink.on_room = self.follower.wake
 
     @property
     def batchers(self) -> list[Batcher]:

@@ -127,6 +127,10 @@ class Follower:
             if self._watcher is not None:
                 self._watcher.cancel()
 
+    def wake(self) -> None:
+        """Look at the files now (a sink has room again, or a file changed)."""
+        self._wake.set()
+
     async def step(self) -> None:
         """One look at every file: discover, detect rotation, read what is new."""
         self._discover()

@@ -1,0 +1,108 @@
+"""Benchmark (not a test): append-to-ingest latency of `sidecar watch` (issues 3 and 8).
+
+    python tests/bench/bench_latency.py [--quick] [--seconds 20]
+
+A writer (_latency_writer.py, its own process) appends 1,000 log lines/s to a `--log` file and
+200 JSONL points/s to a `--jsonl` file for 20 s (8 s with --quick), every line and point stamped
+with the time of its write. The receiver (_receiver.py in latency mode) notes the arrival time of
+each; the delay is arrival - write, same machine, same clock. The sidecar follows both files
+from their start with its default file watching (inotify plus the safety poll).
+
+Target (issue 8): p99 under 250 ms (issue 3: within a second).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from _harness import (
+    HERE,
+    Row,
+    bench_arguments,
+    finish,
+    info_row,
+    limit_row,
+    parse,
+    profiled,
+    receiver,
+    show_warnings,
+    sidecar_env,
+    start_sidecar,
+    stop,
+    wait_quiet,
+    wait_until_posted,
+)
+
+BENCH = "latency"
+LINES_PER_S = 1000
+POINTS_PER_S = 200
+TARGET_P99_MS = 250.0
+SETTLE_S = 3.0  # after the writer stopped, for the last items to arrive
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def measure(seconds: float, profile: Path | None) -> list[Row]:
+    with receiver("latency") as rec, tempfile.TemporaryDirectory(prefix="bench-latency-") as tmp:
+        work = Path(tmp)
+        log, jsonl = work / "train.log", work / "metrics.jsonl"
+        log.touch()
+        jsonl.touch()
+        env = sidecar_env(rec.endpoint, work / "state")
+        proc = start_sidecar(["watch", "--log", str(log), "--jsonl", str(jsonl)], env, work)
+        try:
+            wait_until_posted(rec, "/environment")
+            wait_quiet(psutil.Process(proc.pid))
+            with profiled(proc.pid, profile, "latency"):
+                done = subprocess.run(
+                    [sys.executable, str(HERE / "_latency_writer.py"), str(log), str(jsonl),
+                     str(seconds), str(LINES_PER_S), str(POINTS_PER_S)],
+                    capture_output=True, text=True, check=True)
+                written = json.loads(done.stdout)
+                time.sleep(SETTLE_S)
+            delays = rec.delays()
+        finally:
+            stop(proc)
+            show_warnings(work)
+    rows = []
+    both = delays["logs"] + delays["points"]
+    for name, values, count in (("log lines", delays["logs"], written["lines"]),
+                                ("JSONL points", delays["points"], written["points"]),
+                                ("all", both, written["lines"] + written["points"])):
+        if not values:
+            rows.append(limit_row(BENCH, f"{name}: arrived", 0, "%", ">=", 100))
+            continue
+        ms = [1000 * v for v in values]
+        p50, p99, worst = percentile(ms, 50), percentile(ms, 99), max(ms)
+        print(f"  {name:12} {len(ms):6,} of {count:6,} arrived; p50 {p50:6.1f} ms, "
+              f"p99 {p99:6.1f} ms, max {worst:6.1f} ms, mean {statistics.fmean(ms):6.1f} ms")
+        rows.append(info_row(BENCH, f"{name}: p50 write to arrival", p50, "ms"))
+        rows.append(limit_row(BENCH, f"{name}: p99 write to arrival", p99, "ms", "<",
+                              TARGET_P99_MS))
+        if len(ms) < count:
+            rows.append(limit_row(BENCH, f"{name}: arrived", 100 * len(ms) / count, "%",
+                                  ">=", 100))
+    return rows
+
+
+def main() -> None:
+    options = bench_arguments(__doc__.splitlines()[0])
+    options.add_argument("--seconds", type=float, help="how long the writer writes (20, quick 8)")
+    args = parse(options)
+    seconds = args.seconds or (8.0 if args.quick else 20.0)
+    finish(measure(seconds, args.profile), args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Benchmark (not a test): what `sidecar run` costs a command that floods stdout, against `tee`.
+
+    python tests/bench/bench_wrapper.py [--quick] [--mb 1000] [--repeat 1]
+
+A child (_writer_child.py) writes 1 GB (256 MB with --quick) of 100-byte lines to stdout as fast
+as it can, and notes when it started and when its last write returned. It runs three ways, its
+output always ending in a file on disk:
+
+  tee      sh -c 'CHILD | tee FILE >/dev/null'
+  healthy  sidecar run -- CHILD  >FILE, the ingest (a counting receiver) answering at once
+  hung     sidecar run -- CHILD  >FILE, the ingest reading /logs requests and never answering
+
+Two wall times each, from the launch: until the child's last write returned (what the trainer
+feels), and until the wrapper exited (`sidecar run` then still drains: with a hung ingest it
+waits for /logs up to half of --drain-timeout, 10 s by default, by design). Targets (issue 8):
+at most 1.10 times tee's, healthy and hung. The share of lines that reached /logs in the healthy
+run is shown too: what the sidecar could not keep up with is dropped and counted, never waited
+for.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from _harness import (
+    HERE,
+    SIDECAR,
+    Receiver,
+    Row,
+    bench_arguments,
+    finish,
+    info_row,
+    parse,
+    profiled,
+    ratio_row,
+    receiver,
+    sidecar_env,
+)
+
+BENCH = "wrapper overhead"
+LINE_BYTES = 100
+TARGET = 1.10
+TIMEOUT_S = 300.0
+
+
+@dataclass
+class Timing:
+    child_s: float  # launch to the child's last write
+    exit_s: float  # launch to the wrapper's exit
+    start_s: float  # launch to the child's start (the wrapper's own start-up)
+    lines_to_logs: int = 0
+
+
+def child_command(total: int, times: Path) -> list[str]:
+    return [sys.executable, str(HERE / "_writer_child.py"), str(total), str(LINE_BYTES),
+            str(times)]
+
+
+def _timed(command: list[str], out: Path, times: Path, env: dict[str, str] | None = None,
+           profile: Path | None = None, name: str = "") -> Timing:
+    with out.open("wb") as sink, (out.parent / "stderr.txt").open("wb") as errors:
+        launched, started = time.time(), time.monotonic()
+        proc = subprocess.Popen(command, stdout=sink, stderr=errors, env=env, cwd=out.parent)
+        with profiled(proc.pid, profile, name):
+            status = proc.wait(TIMEOUT_S)
+        exit_s = time.monotonic() - started
+    if status != 0:
+        raise RuntimeError(f"{command[:3]} exited {status}: "
+                           f"{(out.parent / 'stderr.txt').read_text()[-2000:]}")
+    child_started, child_ended = map(float, times.read_text().split())
+    return Timing(child_ended - launched, exit_s, child_started - launched)
+
+
+def tee(total: int, work: Path) -> Timing:
+    times = work / "times-tee"
+    child = shlex.join(child_command(total, times))
+    pipeline = f"{child} | tee {shlex.quote(str(work / 'tee.out'))} >/dev/null"
+    return _timed(["sh", "-c", pipeline], work / "sh.out", times)
+
+
+def wrapped(total: int, work: Path, mode: str, profile: Path | None) -> Timing:
+    times = work / f"times-{mode}"
+    with receiver("count" if mode == "healthy" else "hang-logs") as rec, \
+            tempfile.TemporaryDirectory(dir=work) as state:
+        env = sidecar_env(rec.endpoint, Path(state))
+        timing = _timed([*SIDECAR, "run", "--", *child_command(total, times)],
+                        work / f"{mode}.out", times, env, profile, f"wrapper-{mode}")
+        timing.lines_to_logs = _lines(rec)
+    return timing
+
+
+def _lines(rec: Receiver) -> int:
+    return int(rec.stats()["lines"])
+
+
+def measure(total: int, repeat: int, profile: Path | None) -> list[Row]:
+    runs: dict[str, list[Timing]] = {"tee": [], "healthy": [], "hung": []}
+    with tempfile.TemporaryDirectory(prefix="bench-wrapper-") as tmp:
+        work = Path(tmp)
+        for _ in range(repeat):  # interleaved, so that a slow spell of the machine hits all
+            runs["tee"].append(tee(total, work))
+            for mode in ("healthy", "hung"):
+                runs[mode].append(wrapped(total, work, mode, profile))
+            for out in work.glob("*.out"):
+                out.unlink()
+    child = {k: statistics.median(t.child_s for t in v) for k, v in runs.items()}
+    exits = {k: statistics.median(t.exit_s for t in v) for k, v in runs.items()}
+    lines = total // LINE_BYTES
+    delivered = statistics.median(t.lines_to_logs for t in runs["healthy"])
+    starts = {k: statistics.median(t.start_s for t in v) for k, v in runs.items()}
+    for mode in runs:
+        print(f"  {mode:8} child started {starts[mode]:5.2f} s, done {child[mode]:6.2f} s; "
+              f"wrapper exited {exits[mode]:6.2f} s")
+    print(f"  healthy: {delivered:,.0f} of {lines:,} lines reached /logs")
+    label = f"{total / 1e6:.0f} MB"
+    rows = []
+    for mode in ("healthy", "hung"):
+        rows.append(ratio_row(BENCH, f"{label}, ingest {mode}: until the child's last write",
+                              child[mode], child["tee"], "s", "tee", "<=", TARGET))
+        rows.append(ratio_row(BENCH, f"{label}, ingest {mode}: until the wrapper exited",
+                              exits[mode], exits["tee"], "s", "tee", "<=", TARGET))
+    for mode in ("healthy", "hung"):
+        rows.append(info_row(BENCH, f"{label}, ingest {mode}: child's own run (start-up apart)",
+                             child[mode] - starts[mode], "s", child["tee"] - starts["tee"], "tee"))
+    rows.append(info_row(BENCH, f"{label}: launch to the child's start", starts["healthy"], "s",
+                         starts["tee"], "tee"))
+    rows.append(info_row(BENCH, f"{label}, ingest healthy: share of lines sent to /logs",
+                         100 * delivered / lines, "%"))
+    return rows
+
+
+def main() -> None:
+    options = bench_arguments(__doc__.splitlines()[0])
+    options.add_argument("--mb", type=float, help="MB the child writes (default 1000, quick 256)")
+    options.add_argument("--repeat", type=int, default=1, help="runs of each (median)")
+    args = parse(options)
+    total = int((args.mb or (256 if args.quick else 1000)) * 1e6)
+    finish(measure(total, args.repeat, args.profile), args.json)
+
+
+if __name__ == "__main__":
+    main()
