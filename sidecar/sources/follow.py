@@ -5,8 +5,9 @@ file is still read to its end while its successor is read from its start. Files 
 device, inode and a fingerprint of their first bytes; the offset of a file advances in the
 checkpoint only once everything before it was acknowledged by the ingest.
 
-Changes are noticed through inotify (watchfiles) where it works, with a slower poll as a safety
-net for filesystems where events never arrive (NFS, some FUSE mounts); `poll` mode polls alone.
+Changes are noticed through inotify read by the event loop (no thread, nothing spent while idle),
+with a slow safety poll; folders on NFS, SMB, FUSE and the like, where events never arrive, are
+polled instead, as is everything in `poll` mode.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from sidecar.checkpoints import Checkpoints, Mark
 from sidecar.delivery import Ticket
 from sidecar.log import log
 from sidecar.sources.base import Parsed, Parser
+from sidecar.sources.inotify import Inotify, filesystem_of, is_remote
 
 FINGERPRINT_BYTES = 256
 READ_BYTES = 1 << 20
 POLL_S = 0.25  # poll mode: how often files are looked at
-SAFETY_POLL_S = 1.0  # event mode: a look even without events (NFS, missed events)
-EVENT_DEBOUNCE_MS = 20  # watchfiles' default of 1,600 ms would blow the 1 s latency target
+SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
 
@@ -108,24 +109,39 @@ class Follower:
     _tails: dict[str, _Tail] = field(default_factory=dict)  # active, by path
     _retired: list[_Tail] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _watcher: asyncio.Task[None] | None = None
+    _events: Inotify | None = None
 
     async def run(self) -> None:
         """Follow until cancelled."""
         for spec in self.specs:
             self.stats.setdefault(spec.kind, SourceStats())
-        if self.mode != "poll":
-            self._watcher = asyncio.create_task(self._watch_events(), name="watch-events")
-        interval = POLL_S if self.mode == "poll" else SAFETY_POLL_S
+        self._events = self._start_events() if self.mode == "auto" else None
+        interval = SAFETY_POLL_S if self._events is not None else POLL_S
         try:
             while True:
                 await self.step()
+                if self._events is not None:
+                    self._events.watch(_watch_folders(self.specs))
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), interval)
         finally:
-            if self._watcher is not None:
-                self._watcher.cancel()
+            if self._events is not None:
+                self._events.close()
+
+    def _start_events(self) -> Inotify | None:
+        """inotify, unless a followed folder is on a filesystem where it sees nothing."""
+        for root in sorted(_watch_roots(spec.patterns for spec in self.specs)):
+            fstype = filesystem_of(Path(root))
+            if is_remote(fstype):
+                log.info("%s is on %s, where file events do not arrive: polling every %.2f s",
+                         root, fstype, POLL_S)
+                return None
+        try:
+            return Inotify(self.wake)
+        except OSError as exc:
+            log.info("file events unavailable (%s): polling every %.2f s", exc, POLL_S)
+            return None
 
     def wake(self) -> None:
         """Look at the files now (a sink has room again, or a file changed)."""
@@ -325,28 +341,6 @@ class Follower:
 
     # -- events ----------------------------------------------------------------------------------
 
-    async def _watch_events(self) -> None:
-        """Wake the loop on inotify events; fall back to polling alone if that fails."""
-        try:
-            import watchfiles
-        except ImportError:
-            return
-        while True:
-            roots = sorted(_watch_roots(spec.patterns for spec in self.specs))
-            if not roots:
-                await asyncio.sleep(SAFETY_POLL_S)
-                continue
-            try:
-                async for _ in watchfiles.awatch(*roots, debounce=EVENT_DEBOUNCE_MS, step=10,
-                                                 yield_on_timeout=False, recursive=True,
-                                                 rust_timeout=int(SAFETY_POLL_S * 1000)):
-                    self._wake.set()
-                    if sorted(_watch_roots(spec.patterns for spec in self.specs)) != roots:
-                        break  # a folder appeared: watch it too
-            except (OSError, RuntimeError) as exc:
-                log.info("file events unavailable (%s); polling every %.1f s", exc, SAFETY_POLL_S)
-                return
-
 
 def _expand(patterns: Iterable[str]) -> list[str]:
     names: list[str] = []
@@ -372,6 +366,18 @@ def _watch_roots(pattern_groups: Iterable[Iterable[str]]) -> set[str]:
                     roots.add(str(candidate))
                     break
     return roots
+
+
+def _watch_folders(specs: Sequence[SourceSpec]) -> list[str]:
+    """The folders to watch: each pattern's roots, and every folder below a root whose pattern
+    recurses (`**`, TensorBoard run folders), so new files anywhere in them are noticed."""
+    folders = []
+    for spec in specs:
+        for root in sorted(_watch_roots([spec.patterns])):
+            folders.append(root)
+            if any("**" in pattern for pattern in spec.patterns):
+                folders.extend(dirpath for dirpath, _, _ in os.walk(root) if dirpath != root)
+    return folders
 
 
 def _rotated_copy(tail: _Tail) -> Path | None:

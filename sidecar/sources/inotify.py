@@ -1,0 +1,99 @@
+"""File-change events for the follower: Linux inotify read by the event loop itself.
+
+No thread and no timer: the descriptor is registered with `loop.add_reader`, so an idle
+sidecar spends nothing here. Filesystems whose changes inotify never sees (NFS, SMB, FUSE,
+9p) are recognised from /proc/self/mountinfo, and the follower polls them instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from sidecar.log import log
+
+# <sys/inotify.h>
+_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x002, 0x004, 0x008
+_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x040, 0x080, 0x100, 0x200
+_IN_DELETE_SELF, _IN_MOVE_SELF, _IN_ONLYDIR = 0x400, 0x800, 0x01000000
+_MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE
+         | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR)
+_READ_BYTES = 64 << 10
+
+# Filesystems where another machine writes and inotify stays silent.
+REMOTE_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "gpfs",
+    "beegfs", "fuse", "fuseblk", "virtiofs"})
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem holding `path` (or its nearest existing parent), e.g. ext4,
+    nfs4, fuse.sshfs; "" when it cannot be told."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as fh:
+            for line in fh:
+                fields = line.split()
+                mount_point = fields[4].replace("\\040", " ")
+                kind = fields[fields.index("-") + 1]
+                inside = str(path) == mount_point or str(path).startswith(
+                    mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, fstype = mount_point, kind
+    except (OSError, ValueError, IndexError):
+        return ""
+    return fstype
+
+
+def is_remote(fstype: str) -> bool:
+    return fstype.split(".")[0] in REMOTE_FILESYSTEMS
+
+
+class Inotify:
+    """An inotify descriptor watching folders; calls `on_event` from the loop on any change."""
+
+    def __init__(self, on_event: Callable[[], None]) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self._add_watch = libc.inotify_add_watch
+        self._add_watch.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
+        self._fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        self._watched: set[str] = set()
+        self._on_event = on_event
+        asyncio.get_running_loop().add_reader(self._fd, self._readable)
+
+    def watch(self, folders: Iterable[str]) -> None:
+        """Add watches for `folders` not watched yet (a watch on a removed folder just ends)."""
+        for folder in folders:
+            if folder in self._watched:
+                continue
+            if self._add_watch(self._fd, os.fsencode(folder), _MASK) < 0:
+                errno = ctypes.get_errno()
+                log.info("no file events for %s (%s); it is polled", folder, os.strerror(errno))
+            self._watched.add(folder)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+    def _readable(self) -> None:
+        try:
+            while os.read(self._fd, _READ_BYTES):
+                pass
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            log.warning("reading file events failed (%s); polling instead", exc)
+            self.close()
+            return
+        self._on_event()
