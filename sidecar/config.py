@@ -59,6 +59,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in"),
     Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
            choices=("plain", "cri", "auto")),
+    Option("log-rate", "float", 20.0, "run only: MB a second of the command's output forwarded "
+           "to /logs at most (beyond, dropped and counted, so that forwarding a flood never "
+           "takes the trainer's CPU); 0: no limit", only="run"),
     Option("file-watch", "str", "auto", "notice file changes by inotify with a safety poll "
            "(auto), or by polling alone (poll: NFS, FUSE)", choices=("auto", "poll")),
     Option("node-name", "str", None, "this node's name"),
@@ -121,6 +124,7 @@ class Config:
     running_when: str = "spawn"
     log_prefix: str = ""
     log_format: str = "auto"
+    log_rate: float = 20.0
     file_watch: str = "auto"
     node_name: str | None = None
     nodes: int | None = None
@@ -305,10 +309,11 @@ def _convert(opt: Option, raw: Any) -> Any:
 
 
 def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
-    for name in ("hardware_interval", "drain_timeout"):
+    for name in ("hardware_interval", "drain_timeout", "log_rate"):
+        if name not in values:
+            continue
         if not math.isfinite(values[name]) or values[name] < 0:
-            raise ConfigError(f"{sources[name]}={values[name]} must be a number of seconds, "
-                              "0 or more")
+            raise ConfigError(f"{sources[name]}={values[name]} must be a number, 0 or more")
     if values["nodes"] is not None and values["nodes"] < 1:
         raise ConfigError(f"{sources['nodes']}={values['nodes']} must be at least 1")
     addr = values["status_addr"]

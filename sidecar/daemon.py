@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar import handoff
 from sidecar.config import Config
@@ -28,16 +28,13 @@ from sidecar.lifecycle import Lifecycle
 from sidecar.log import log, mask
 from sidecar.logship import LogShipper
 from sidecar.node import Node, resolve_node
-from sidecar.pipeline import Pipeline
 from sidecar.sources.child import FORWARDED_SIGNALS, Child, Pump, SpawnError
+from sidecar.sources.hparams import load_hparams
 from sidecar.sources.lines import LineAssembler
-from sidecar.status import (
-    RouteSnapshot,
-    SourceSnapshot,
-    StatusServer,
-    StatusSnapshot,
-    start_status_server,
-)
+
+if TYPE_CHECKING:  # imported once the command runs: `sidecar run` spawns it before these
+    from sidecar.pipeline import Pipeline
+    from sidecar.status import StatusServer
 
 TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
 OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
@@ -57,21 +54,47 @@ def make_client(cfg: Config) -> IngestClient | None:
 
 
 @dataclass
+class _Budget:
+    """A token bucket of output bytes a second, shared by the command's two streams."""
+
+    rate: float  # bytes a second; 0: no limit
+    _tokens: float = 0.0
+    _at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self._tokens = self.rate  # a second's worth at the start
+
+    def take(self, size: int) -> bool:
+        if not self.rate:
+            return True
+        now = time.monotonic()
+        self._tokens = min(self._tokens + (now - self._at) * self.rate, self.rate)
+        self._at = now
+        if self._tokens < size:
+            return False
+        self._tokens -= size
+        return True
+
+
+@dataclass
 class _Stream:
     """One of the child's output streams on its way to /logs."""
 
     assembler: LineAssembler
     shipper: LogShipper | None
+    budget: _Budget
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _skipped: int = 0
 
     def feed(self, block: bytes) -> None:
         if self.shipper is None:
             return
-        if not self.shipper.has_room:  # the ingest is behind: drop before spending CPU on it
+        why = ("the log buffer is full while the ingest is slow" if not self.shipper.has_room
+               else "the command writes faster than --log-rate forwards" if not
+               self.budget.take(len(block)) else "")
+        if why:  # drop before spending CPU on it: the trainer's cores are not ours
             self._skipped += len(block)
-            self.shipper.count_dropped(len(block), "the log buffer is full while the ingest "
-                                       "is slow")
+            self.shipper.count_dropped(len(block), why)
             return
         if self._skipped:
             self.gap(self._skipped)
@@ -96,16 +119,12 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     sys.setswitchinterval(GIL_SWITCH_S)
     node = resolve_node(cfg.node_name, environ, cfg.nodes)
     client = make_client(cfg)
+    hparams = load_hparams(cfg.hparams) if client is not None and cfg.hparams else None
     if client is not None:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        await client.start()
-    pipeline = Pipeline(cfg, client, node) if client is not None else None
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id,
                           client if node.reports_lifecycle else None)
-    await lifecycle.open()
-    if pipeline is not None:
-        pipeline.start()
-    status = await _serve_status(cfg, node, "run", client, pipeline, lifecycle)
+    await lifecycle.open()  # its sender waits for the client, started after the spawn
     await lifecycle.record("starting")
 
     address = handoff.new_address()
@@ -115,21 +134,19 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     child_env[handoff.ENV_VAR] = address
 
     prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
-    shipper = pipeline.shipper if pipeline is not None else None
-    streams = [_Stream(LineAssembler(mask=mask, prefix=prefix), shipper) for _ in range(2)]
+    budget = _Budget(cfg.log_rate * 1e6)
+    streams = [_Stream(LineAssembler(mask=mask, prefix=prefix), None, budget) for _ in range(2)]
     child = Child(argv, child_env)
-    if pipeline is not None:
-        pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,
-                                 find_trainer_python=True)
-    if cfg.running_when == "spawn":
-        await lifecycle.record("running")
-    try:
+    running_at = time.time()  # stamped before the spawn, journaled right after it: the fsync
+    try:  #                      need not delay the command
         fds = child.spawn()
     except SpawnError as exc:
         log.error("%s", exc)
         await lifecycle.record("failed")
-        await _drain(cfg, lifecycle, pipeline, streams)
-        await _close(client, lifecycle, pipeline, marker, status)
+        if client is not None:
+            await client.start()
+        await _drain(cfg, lifecycle, None, streams)
+        await _close(client, lifecycle, None, marker, None)
         return EXIT_CANNOT_START
 
     loop = asyncio.get_running_loop()
@@ -138,6 +155,22 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         loop.add_signal_handler(signum, _on_signal, child, signum, interrupted)
     for name, fd, sink, stream in zip(("stdout", "stderr"), fds, (1, 2), streams, strict=True):
         Pump(name, fd, sink, stream.feed, stream.gap, stream.closed.set, loop).start()
+    if cfg.running_when == "spawn":
+        await lifecycle.record("running", running_at)
+
+    # The command runs: now what posts (imports, connections, threads) is set up.
+    pipeline = None
+    if client is not None:
+        from sidecar.pipeline import Pipeline
+
+        pipeline = Pipeline(cfg, client, node, hparams)
+        for stream in streams:
+            stream.shipper = pipeline.shipper
+        await client.start()
+        pipeline.start()
+        pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,
+                                 find_trainer_python=True)
+    status = await _serve_status(cfg, node, "run", client, pipeline, lifecycle)
     ticker = asyncio.create_task(_tick(streams), name="ticker")
 
     exit_status = await child.wait()
@@ -168,9 +201,11 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
         if status is not None:
             await status.close()
         return 0
+    from sidecar.pipeline import Pipeline
+
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     await client.start()
-    pipeline = Pipeline(cfg, client, node)
+    pipeline = Pipeline(cfg, client, node, load_hparams(cfg.hparams) if cfg.hparams else None)
     pipeline.start()
     pipeline.start_telemetry(environ, environ, (), None, find_trainer_python=False)
     status = await _serve_status(cfg, node, "watch", client, pipeline, None)
@@ -287,6 +322,8 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
                         pipeline: Pipeline | None,
                         lifecycle: Lifecycle | None) -> StatusServer | None:
     """The local status endpoint (--status-addr), reading the live objects at request time."""
+    from sidecar.status import RouteSnapshot, SourceSnapshot, StatusSnapshot, start_status_server
+
     started_at = time.time()
 
     def snapshot() -> StatusSnapshot:

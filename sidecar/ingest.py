@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import aiohttp
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -31,6 +31,9 @@ from tenacity import (
 
 from sidecar.aio import wait_set
 from sidecar.log import Throttle, log
+
+if TYPE_CHECKING:  # aiohttp is imported when the client starts, so that `sidecar run` spawns
+    import aiohttp  # the command before paying for it
 
 
 class Guarantee(enum.Enum):
@@ -159,12 +162,15 @@ class IngestClient:
     ca_file: Path | None = None
     stats: dict[str, RouteStats] = field(default_factory=dict)
     _session: aiohttp.ClientSession | None = None
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _token: str = field(default="", repr=False)
     _throttle: Throttle = field(default_factory=Throttle)
     _hurry: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
         """Open the keep-alive session; call once from the event loop."""
+        import aiohttp
+
         self._token = self.read_token()
         ssl_context: ssl.SSLContext | bool = True
         if self.ca_file is not None:
@@ -176,6 +182,7 @@ class IngestClient:
             timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S),
             headers={"Content-Type": "application/json"},
         )
+        self._ready.set()
 
     async def close(self) -> None:
         """Close the session and its connections."""
@@ -188,7 +195,10 @@ class IngestClient:
 
     async def post(self, route: str, body: bytes) -> Answer:
         """One attempt to POST `body` to `route`; never raises for network or HTTP failures."""
-        assert self._session is not None, "IngestClient.start() was not called"
+        await self._ready.wait()  # a sender may be started before the session is
+        import aiohttp
+
+        assert self._session is not None
         policy = ROUTES[route]
         stats = self.route_stats(route)
         stats.requests += 1
@@ -303,6 +313,8 @@ class IngestClient:
 
 def _describe(exc: BaseException) -> str:
     """A short reason for a failed attempt, without the URL's query or any header."""
+    import aiohttp
+
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return "timed out"
     if isinstance(exc, aiohttp.ClientConnectorError):

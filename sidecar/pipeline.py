@@ -32,7 +32,6 @@ from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.environment import post_environment
 from sidecar.sources.follow import Follower, Sink, SourceSpec
 from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
-from sidecar.sources.hparams import load_hparams
 from sidecar.sources.jsonl import JsonlParser
 from sidecar.sources.logfile import LogFileParser
 
@@ -112,6 +111,7 @@ class Pipeline(Sink):
     cfg: Config
     client: IngestClient
     node: Node
+    hparams_file: dict[str, Any] | None = None  # --hparams, read (and checked) at start
     shipper: LogShipper = field(init=False)
     metrics: Batcher = field(init=False)
     hparams: Batcher = field(init=False)
@@ -155,8 +155,8 @@ class Pipeline(Sink):
             batcher.start()
         self.checkpoints.load()
         self.checkpoints.start()
-        if self.cfg.hparams is not None:
-            self.hparams.push(list(load_hparams(self.cfg.hparams).items()))
+        if self.hparams_file:
+            self.hparams.push(list(self.hparams_file.items()))
         if self.follower.specs:
             self._follow_task = asyncio.create_task(self.follower.run(), name="follow")
 

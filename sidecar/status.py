@@ -27,8 +27,8 @@ from sidecar import __version__
 from sidecar.config import parse_host_port
 from sidecar.ingest import RouteStats
 from sidecar.log import log, mask
+from sidecar.statusview import ADDR_FILE  # in the run's state folder; `sidecar status` reads it
 
-ADDR_FILE = "status-addr"  # in the run's state folder; `sidecar status` reads it first
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from sidecar.config import (
     DEFAULT_STATUS_ADDR,
@@ -31,7 +31,11 @@ from sidecar.config import (
     default_state_dir,
     resolve,
 )
-from sidecar.status import ADDR_FILE, RouteSnapshot, SourceSnapshot, StatusSnapshot
+
+if TYPE_CHECKING:  # the status server's module pulls in aiohttp.web: only once it is needed
+    from sidecar.status import RouteSnapshot, SourceSnapshot, StatusSnapshot
+
+ADDR_FILE = "status-addr"  # as sidecar.status writes it
 
 EXIT_OK = 0
 EXIT_NO_ANSWER = 1
@@ -98,6 +102,8 @@ def fetch(address: str) -> StatusSnapshot:
     try:
         with _DIRECT.open(f"http://{address}/status", timeout=FETCH_TIMEOUT_S) as response:
             doc = json.loads(response.read())
+        from sidecar.status import StatusSnapshot
+
         return StatusSnapshot.from_json(doc)
     except urllib.error.HTTPError as exc:
         raise NoAnswer(f"{address} answered HTTP {exc.code}: not a sidecar status "

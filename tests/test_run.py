@@ -302,7 +302,7 @@ def test_missing_command_is_a_configuration_error(ingest: RunningIngest, tmp_pat
     assert b"no command" in done.stderr
     missing = sidecar(["run", "--", "/nonexistent/train.sh"], env, tmp_path / "sc2")
     assert missing.status == 127
-    assert events(ingest) == ["starting", "running", "failed"]
+    assert events(ingest) == ["starting", "failed"]  # never running: nothing to bill
 
 
 def test_both_families_disagreeing_is_refused(ingest: RunningIngest, tmp_path: Path) -> None:
