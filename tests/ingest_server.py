@@ -137,20 +137,27 @@ def running_ingest(
     prefix: str = DEFAULT_PREFIX,
 ) -> Iterator[RunningIngest]:
     """An IngestServer listening on an ephemeral loopback port for the block's duration."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="ingest-server", daemon=True)
-    thread.start()
-    server = IngestServer(
-        store_dir, token=token, run_id=run_id, faults_enabled=faults, prefix=prefix
-    )
-    handle = RunningIngest(server, loop)
-    try:
+    with background_loop("ingest-server") as loop:
+        server = IngestServer(
+            store_dir, token=token, run_id=run_id, faults_enabled=faults, prefix=prefix
+        )
+        handle = RunningIngest(server, loop)
         handle._run(server.start())
-        yield handle
-    finally:
         try:
-            handle._run(server.stop())
+            yield handle
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(_CALL_TIMEOUT_S)
-            loop.close()
+            handle._run(server.stop())
+
+
+@contextmanager
+def background_loop(name: str) -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running in its own thread for the block's duration."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(_CALL_TIMEOUT_S)
+        loop.close()

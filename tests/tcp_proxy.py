@@ -25,7 +25,6 @@ import copy
 import random
 import socket
 import struct
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
@@ -33,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
+
+from tests.ingest_server import background_loop
 
 T = TypeVar("T")
 
@@ -400,18 +401,11 @@ def running_proxy(upstream_url: str, seed: int = 0) -> Iterator[RunningProxy]:
     passing everything through until told otherwise; `seed` fixes its random choices."""
     parts = urlsplit(upstream_url)
     assert parts.hostname is not None and parts.port is not None, upstream_url
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="tcp-proxy", daemon=True)
-    thread.start()
-    proxy = _Proxy(parts.hostname, parts.port, seed)
-    handle = RunningProxy(proxy, loop, parts.path.rstrip("/"))
-    try:
+    with background_loop("tcp-proxy") as loop:
+        proxy = _Proxy(parts.hostname, parts.port, seed)
+        handle = RunningProxy(proxy, loop, parts.path.rstrip("/"))
         handle._run(proxy.accept())
-        yield handle
-    finally:
         try:
-            handle._run(proxy.close())
+            yield handle
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(_CALL_TIMEOUT_S)
-            loop.close()
+            handle._run(proxy.close())
