@@ -22,7 +22,7 @@ from sidecar.log import log
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
 MAX_REQUEST_CHARS = 1 << 20  # text in one request
 LINGER_S = 0.05  # how long a small batch waits for more text
-FLUSH_STALL_S = 1.0  # a flush gives up once nothing was sent or dropped for this long
+FLUSH_STALL_S = 1.0  # a flush gives up once no request was answered for this long
 
 
 @dataclass
@@ -43,6 +43,7 @@ class LogShipper:
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
     _warned_at: float = float("-inf")
+    _active_at: float = 0.0  # when a request was last sent or answered, or work came to an idle
 
     def start(self) -> None:
         self._idle.set()
@@ -71,6 +72,8 @@ class LogShipper:
             return
         self._chunks.append((text, ticket.hold() if ticket else None))
         self._buffered += len(text)
+        if self._idle.is_set():
+            self._active_at = time.monotonic()
         self._idle.clear()
         while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
             oldest, done = self._chunks.popleft()
@@ -82,17 +85,19 @@ class LogShipper:
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was sent or dropped; False if `timeout_s` ran out or
-        nothing moved for FLUSH_STALL_S (a hung ingest: logs are best-effort, and the end
-        event waits behind them)."""
+        the request in flight has had no answer for FLUSH_STALL_S, counted from when it was
+        sent, not from when the flush began: an ingest that hung during the run costs the
+        exit at most what is left of that second (logs are best-effort, and the end event
+        waits behind them)."""
         self._wake.set()
         deadline = time.monotonic() + timeout_s
-        moved = -1
         while not self._idle.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or self.sent_chars + self.dropped_chars == moved:
+            now = time.monotonic()
+            stall_left = self._active_at + FLUSH_STALL_S - now
+            left = min(deadline - now, stall_left)
+            if left <= 0:
                 return False
-            moved = self.sent_chars + self.dropped_chars
-            await wait_set(self._idle, min(FLUSH_STALL_S, left))
+            await wait_set(self._idle, left)
         return True
 
     async def stop(self) -> None:
@@ -116,7 +121,9 @@ class LogShipper:
                 self.on_room()
             body = json.dumps({"run_id": self.run_id, "chunks": batch, "eof": False},
                               separators=(",", ":")).encode()
+            self._active_at = time.monotonic()
             answer = await self.client.deliver("logs", body)
+            self._active_at = time.monotonic()
             size = sum(map(len, batch))
             if answer.ok:
                 self.sent_chars += size

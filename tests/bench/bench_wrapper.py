@@ -20,6 +20,7 @@ for.
 
 from __future__ import annotations
 
+import os
 import shlex
 import statistics
 import subprocess
@@ -96,6 +97,14 @@ def wrapped(total: int, work: Path, mode: str, profile: Path | None) -> Timing:
     return timing
 
 
+def _settle(work: Path) -> None:
+    """Start each run with no dirty pages: the gigabyte an earlier run left in the page cache
+    would otherwise be written back during the next one and slow its writes (by 2x here)."""
+    for out in work.glob("*.out"):
+        out.unlink()
+    os.sync()
+
+
 def _lines(rec: Receiver) -> int:
     return int(rec.stats()["lines"])
 
@@ -105,11 +114,11 @@ def measure(total: int, repeat: int, profile: Path | None) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="bench-wrapper-") as tmp:
         work = Path(tmp)
         for _ in range(repeat):  # interleaved, so that a slow spell of the machine hits all
+            _settle(work)
             runs["tee"].append(tee(total, work))
             for mode in ("healthy", "hung"):
+                _settle(work)
                 runs[mode].append(wrapped(total, work, mode, profile))
-            for out in work.glob("*.out"):
-                out.unlink()
     child = {k: statistics.median(t.child_s for t in v) for k, v in runs.items()}
     exits = {k: statistics.median(t.exit_s for t in v) for k, v in runs.items()}
     lines = total // LINE_BYTES
@@ -117,7 +126,8 @@ def measure(total: int, repeat: int, profile: Path | None) -> list[Row]:
     starts = {k: statistics.median(t.start_s for t in v) for k, v in runs.items()}
     for mode in runs:
         print(f"  {mode:8} child started {starts[mode]:5.2f} s, done {child[mode]:6.2f} s; "
-              f"wrapper exited {exits[mode]:6.2f} s")
+              f"wrapper exited {exits[mode]:6.2f} s (medians; each run's exit: "
+              f"{', '.join(f'{t.exit_s:.2f}' for t in runs[mode])})")
     print(f"  healthy: {delivered:,.0f} of {lines:,} lines reached /logs")
     label = f"{total / 1e6:.0f} MB"
     rows = []

@@ -1,0 +1,67 @@
+"""LogShipper's flush at shutdown: how long the end of a run waits for best-effort /logs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sidecar.ingest import IngestClient
+from sidecar.logship import FLUSH_STALL_S, LogShipper
+from sidecar.receive import Fault
+from tests.conftest import RUN_ID, TOKEN
+from tests.ingest_server import RunningIngest
+from tests.test_delivery import wait_until
+
+
+@asynccontextmanager
+async def shipping(ingest: RunningIngest) -> AsyncIterator[LogShipper]:
+    """A started LogShipper on a real IngestClient; stopped and closed afterwards."""
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    shipper = LogShipper(client, RUN_ID)
+    shipper.start()
+    try:
+        yield shipper
+    finally:
+        await shipper.stop()
+        await client.close()
+
+
+def chunks(ingest: RunningIngest) -> list[str]:
+    return [c for body in ingest.records("logs") for c in body["chunks"]]
+
+
+async def test_an_ingest_hung_during_the_run_costs_the_flush_nothing_more(
+        ingest: RunningIngest) -> None:
+    """The stall is counted from when the hung request was sent: a wrapper whose ingest stopped
+    answering long before the child exited does not wait another FLUSH_STALL_S at its end."""
+    ingest.add_fault(Fault(route="logs", latency_s=600))
+    async with shipping(ingest) as shipper:
+        shipper.put("step 1\n")
+        await wait_until(lambda: shipper.client.route_stats("logs").requests == 1,
+                         "the request was sent")
+        loop = asyncio.get_running_loop()
+        hung_since = loop.time()
+        await wait_until(lambda: loop.time() - hung_since > FLUSH_STALL_S,
+                         "the request has hung for a stall's length", timeout=3 * FLUSH_STALL_S)
+        shipper.put("step 2\n")
+        began = loop.time()
+        assert not await shipper.flush(10.0)
+        assert loop.time() - began < FLUSH_STALL_S / 2
+
+
+async def test_a_slow_answer_after_a_quiet_spell_is_waited_for(ingest: RunningIngest) -> None:
+    """Text put after the shipper sat idle longer than FLUSH_STALL_S starts the stall clock
+    afresh, so a slow but answering ingest still gets the last lines."""
+    async with shipping(ingest) as shipper:
+        shipper.put("first\n")
+        assert await shipper.flush(10.0)
+        loop = asyncio.get_running_loop()
+        idle_since = loop.time()
+        await wait_until(lambda: loop.time() - idle_since > FLUSH_STALL_S,
+                         "idle for a stall's length", timeout=3 * FLUSH_STALL_S)
+        ingest.add_fault(Fault(route="logs", latency_s=FLUSH_STALL_S / 2, times=1))
+        shipper.put("last\n")
+        assert await shipper.flush(10.0)
+        assert chunks(ingest) == ["first\n", "last\n"]
