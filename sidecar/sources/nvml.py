@@ -24,16 +24,41 @@ from typing import Any, NewType
 
 from sidecar.log import log
 
-
-def _load_bindings() -> Any:
-    """nvidia-ml-py's `pynvml`, untyped, kept behind this module; None when not installed."""
-    try:
-        return importlib.import_module("pynvml")
-    except ImportError:
-        return None
+LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
 
 
-_NV: Any = _load_bindings()
+class _Bindings:
+    """nvidia-ml-py's `pynvml`, untyped, kept behind this module and imported at first use, and
+    only where the driver's library loads: on a node without GPUs its 4 MB of Python are never
+    paid for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._module: Any = None
+        self.missing = ""  # why there are none: the library, or the bindings
+
+    def get(self) -> Any:
+        with self._lock:  # the sampler's worker threads may ask at once
+            if not self._loaded:
+                self._loaded = True
+                self._module = self._load()
+            return self._module
+
+    def _load(self) -> Any:
+        try:
+            ctypes.CDLL(LIBRARY)
+        except OSError as exc:
+            self.missing = f"cannot load {LIBRARY}: {exc}"
+            return None
+        try:
+            return importlib.import_module("pynvml")
+        except ImportError:
+            self.missing = "nvidia-ml-py is not installed"
+            return None
+
+
+_BINDINGS = _Bindings()
 
 # NVML return codes (nvml.h, nvmlReturn_t): part of the C ABI, stable across driver versions.
 INVALID_ARGUMENT = 2
@@ -89,16 +114,17 @@ Handle = NewType("Handle", object)  # an nvmlDevice_t as the bindings hand it ou
 
 def _call(name: str, *args: Any) -> Any:
     """Call pynvml.`name`, turning every failure into NvmlError."""
-    if _NV is None:
-        raise NvmlError(LIBRARY_NOT_FOUND, "nvidia-ml-py is not installed")
-    function = getattr(_NV, name, None)
+    nv = _BINDINGS.get()
+    if nv is None:
+        raise NvmlError(LIBRARY_NOT_FOUND, _BINDINGS.missing)
+    function = getattr(nv, name, None)
     if function is None:
         raise NvmlError(FUNCTION_NOT_FOUND, f"nvidia-ml-py has no {name}")
     try:
         return function(*args)
-    except _NV.NVMLError as exc:
+    except nv.NVMLError as exc:
         raise NvmlError(int(exc.value), f"{name}: {exc}") from None
-    except (TypeError, getattr(_NV, "NVMLLibraryMismatchError", TypeError)) as exc:
+    except (TypeError, getattr(nv, "NVMLLibraryMismatchError", TypeError)) as exc:
         raise NvmlError(FUNCTION_NOT_FOUND, f"{name}: {exc}") from None  # an older binding
 
 
@@ -126,7 +152,7 @@ def _text(value: Any) -> str:
 
 
 def _constant(name: str, default: int) -> int:
-    return int(getattr(_NV, name, default)) if _NV is not None else default
+    return int(getattr(_BINDINGS.get(), name, default))
 
 
 def init() -> None:
@@ -350,7 +376,7 @@ class GpmSampler:
     """Two GPM sample buffers: each read takes a new sample and averages over the interval."""
 
     def __init__(self) -> None:
-        if not hasattr(_NV, "c_nvmlGpmMetricsGet_t"):
+        if not hasattr(_BINDINGS.get(), "c_nvmlGpmMetricsGet_t"):
             raise NvmlError(FUNCTION_NOT_FOUND, "nvidia-ml-py predates GPM")
         self._older: Any = _call("nvmlGpmSampleAlloc")
         self._newer: Any = _call("nvmlGpmSampleAlloc")
@@ -364,7 +390,7 @@ class GpmSampler:
         self._primed = True
         if not primed:
             return {}
-        request = _NV.c_nvmlGpmMetricsGet_t()
+        request = _BINDINGS.get().c_nvmlGpmMetricsGet_t()
         request.version = _constant("NVML_GPM_METRICS_GET_VERSION", 1)
         request.numMetrics = len(GPM_METRICS)
         request.sample1 = self._older  # NVML wants the earlier sample first
