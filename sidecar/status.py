@@ -10,24 +10,24 @@ no token, and every answer is masked besides.
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import ipaddress
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sidecar import __version__
+from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.config import parse_host_port
 from sidecar.ingest import RouteStats
 from sidecar.log import log, mask
-from sidecar.statusview import ADDR_FILE  # in the run's state folder; `sidecar status` reads it
 
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
 
@@ -115,98 +115,24 @@ class StatusSnapshot:
             raise ValueError(f"not a sidecar /status document ({exc!r})") from None
 
 
-# Each row: snapshot field, metric name (the _total suffix added for counters), help text.
-_ROUTE_COUNTERS = (
-    ("requests", "sidecar_route_requests", "POST attempts to the ingest"),
-    ("accepted", "sidecar_route_accepted", "requests the ingest acknowledged (2xx)"),
-    ("failures", "sidecar_route_failures", "attempts that failed (network, 3xx, 4xx, 5xx)"),
-    ("retries", "sidecar_route_retries", "attempts that were retries after a backoff"),
-    ("dropped", "sidecar_route_dropped", "payloads given up on (for logs: characters)"),
-)
-_ROUTE_GAUGES = (
-    ("queue_depth", "sidecar_route_queue_depth", "payloads waiting in memory"),
-    ("spool_bytes", "sidecar_route_spool_bytes", "bytes waiting in the on-disk spool"),
-)
-_SOURCE_COUNTERS = (
-    ("bytes_read", "sidecar_source_read_bytes", "bytes read from the source"),
-    ("lines_read", "sidecar_source_read_lines", "lines or records read from the source"),
-    ("points", "sidecar_source_points", "metric points produced"),
-    ("invalid", "sidecar_source_invalid", "NaN or infinite values, counted and not sent"),
-    ("skipped", "sidecar_source_skipped", "unparseable lines or corrupt records skipped"),
-)
-
-
-class _SnapshotCollector:
-    """A prometheus-client collector that reads one fresh snapshot per scrape."""
+class _Prometheus:
+    """The /metrics text, rendered by `sidecar.prometheus`, which is imported at the first
+    scrape (in a thread: it takes tens of milliseconds)."""
 
     def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
         self._snapshot = snapshot
+        self._render: Callable[[], bytes] | None = None
+        self.content_type = ""
 
-    def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        yield from _run_metrics(snap)
-        yield from _route_metrics(snap)
-        yield from _source_metrics(snap)
-
-
-def _run_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
-    info = GaugeMetricFamily("sidecar_info", "the running sidecar; always 1",
-                             labels=["run_id", "node", "mode", "version"])
-    info.add_metric([snap.run_id, snap.node, snap.mode, __version__], 1)
-    yield info
-    yield GaugeMetricFamily("sidecar_offline", "1 when reporting is off (ENABLED=0)",
-                            value=int(snap.offline))
-    yield GaugeMetricFamily("sidecar_ready", "1 once the ingest accepted a request, or offline",
-                            value=int(snap.ready))
-    yield GaugeMetricFamily("sidecar_start_time_seconds", "when the sidecar started, epoch s",
-                            value=snap.started_at)
-    if snap.sampler_duration_s is not None:
-        yield GaugeMetricFamily("sidecar_sampler_duration_seconds",
-                                "how long the last hardware sample took",
-                                value=snap.sampler_duration_s)
-    yield CounterMetricFamily("sidecar_lifecycle_events_recorded",
-                              "lifecycle events recorded", value=len(snap.lifecycle_recorded))
-    yield GaugeMetricFamily("sidecar_lifecycle_events_pending",
-                            "lifecycle events not yet acknowledged",
-                            value=len(snap.lifecycle_pending))
-
-
-def _route_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
-    for attr, name, doc in _ROUTE_COUNTERS:
-        counter = CounterMetricFamily(name, doc, labels=["route"])
-        for route in snap.routes:
-            counter.add_metric([route.route], getattr(route, attr))
-        yield counter
-    for attr, name, doc in _ROUTE_GAUGES:
-        gauge = GaugeMetricFamily(name, doc, labels=["route"])
-        for route in snap.routes:
-            gauge.add_metric([route.route], getattr(route, attr))
-        yield gauge
-    when = GaugeMetricFamily("sidecar_route_last_success_timestamp_seconds",
-                             "when the ingest last acknowledged this route, epoch s",
-                             labels=["route"])
-    age = GaugeMetricFamily("sidecar_route_last_success_age_seconds",
-                            "seconds since the ingest last acknowledged this route",
-                            labels=["route"])
-    for route in snap.routes:
-        if route.last_success is not None:
-            when.add_metric([route.route], route.last_success)
-            age.add_metric([route.route], max(snap.taken_at - route.last_success, 0.0))
-    yield when
-    yield age
-
-
-def _source_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
-    for attr, name, doc in _SOURCE_COUNTERS:
-        counter = CounterMetricFamily(name, doc, labels=["source", "kind"])
-        for source in snap.sources:
-            counter.add_metric([source.name, source.kind], getattr(source, attr))
-        yield counter
+    async def text(self) -> str:
+        if self._render is None:
+            module = await asyncio.to_thread(importlib.import_module, "sidecar.prometheus")
+            self._render, self.content_type = module.exposition(self._snapshot), module.CONTENT_TYPE
+        return self._render().decode("utf-8")
 
 
 def _make_app(snapshot: Callable[[], StatusSnapshot]) -> web.Application:
-    registry = CollectorRegistry()
-    registry.register(_SnapshotCollector(snapshot))
+    prometheus = _Prometheus(snapshot)
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -218,9 +144,9 @@ def _make_app(snapshot: Callable[[], StatusSnapshot]) -> web.Application:
                             "yet\n")
 
     async def metrics(request: web.Request) -> web.Response:
-        text = mask(generate_latest(registry).decode("utf-8"))
+        text = mask(await prometheus.text())
         return web.Response(body=text.encode("utf-8"),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+                            headers={"Content-Type": prometheus.content_type})
 
     async def status(request: web.Request) -> web.Response:
         text = mask(json.dumps(snapshot().to_json(), ensure_ascii=False))

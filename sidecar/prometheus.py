@@ -1,0 +1,116 @@
+"""The status snapshot as Prometheus text, for the status endpoint's /metrics.
+
+Imported at the first scrape, not with the endpoint: a sidecar nobody scrapes does not carry
+prometheus-client (about 1 MB resident).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from sidecar import __version__
+
+if TYPE_CHECKING:
+    from sidecar.status import StatusSnapshot
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def exposition(snapshot: Callable[[], StatusSnapshot]) -> Callable[[], bytes]:
+    """A renderer of one fresh snapshot per call, in the Prometheus text format."""
+    registry = CollectorRegistry()
+    registry.register(_SnapshotCollector(snapshot))
+    return lambda: generate_latest(registry)
+
+
+# Each row: snapshot field, metric name (the _total suffix added for counters), help text.
+_ROUTE_COUNTERS = (
+    ("requests", "sidecar_route_requests", "POST attempts to the ingest"),
+    ("accepted", "sidecar_route_accepted", "requests the ingest acknowledged (2xx)"),
+    ("failures", "sidecar_route_failures", "attempts that failed (network, 3xx, 4xx, 5xx)"),
+    ("retries", "sidecar_route_retries", "attempts that were retries after a backoff"),
+    ("dropped", "sidecar_route_dropped", "payloads given up on (for logs: characters)"),
+)
+_ROUTE_GAUGES = (
+    ("queue_depth", "sidecar_route_queue_depth", "payloads waiting in memory"),
+    ("spool_bytes", "sidecar_route_spool_bytes", "bytes waiting in the on-disk spool"),
+)
+_SOURCE_COUNTERS = (
+    ("bytes_read", "sidecar_source_read_bytes", "bytes read from the source"),
+    ("lines_read", "sidecar_source_read_lines", "lines or records read from the source"),
+    ("points", "sidecar_source_points", "metric points produced"),
+    ("invalid", "sidecar_source_invalid", "NaN or infinite values, counted and not sent"),
+    ("skipped", "sidecar_source_skipped", "unparseable lines or corrupt records skipped"),
+)
+
+
+class _SnapshotCollector:
+    """A prometheus-client collector that reads one fresh snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield from _run_metrics(snap)
+        yield from _route_metrics(snap)
+        yield from _source_metrics(snap)
+
+
+def _run_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    info = GaugeMetricFamily("sidecar_info", "the running sidecar; always 1",
+                             labels=["run_id", "node", "mode", "version"])
+    info.add_metric([snap.run_id, snap.node, snap.mode, __version__], 1)
+    yield info
+    yield GaugeMetricFamily("sidecar_offline", "1 when reporting is off (ENABLED=0)",
+                            value=int(snap.offline))
+    yield GaugeMetricFamily("sidecar_ready", "1 once the ingest accepted a request, or offline",
+                            value=int(snap.ready))
+    yield GaugeMetricFamily("sidecar_start_time_seconds", "when the sidecar started, epoch s",
+                            value=snap.started_at)
+    if snap.sampler_duration_s is not None:
+        yield GaugeMetricFamily("sidecar_sampler_duration_seconds",
+                                "how long the last hardware sample took",
+                                value=snap.sampler_duration_s)
+    yield CounterMetricFamily("sidecar_lifecycle_events_recorded",
+                              "lifecycle events recorded", value=len(snap.lifecycle_recorded))
+    yield GaugeMetricFamily("sidecar_lifecycle_events_pending",
+                            "lifecycle events not yet acknowledged",
+                            value=len(snap.lifecycle_pending))
+
+
+def _route_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    for attr, name, doc in _ROUTE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["route"])
+        for route in snap.routes:
+            counter.add_metric([route.route], getattr(route, attr))
+        yield counter
+    for attr, name, doc in _ROUTE_GAUGES:
+        gauge = GaugeMetricFamily(name, doc, labels=["route"])
+        for route in snap.routes:
+            gauge.add_metric([route.route], getattr(route, attr))
+        yield gauge
+    when = GaugeMetricFamily("sidecar_route_last_success_timestamp_seconds",
+                             "when the ingest last acknowledged this route, epoch s",
+                             labels=["route"])
+    age = GaugeMetricFamily("sidecar_route_last_success_age_seconds",
+                            "seconds since the ingest last acknowledged this route",
+                            labels=["route"])
+    for route in snap.routes:
+        if route.last_success is not None:
+            when.add_metric([route.route], route.last_success)
+            age.add_metric([route.route], max(snap.taken_at - route.last_success, 0.0))
+    yield when
+    yield age
+
+
+def _source_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    for attr, name, doc in _SOURCE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["source", "kind"])
+        for source in snap.sources:
+            counter.add_metric([source.name, source.kind], getattr(source, attr))
+        yield counter
