@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from sidecar.config import FAMILIES, OPTIONS, Config, ConfigError, Family, resolve
+from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve
 from sidecar.ingest import Answer, Verdict
 from sidecar.log import add_secret, log, mask
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2  # as every command's configuration error (cli.EXIT_CONFIG)
-DEFAULT_TIMEOUT_S = 10.0
 # Files a container runtime leaves in the root of a container (Docker, Podman).
 CONTAINER_MARKERS: tuple[tuple[Path, str], ...] = (
     (Path("/.dockerenv"), "/.dockerenv exists (a Docker container)"),
@@ -128,22 +127,11 @@ class _Target:
         return getattr(self.family, which) if self.family else which.upper()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare `sidecar check`'s options; the shared ones have the same help as `run`'s."""
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                        help=f"how long each step may take (default {DEFAULT_TIMEOUT_S:g})")
-    for name in ("token-file", "ca-file", "state-dir"):
-        parser.add_argument("--" + name, default=None, metavar=name.split("-")[-1].upper(),
-                            help=_option_help(name))
-    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with options")
-
-
 def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """Run every step, print what each found; 0 when the probe was accepted or reporting is
     off, 2 for a configuration error, 1 for anything else."""
-    timeout_s = getattr(args, "timeout", None) or DEFAULT_TIMEOUT_S
-    report = _Report(bool(getattr(args, "json", False)), sys.stdout)
+    timeout_s = args.timeout
+    report = _Report(args.json, sys.stdout)
     cfg = _configuration(args, environ, report)
     if cfg is None:
         code = EXIT_CONFIG
@@ -501,15 +489,3 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def _option_help(name: str) -> str:
-    return next(opt.help for opt in OPTIONS if opt.name == name)
-

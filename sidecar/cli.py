@@ -1,4 +1,7 @@
-"""Commands and options -> Config -> run / lifecycle / receive / demo (CONTRACT 2)."""
+"""Commands and options -> Config -> run / watch / check / status / lifecycle / replay (CONTRACT 2).
+
+Each command's module is imported when that command runs, so a daemon never carries the code of
+the commands it is not running."""
 
 from __future__ import annotations
 
@@ -6,17 +9,17 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sidecar import __version__, check, handoff, statusview
-from sidecar.config import ConfigError, add_options, command_of, resolve
+from sidecar import __version__
+from sidecar.config import ConfigError, add_options, command_of, option_help, resolve
 from sidecar.lifecycle import EVENTS, Lifecycle
 from sidecar.log import add_secret, log, setup
 
 EXIT_CONFIG = 2
+CHECK_TIMEOUT_S = 10.0  # how long each step of `sidecar check` may take
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
                                 "SIGTERM", usage="sidecar watch [OPTIONS]")
     add_options(watch, "watch")
 
-    check.add_arguments(commands.add_parser(
-        "check", help="validate the configuration, probe the endpoint from this node, explain "
-        "what is wrong"))
-    statusview.add_arguments(commands.add_parser("status", help="counters of the running daemon"))
+    check = commands.add_parser("check", help="validate the configuration, probe the endpoint "
+                                "from this node, explain what is wrong")
+    check.add_argument("--json", action="store_true", help="print one JSON document")
+    check.add_argument("--timeout", type=_seconds, default=CHECK_TIMEOUT_S, metavar="SECONDS",
+                       help=f"how long each step may take (default {CHECK_TIMEOUT_S:g})")
+    for name in ("token-file", "ca-file", "state-dir"):
+        check.add_argument("--" + name, default=None, metavar=name.split("-")[-1].upper(),
+                           help=option_help(name))
+    check.add_argument("--config", default=None, metavar="FILE", help="TOML file with options")
+
+    status = commands.add_parser("status", help="counters of the running daemon")
+    status.add_argument("--status-addr", default=None, metavar="ADDR",
+                        help="the daemon's status endpoint HOST:PORT (default: the address it "
+                        "wrote to the state dir, else 127.0.0.1:9620)")
+    status.add_argument("--once", action="store_true",
+                        help="print the table once and exit (for scripts)")
+    status.add_argument("--state-dir", default=None, metavar="DIR", help=option_help("state-dir"))
+    status.add_argument("--config", default=None, metavar="FILE", help="TOML file with options")
 
     lifecycle = commands.add_parser("lifecycle", help="post one lifecycle event, strictly")
     lifecycle.add_argument("event", choices=EVENTS)
@@ -108,16 +125,29 @@ def _watch(args: argparse.Namespace) -> int:
     return asyncio.run(run_watch(cfg, os.environ))
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def _check(args: argparse.Namespace) -> int:
+    from sidecar.check import check
+
     setup()
-    return check.check(args, os.environ)
+    return check(args, os.environ)
 
 
 def _status(args: argparse.Namespace) -> int:
-    return statusview.status_command(args)
+    from sidecar.statusview import status_command
+
+    return status_command(args)
 
 
 def _lifecycle(args: argparse.Namespace) -> int:
+    from sidecar import handoff
+
     setup()
     address = os.environ.get(handoff.ENV_VAR)
     if address:
@@ -176,6 +206,8 @@ def _receive(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import tempfile
+
     from sidecar.demo import demo
 
     with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ class Option:
 
 
 DEFAULT_STATUS_ADDR = "127.0.0.1:9620"
+STATUS_ADDR_FILE = "status-addr"  # in the run's state folder: the status address actually bound
 
 OPTIONS: tuple[Option, ...] = (
     Option("log", "list", (), "plain-text log file forwarded to /logs (repeatable, globs allowed)"),
@@ -143,6 +143,11 @@ class Config:
         if self.token_file is None:
             return self.token
         return read_token_file(self.token_file)
+
+
+def option_help(name: str) -> str:
+    """The help text of option `name` (as in `--state-dir`, without dashes)."""
+    return next(opt.help for opt in OPTIONS if opt.name == name)
 
 
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -250,6 +255,8 @@ def _resolve_token(token_file: Path | None, source: str, platform: Platform,
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
+    import tomllib  # only with --config: most runs never need it
+
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)

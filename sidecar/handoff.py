@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 
@@ -23,7 +22,7 @@ HANDOFF_TIMEOUT_S = 10.0
 def new_address() -> str:
     """A fresh, unguessable socket name, written with `@` for the leading NUL of the abstract
     namespace (an environment variable cannot hold a NUL)."""
-    return f"@sidecar-{os.getpid()}-{secrets.token_hex(8)}"
+    return f"@sidecar-{os.getpid()}-{os.urandom(8).hex()}"
 
 
 def _socket_path(address: str) -> str:

@@ -15,8 +15,6 @@ import shutil
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING, TextIO
 from sidecar.config import (
     DEFAULT_STATUS_ADDR,
     FAMILIES,
-    OPTIONS,
+    STATUS_ADDR_FILE,
     ConfigError,
     default_state_dir,
     resolve,
@@ -35,7 +33,6 @@ from sidecar.config import (
 if TYPE_CHECKING:  # the status server's module pulls in aiohttp.web: only once it is needed
     from sidecar.status import RouteSnapshot, SourceSnapshot, StatusSnapshot
 
-ADDR_FILE = "status-addr"  # as sidecar.status writes it
 
 EXIT_OK = 0
 EXIT_NO_ANSWER = 1
@@ -50,23 +47,10 @@ LEAVE_SCREEN = "\x1b[?25h\x1b[?1049l"
 HOME = "\x1b[H"
 CLEAR_LINE = "\x1b[K"
 CLEAR_BELOW = "\x1b[J"
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
 
 
 class NoAnswer(Exception):
     """Nothing usable answered at the status address; the message says what happened."""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare `sidecar status`'s options."""
-    parser.add_argument("--status-addr", default=None, metavar="ADDR",
-                        help="the daemon's status endpoint HOST:PORT (default: the address it "
-                        "wrote to the state dir, else 127.0.0.1:9620)")
-    parser.add_argument("--once", action="store_true",
-                        help="print the table once and exit (for scripts)")
-    parser.add_argument("--state-dir", default=None, metavar="DIR",
-                        help=next(o.help for o in OPTIONS if o.name == "state-dir"))
-    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with options")
 
 
 def status_command(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -90,8 +74,8 @@ def find_addresses(args: argparse.Namespace, environ: Mapping[str, str]) -> list
     if args.status_addr:
         return [args.status_addr]
     run_dir, state_dir, configured = _configured(args, environ)
-    files = [run_dir / ADDR_FILE] if run_dir is not None else []
-    files += sorted(state_dir.glob(f"*/{ADDR_FILE}"), key=_mtime, reverse=True)
+    files = [run_dir / STATUS_ADDR_FILE] if run_dir is not None else []
+    files += sorted(state_dir.glob(f"*/{STATUS_ADDR_FILE}"), key=_mtime, reverse=True)
     found = [_read_addr(path) for path in files]
     wanted = [*found, configured if configured != "off" else DEFAULT_STATUS_ADDR]
     return list(dict.fromkeys(addr for addr in wanted if addr))
@@ -99,8 +83,12 @@ def find_addresses(args: argparse.Namespace, environ: Mapping[str, str]) -> list
 
 def fetch(address: str) -> StatusSnapshot:
     """GET http://ADDRESS/status; NoAnswer says why it failed."""
+    import urllib.error  # here, not at the top: the daemon imports this module for its
+    import urllib.request  # constants and must not carry urllib.request's half a megabyte
+
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
     try:
-        with _DIRECT.open(f"http://{address}/status", timeout=FETCH_TIMEOUT_S) as response:
+        with direct.open(f"http://{address}/status", timeout=FETCH_TIMEOUT_S) as response:
             doc = json.loads(response.read())
         from sidecar.status import StatusSnapshot
 
@@ -242,8 +230,8 @@ def _first_answer(candidates: Sequence[str]) -> tuple[str, StatusSnapshot]:
         except NoAnswer as exc:
             problems.append(str(exc))
     raise NoAnswer("; ".join(problems) + ". Is `sidecar run` or `sidecar watch` running on this "
-                   f"node? It writes its address to <state-dir>/<run>/{ADDR_FILE}; else pass "
-                   "--status-addr HOST:PORT")
+                   f"node? It writes its address to <state-dir>/<run>/{STATUS_ADDR_FILE}; else "
+                   "pass --status-addr HOST:PORT")
 
 
 def _configured(args: argparse.Namespace,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ipaddress
 import json
@@ -25,16 +24,17 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sidecar import check as check_module
-from sidecar.check import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, add_arguments, check
+from sidecar.check import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, check
+from sidecar.cli import build_parser
 from sidecar.receive import Fault
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ, platform_env
 from tests.ingest_server import RunningIngest
 
 # Until the CLI has `sidecar check`, the real process is started through this one-liner; the
 # tests marked `wired` below run the `sidecar check` command itself once cli.py has it.
-CHECK_MAIN = ("import argparse, os, sys; from sidecar.check import add_arguments, check; "
-              "p = argparse.ArgumentParser(); add_arguments(p); "
-              "sys.exit(check(p.parse_args(sys.argv[1:]), os.environ))")
+CHECK_MAIN = ("import os, sys; from sidecar.check import check; from sidecar.cli import "
+              "build_parser; sys.exit(check(build_parser().parse_args(['check', *sys.argv[1:]]), "
+              "os.environ))")
 
 
 def cli_has(command: str) -> bool:
@@ -65,9 +65,7 @@ def no_container_markers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def run_check(env: Mapping[str, str], capsys: pytest.CaptureFixture[str], *options: str
               ) -> Checked:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    code = check(parser.parse_args(list(options)), env)
+    code = check(build_parser().parse_args(["check", *options]), env)
     out = capsys.readouterr().out
     assert TOKEN not in out
     steps = {}

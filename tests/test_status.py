@@ -26,11 +26,11 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.ingest import IngestClient
 from sidecar.log import add_secret, log
 from sidecar.receive import Fault
 from sidecar.status import (
-    ADDR_FILE,
     RouteSnapshot,
     SourceSnapshot,
     StatusServer,
@@ -43,9 +43,9 @@ from tests.ingest_server import RunningIngest, wait_until
 
 # Until the CLI has `sidecar status`, the real process is started through this one-liner; the
 # tests marked `wired` run `sidecar status` (and `sidecar run` serving it) once cli.py has it.
-STATUS_MAIN = ("import argparse, sys; from sidecar.statusview import add_arguments, "
-               "status_command; p = argparse.ArgumentParser(); add_arguments(p); "
-               "sys.exit(status_command(p.parse_args(sys.argv[1:])))")
+STATUS_MAIN = ("import sys; from sidecar.statusview import status_command; from sidecar.cli "
+               "import build_parser; sys.exit(status_command(build_parser().parse_args("
+               "['status', *sys.argv[1:]])))")
 STATUS_COMMAND = [sys.executable, "-c", STATUS_MAIN]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

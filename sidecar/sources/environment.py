@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -36,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from sidecar import __version__
 from sidecar.ingest import iso_ts
 from sidecar.log import log
 from sidecar.node import Node
@@ -86,8 +86,7 @@ async def environment_snapshot(*, run_id: str, node: Node, python: Path | None,
     if node.nodes is not None:
         snapshot["nodes"] = node.nodes
     snapshot["captured_at"] = iso_ts(time.time())
-    with _noted("sidecar version"):
-        snapshot["sidecar_version"] = importlib.metadata.version("sidecar")
+    snapshot["sidecar_version"] = __version__
     snapshot.update(await _off_loop(lambda: host_facts(sysfs_root), "host facts") or {})
     nvidia = await _off_loop(nvml.nvidia_info, "NVIDIA driver", NVML_TIMEOUT_S)
     if nvidia:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,8 @@ def _parse(path: Path, raw: bytes) -> Any:
     kind = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}.get(suffix, "JSON")
     try:
         if suffix == ".toml":
+            import tomllib
+
             return tomllib.loads(raw.decode("utf-8"))
         if suffix in (".yaml", ".yml"):
             import yaml

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -60,7 +59,7 @@ class Inotify:
     """An inotify descriptor watching folders; calls `on_event` from the loop on any change."""
 
     def __init__(self, on_event: Callable[[], None]) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already uses
         self._add_watch = libc.inotify_add_watch
         self._add_watch.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
         self._fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
