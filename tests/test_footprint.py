@@ -1,0 +1,57 @@
+"""What a daemon imports: the idle-memory target (issue 8, under 45 MB RSS) is met by not loading
+code a running `sidecar watch` or `sidecar run` never uses. The figures themselves are measured
+by tests/bench/bench_idle.py; these tests keep the heavy modules from creeping back in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# Loaded only by the commands or the moments that need them.
+NOT_FOR_A_DAEMON = (
+    "sidecar.check",  # `sidecar check`
+    "sidecar.statusview",  # `sidecar status`
+    "sidecar.receive",  # `sidecar receive`
+    "sidecar.prometheus",  # the first /metrics scrape
+    "prometheus_client",
+    "importlib.metadata",
+    "pynvml",  # only where libnvidia-ml.so.1 loads
+)
+
+DAEMON_IMPORTS = """
+import json, sys
+from sidecar import cli, daemon, pipeline, status
+from sidecar.sources import environment, hardware, nvml
+cli.build_parser()
+try:
+    nvml.init()
+except nvml.NvmlError as exc:
+    reason = exc.reason()
+else:
+    reason = ""
+print(json.dumps({"modules": sorted(sys.modules), "reason": reason}))
+"""
+
+
+def _has_real_nvml() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def test_a_daemon_without_gpus_loads_no_command_or_scrape_code() -> None:
+    if _has_real_nvml():
+        pytest.skip("libnvidia-ml.so.1 loads here: pynvml is rightly imported")
+    done = subprocess.run([sys.executable, "-c", DAEMON_IMPORTS], capture_output=True,
+                          text=True, timeout=60, check=True)
+    found = json.loads(done.stdout)
+    loaded = set(found["modules"])
+    assert not loaded & set(NOT_FOR_A_DAEMON), sorted(loaded & set(NOT_FOR_A_DAEMON))
+    assert found["reason"] == "the NVIDIA driver library libnvidia-ml.so.1 is not installed"
