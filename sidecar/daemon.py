@@ -302,7 +302,8 @@ async def _until(work: Awaitable[bool], deadline: float, stop: asyncio.Event) ->
 
 async def _wait_all(events: Sequence[asyncio.Event], timeout_s: float) -> None:
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.aio
+            await asyncio.gather(*(e.wait() for e in events))
 
 
 async def _close(client: IngestClient | None, lifecycle: Lifecycle, pipeline: Pipeline | None,

@@ -187,7 +187,8 @@ async def python_info(python: Path, child_env: Mapping[str, str],
                  python, exc.strerror or exc)
         return _guess_python(python)
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.aio
+            out, _ = await proc.communicate()
     except TimeoutError:
         proc.kill()
         await proc.wait()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.aio import wait_set
 from sidecar.checkpoints import Checkpoints, Mark
 from sidecar.delivery import Ticket
 from sidecar.log import log
@@ -123,8 +124,7 @@ class Follower:
                 if self._events is not None:
                     self._events.watch(_watch_folders(self.specs))
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), interval)
+                await wait_set(self._wake, interval)
         finally:
             if self._events is not None:
                 self._events.close()

@@ -85,7 +85,8 @@ class Worker:
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._busy = True
         self._jobs.put((fn, future))
-        return await asyncio.wait_for(future, timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.aio
+            return await future
 
     def stop(self) -> None:
         """End the thread once its current job (if any) returns."""
