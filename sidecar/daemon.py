@@ -2,7 +2,8 @@
 
 `sidecar run` in one picture:
 
-    child stdout/stderr --pump thread--> own stdout/stderr (unchanged, as tee)
+    child stdout/stderr --pump thread--> own stdout/stderr (unchanged, as tee; splice(2) when
+                                    |     /logs does not want the block)
                                     \\--> LineAssembler --> LogShipper --> IngestClient /logs
     lifecycle events --> Lifecycle (journal in the state dir) --> IngestClient /lifecycle
 
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,55 +57,71 @@ def make_client(cfg: Config) -> IngestClient | None:
 
 @dataclass
 class _Budget:
-    """A token bucket of output bytes a second, shared by the command's two streams."""
+    """A token bucket of output bytes a second, shared by the command's two streams (and so by
+    their two pump threads)."""
 
     rate: float  # bytes a second; 0: no limit
     _tokens: float = 0.0
     _at: float = field(default_factory=time.monotonic)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._tokens = self.rate  # a second's worth at the start
 
-    def take(self, size: int) -> bool:
+    def allows(self) -> bool:
+        """Whether anything is left to spend; a block read on it may overdraw the bucket, and
+        the overdraft is waited off."""
         if not self.rate:
             return True
+        with self._lock:
+            return self._refill() > 0
+
+    def spend(self, size: int) -> None:
+        if self.rate:
+            with self._lock:
+                self._tokens = self._refill() - size
+
+    def _refill(self) -> float:
         now = time.monotonic()
         self._tokens = min(self._tokens + (now - self._at) * self.rate, self.rate)
         self._at = now
-        if self._tokens < size:
-            return False
-        self._tokens -= size
-        return True
+        return self._tokens
 
 
 @dataclass
 class _Stream:
-    """One of the child's output streams on its way to /logs."""
+    """One of the child's output streams on its way to /logs; the pump's Gate."""
 
     assembler: LineAssembler
-    shipper: LogShipper | None
+    shipper: LogShipper | None  # None when reporting is off
     budget: _Budget
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _skipped: int = 0
 
+    def why_not(self) -> str:
+        """In the pump thread: drop before spending CPU on it, the trainer's cores are not ours."""
+        shipper = self.shipper
+        if shipper is None:
+            return "reporting is off"
+        if not shipper.has_room:
+            return "the log buffer is full while the ingest is slow"
+        if not self.budget.allows():
+            return "the command writes faster than --log-rate forwards"
+        return ""
+
+    def taken(self, size: int) -> None:
+        self.budget.spend(size)
+
     def feed(self, block: bytes) -> None:
         if self.shipper is None:
             return
-        why = ("the log buffer is full while the ingest is slow" if not self.shipper.has_room
-               else "the command writes faster than --log-rate forwards" if not
-               self.budget.take(len(block)) else "")
-        if why:  # drop before spending CPU on it: the trainer's cores are not ours
-            self._skipped += len(block)
-            self.shipper.count_dropped(len(block), why)
-            return
-        if self._skipped:
-            self.gap(self._skipped)
-            self._skipped = 0
+        self._mark_gap()
         self.shipper.put(self.assembler.feed(block, time.monotonic()))
 
-    def gap(self, dropped: int) -> None:
+    def skip(self, size: int, why: str) -> None:
+        self._skipped += size
         if self.shipper is not None:
-            self.shipper.put(self.assembler.gap(dropped))
+            self.shipper.count_dropped(size, why)
 
     def tick(self) -> None:
         if self.shipper is not None:
@@ -111,7 +129,13 @@ class _Stream:
 
     def finish(self) -> None:
         if self.shipper is not None:
+            self._mark_gap()
             self.shipper.put(self.assembler.finish())
+
+    def _mark_gap(self) -> None:
+        if self._skipped and self.shipper is not None:
+            self.shipper.put(self.assembler.gap(self._skipped))
+        self._skipped = 0
 
 
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -135,7 +159,10 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
 
     prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
     budget = _Budget(cfg.log_rate * 1e6)
-    streams = [_Stream(LineAssembler(mask=mask, prefix=prefix), None, budget) for _ in range(2)]
+    shipper = LogShipper(client, cfg.platform.run_id) if client is not None else None  # it holds
+    #                       the first output until the pipeline, imported after the spawn, is up
+    streams = [_Stream(LineAssembler(mask=mask, prefix=prefix), shipper, budget)
+               for _ in range(2)]
     child = Child(argv, child_env)
     running_at = time.time()  # stamped before the spawn, journaled right after it: the fsync
     try:  #                      need not delay the command
@@ -154,7 +181,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     for signum in FORWARDED_SIGNALS:
         loop.add_signal_handler(signum, _on_signal, child, signum, interrupted)
     for name, fd, sink, stream in zip(("stdout", "stderr"), fds, (1, 2), streams, strict=True):
-        Pump(name, fd, sink, stream.feed, stream.gap, stream.closed.set, loop).start()
+        Pump(name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set, loop).start()
     if cfg.running_when == "spawn":
         await lifecycle.record("running", running_at)
 
@@ -163,9 +190,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     if client is not None:
         from sidecar.pipeline import Pipeline
 
-        pipeline = Pipeline(cfg, client, node, hparams)
-        for stream in streams:
-            stream.shipper = pipeline.shipper
+        pipeline = Pipeline(cfg, client, node, hparams, shipper)
         await client.start()
         pipeline.start()
         pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,

@@ -46,7 +46,11 @@ class LogShipper:
     _active_at: float = 0.0  # when a request was last sent or answered, or work came to an idle
 
     def start(self) -> None:
-        self._idle.set()
+        """Start shipping, and what was put before."""
+        if self._chunks:
+            self._active_at = time.monotonic()
+        else:
+            self._idle.set()
         self._task = asyncio.create_task(self._run(), name="logs-shipper")
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,8 @@ class Pipeline(Sink):
     client: IngestClient
     node: Node
     hparams_file: dict[str, Any] | None = None  # --hparams, read (and checked) at start
+    log_shipper: InitVar[LogShipper | None] = None  # `run` makes it first, for the command's
+    #                                                 output before this pipeline exists
     shipper: LogShipper = field(init=False)
     metrics: Batcher = field(init=False)
     hparams: Batcher = field(init=False)
@@ -127,9 +129,9 @@ class Pipeline(Sink):
     _environment_task: asyncio.Task[None] | None = None
     _sampler_task: asyncio.Task[None] | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, log_shipper: LogShipper | None) -> None:
         run_id, run_dir = self.cfg.platform.run_id, self.cfg.run_dir
-        self.shipper = LogShipper(self.client, run_id)
+        self.shipper = log_shipper or LogShipper(self.client, run_id)
         self.metrics = Batcher(self.client, "metrics", lambda points: {
             "run_id": run_id, "points": points}, run_dir)
         self.hparams = Batcher(self.client, "hparams", lambda pairs: {

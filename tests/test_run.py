@@ -72,6 +72,19 @@ def test_exit_status_and_lifecycle_in_order(ingest: RunningIngest, tmp_path: Pat
     assert b"working\n" in done.stdout  # passed through for kubectl logs
 
 
+def test_output_written_the_instant_the_command_starts_reaches_logs(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """The /logs buffer exists before the spawn: what a command prints while the sidecar is
+    still importing its pipeline is kept, not skipped for want of a shipper."""
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", "/bin/sh", "-c", "echo at once; echo to stderr >&2"], env,
+                   tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    text = log_text(ingest)
+    assert "at once\n" in text and "to stderr\n" in text
+    assert "dropped" not in text
+
+
 def test_offline_passes_output_through_byte_for_byte(ingest: RunningIngest,
                                                      tmp_path: Path) -> None:
     payload = b"plain\r\nbar 1\rbar 2\r\xff\xfe not utf-8 \xe2\x82\n" + TOKEN.encode() + b"\n"

@@ -4,20 +4,25 @@ The child runs in its own process group with stdout and stderr on pipes. Each pi
 thread that copies the bytes to the sidecar's own stdout/stderr unchanged (as `tee` would) and
 then offers them to the event loop. The offer never waits: if the loop falls behind by more than
 a bounded amount, the block is dropped for `/logs` (and counted), so the child can only ever be
-slowed by the sidecar's own stdout, exactly as under `tee`.
+slowed by the sidecar's own stdout, exactly as under `tee`. A block that `/logs` does not want
+at all (reporting off, its buffer full, `--log-rate` spent) goes from the pipe to the sidecar's
+own output with splice(2), in the kernel, without entering Python.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
+import select
 import signal
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sidecar.log import log
 
@@ -32,23 +37,35 @@ class SpawnError(Exception):
     """The command could not be started (not found, not executable)."""
 
 
+class Gate(Protocol):
+    """Whether `/logs` wants the next block of a stream; asked from the pump thread."""
+
+    def why_not(self) -> str:
+        """"" when the next block is wanted, else why it is not (it is then skipped)."""
+
+    def taken(self, size: int) -> None:
+        """A wanted block of `size` bytes was read (charged to the rate budget)."""
+
+
 @dataclass
 class Pump:
-    """Copies one pipe to an output fd in a thread and offers each block to the event loop."""
+    """Copies one pipe to an output fd in a thread and offers the blocks `gate` wants to the
+    event loop; the others it moves with splice(2) and reports as skipped."""
 
     name: str
     source_fd: int
     sink_fd: int
-    on_block: Callable[[bytes], None]
-    on_gap: Callable[[int], None]
+    gate: Gate
+    on_block: Callable[[bytes], None]  # on the loop: a block to forward
+    on_skip: Callable[[int, str], None]  # on the loop: bytes not forwarded, and why
     on_eof: Callable[[], None]
     loop: asyncio.AbstractEventLoop
     max_pending_bytes: int = MAX_PENDING_BYTES
-    dropped_bytes: int = 0
+    dropped_bytes: int = 0  # offered while the loop was too far behind
     _pending: int = 0
-    _unreported_gap: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _sink_open: bool = True
+    _can_splice: bool = True  # until splice(2) says this sink cannot take it
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name=f"pump-{self.name}", daemon=True)
@@ -56,15 +73,43 @@ class Pump:
         return thread
 
     def _run(self) -> None:
+        ready = select.poll()
+        ready.register(self.source_fd, select.POLLIN)
         try:
-            while block := os.read(self.source_fd, READ_BYTES):
-                self._pass_through(block)
-                self._offer(block)
+            while True:
+                ready.poll()  # decide once output waits, not before: a wait may be long
+                why = self.gate.why_not()
+                moved = self._splice() if why else None
+                if moved is None:
+                    block = os.read(self.source_fd, READ_BYTES)
+                    moved = len(block)
+                    self._pass_through(block)
+                    if moved and not why:
+                        self.gate.taken(moved)
+                        self._offer(block)
+                        continue
+                if not moved:
+                    break
+                self.loop.call_soon_threadsafe(self.on_skip, moved, why)
         except OSError as exc:
             log.warning("reading the command's %s failed: %s", self.name, exc)
         finally:
             os.close(self.source_fd)
             self.loop.call_soon_threadsafe(self.on_eof)
+
+    def _splice(self) -> int | None:
+        """Move what waits in the pipe to the sink in the kernel; None when it must be read
+        instead (the sink cannot take splice(2), a terminal for one, or it is gone)."""
+        if not (self._can_splice and self._sink_open):
+            return None
+        try:
+            return os.splice(self.source_fd, self.sink_fd, READ_BYTES)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EBADF):
+                self._can_splice = False
+            else:
+                self._sink_gone(exc)
+            return None
 
     def _pass_through(self, block: bytes) -> None:
         if not self._sink_open:
@@ -73,27 +118,29 @@ class Pump:
         try:
             while view:
                 view = view[os.write(self.sink_fd, view):]
-        except OSError as exc:  # our own stdout went away: keep forwarding to /logs
-            self._sink_open = False
-            log.warning("cannot write the command's %s to the sidecar's own (%s); it is still "
-                        "forwarded to /logs", self.name, exc.strerror)
+        except OSError as exc:
+            self._sink_gone(exc)
+
+    def _sink_gone(self, exc: OSError) -> None:
+        """Our own stdout went away: keep forwarding to /logs."""
+        self._sink_open = False
+        log.warning("cannot write the command's %s to the sidecar's own (%s); it is still "
+                    "forwarded to /logs", self.name, exc.strerror)
 
     def _offer(self, block: bytes) -> None:
         with self._lock:
             if self._pending + len(block) > self.max_pending_bytes:
                 self.dropped_bytes += len(block)
-                self._unreported_gap += len(block)
+                self.loop.call_soon_threadsafe(self.on_skip, len(block),
+                                               "the sidecar fell behind the command's output")
                 return
             self._pending += len(block)
-            gap, self._unreported_gap = self._unreported_gap, 0
-        self.loop.call_soon_threadsafe(self._take, block, gap)
+        self.loop.call_soon_threadsafe(self._take, block)
 
-    def _take(self, block: bytes, gap: int) -> None:
-        """On the loop: hand the block on, after reporting what was dropped before it."""
+    def _take(self, block: bytes) -> None:
+        """On the loop: hand the block on."""
         with self._lock:
             self._pending -= len(block)
-        if gap:
-            self.on_gap(gap)
         self.on_block(block)
 
 
