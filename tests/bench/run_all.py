@@ -31,7 +31,7 @@ TENSORBOARD_TARGET = 20.0
 # name -> (script, options, options with --quick)
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "throughput": ("bench_throughput.py", [], ["--quick"]),
-    "wrapper": ("bench_wrapper.py", ["--repeat", "2"], ["--quick"]),
+    "wrapper": ("bench_wrapper.py", ["--repeat", "5"], ["--quick"]),
     "tensorboard": ("bench_tensorboard.py", ["--mb", "100"], ["--mb", "10"]),
     "latency": ("bench_latency.py", [], ["--quick"]),
     "idle": ("bench_idle.py", [], ["--quick"]),
