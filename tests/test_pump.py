@@ -8,11 +8,13 @@ import asyncio
 import os
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from sidecar.sources.child import READ_BYTES, Pump
+from tests.test_delivery import wait_until
 
 CHUNK = b"".join(b"line %06d of the child's output\n" % i for i in range(4000))  # 128 KB
 
@@ -36,6 +38,13 @@ class Pumped:
     offered: list[bytes] = field(default_factory=list)
     skipped: list[tuple[int, str]] = field(default_factory=list)
     eof: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def moved(self) -> int:
+        """Bytes the pump has dealt with either way."""
+        return sum(map(len, self.offered)) + sum(size for size, _ in self.skipped)
+
+    def moved_all(self, size: int) -> bool:
+        return self.moved() == size
 
 
 @pytest.fixture
@@ -98,11 +107,7 @@ async def test_wanted_and_unwanted_blocks_interleave_without_a_byte_lost(
         await asyncio.to_thread(write_all, write_end, CHUNK)
         written += CHUNK
         # the pump has taken this turn's bytes before the gate changes again
-        deadline = asyncio.get_running_loop().time() + 10
-        while (sum(map(len, pumped.offered)) + sum(s for s, _ in pumped.skipped)
-               < len(written)):
-            assert asyncio.get_running_loop().time() < deadline, "pump did not keep up"
-            await asyncio.sleep(0.005)
+        await wait_until(partial(pumped.moved_all, len(written)), "the pump took the turn")
     await finish(write_end, pumped)
     os.close(sink)
     assert (tmp_path / "out").read_bytes() == written
@@ -120,10 +125,7 @@ async def test_the_gate_is_asked_when_output_arrives_not_when_the_wait_began(
     gate = Gate()
     pumped = start(read_end, sink, gate)
     await asyncio.to_thread(write_all, write_end, CHUNK)
-    deadline = asyncio.get_running_loop().time() + 10
-    while sum(s for s, _ in pumped.skipped) < len(CHUNK):  # the pump now waits for more
-        assert asyncio.get_running_loop().time() < deadline, "burst not skipped"
-        await asyncio.sleep(0.005)
+    await wait_until(lambda: pumped.moved() == len(CHUNK), "the burst skipped")  # now it waits
     gate.open.set()
     write_all(write_end, b"after the quiet spell\n")
     await finish(write_end, pumped)
@@ -140,10 +142,7 @@ async def test_a_closed_sink_still_lets_wanted_output_through(pipe: tuple[int, i
     gate = Gate()
     pumped = start(read_end, sink_write, gate)
     await asyncio.to_thread(write_all, write_end, CHUNK)  # spliced: EPIPE
-    deadline = asyncio.get_running_loop().time() + 10
-    while sum(s for s, _ in pumped.skipped) < len(CHUNK):
-        assert asyncio.get_running_loop().time() < deadline, "not skipped"
-        await asyncio.sleep(0.005)
+    await wait_until(lambda: pumped.moved() == len(CHUNK), "the block skipped")
     gate.open.set()
     await asyncio.to_thread(write_all, write_end, CHUNK * 2)
     await finish(write_end, pumped)
