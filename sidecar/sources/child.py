@@ -41,7 +41,7 @@ class Gate(Protocol):
     """Whether `/logs` wants the next block of a stream; asked from the pump thread."""
 
     def why_not(self) -> str:
-        """"" when the next block is wanted, else why it is not (it is then skipped)."""
+        """Empty when the next block is wanted, else why it is not (it is then skipped)."""
 
     def taken(self, size: int) -> None:
         """A wanted block of `size` bytes was read (charged to the rate budget)."""
