@@ -30,7 +30,7 @@ from sidecar.lifecycle import Lifecycle
 from sidecar.log import log, mask
 from sidecar.logship import LogShipper
 from sidecar.node import Node, resolve_node
-from sidecar.sources.child import FORWARDED_SIGNALS, Child, Pump, SpawnError
+from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
 from sidecar.sources.hparams import load_hparams
 from sidecar.sources.lines import LineAssembler
 
@@ -43,6 +43,7 @@ OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open 
 LOGS_DRAIN_SHARE = 0.5  # of --drain-timeout the output may take, so a hung /logs cannot starve
 #                         the end event that waits behind it
 EXIT_CANNOT_START = 127
+BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
 GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
 #                        so the loop's work on one block never holds up the child's pipe
 
@@ -68,13 +69,16 @@ class _Budget:
     def __post_init__(self) -> None:
         self._tokens = self.rate  # a second's worth at the start
 
-    def allows(self) -> bool:
-        """Whether anything is left to spend; a block read on it may overdraw the bucket, and
-        the overdraft is waited off."""
+    def grant(self) -> int:
+        """Bytes that may be read for /logs now: none until a batch's worth has built up (a
+        tenth of a second of the rate, at most one read), so that a flood is forwarded in a few
+        large blocks, not in many small ones between splices."""
         if not self.rate:
-            return True
+            return READ_BYTES
         with self._lock:
-            return self._refill() > 0
+            available = self._refill()
+        batch = min(self.rate * BUDGET_BATCH_S, READ_BYTES)
+        return int(min(available, READ_BYTES)) if available >= batch else 0
 
     def spend(self, size: int) -> None:
         if self.rate:
@@ -98,16 +102,17 @@ class _Stream:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _skipped: int = 0
 
-    def why_not(self) -> str:
+    def allowance(self) -> tuple[int, str]:
         """In the pump thread: drop before spending CPU on it, the trainer's cores are not ours."""
         shipper = self.shipper
         if shipper is None:
-            return "reporting is off"
+            return 0, "reporting is off"
         if not shipper.has_room:
-            return "the log buffer is full while the ingest is slow"
-        if not self.budget.allows():
-            return "the command writes faster than --log-rate forwards"
-        return ""
+            return 0, "the log buffer is full while the ingest is slow"
+        granted = self.budget.grant()
+        if not granted:
+            return 0, "the command writes faster than --log-rate forwards"
+        return granted, ""
 
     def taken(self, size: int) -> None:
         self.budget.spend(size)

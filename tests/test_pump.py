@@ -26,8 +26,8 @@ class Gate:
     open: threading.Event = field(default_factory=threading.Event)
     taken_bytes: int = 0
 
-    def why_not(self) -> str:
-        return "" if self.open.is_set() else "closed for the test"
+    def allowance(self) -> tuple[int, str]:
+        return (READ_BYTES, "") if self.open.is_set() else (0, "closed for the test")
 
     def taken(self, size: int) -> None:
         self.taken_bytes += size

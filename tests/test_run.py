@@ -85,6 +85,30 @@ def test_output_written_the_instant_the_command_starts_reaches_logs(
     assert "dropped" not in text
 
 
+FLOOD_THEN_QUIET = """
+import sys, time
+sys.stdout.buffer.write((b"x" * 99 + b"\\n") * 20000)
+sys.stdout.flush()
+time.sleep(2.0)  # a trainer's quiet spell, long enough for the budget to refill
+print("the last line", flush=True)
+"""
+
+
+def test_log_rate_caps_a_flood_and_forwards_what_follows_it(ingest: RunningIngest,
+                                                             tmp_path: Path) -> None:
+    """--log-rate 0.1 (MB/s): of a 2 MB burst about its first 0.1 MB reaches /logs, the gap is
+    marked, the line after the quiet spell arrives, and the wrapper's own stdout has it all."""
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_LOG_RATE="0.1")
+    done = sidecar(["run", "--", *python_child(FLOOD_THEN_QUIET)], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert done.stdout == (b"x" * 99 + b"\n") * 20000 + b"the last line\n"
+    text = log_text(ingest)
+    forwarded = text.count("x" * 99)
+    assert 0 < forwarded < 20000 // 4, forwarded  # 0.1 MB of 2 MB, and a little refill
+    assert "bytes of output were dropped here" in text
+    assert text.endswith("the last line\n")
+
+
 def test_offline_passes_output_through_byte_for_byte(ingest: RunningIngest,
                                                      tmp_path: Path) -> None:
     payload = b"plain\r\nbar 1\rbar 2\r\xff\xfe not utf-8 \xe2\x82\n" + TOKEN.encode() + b"\n"

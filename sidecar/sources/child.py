@@ -38,10 +38,10 @@ class SpawnError(Exception):
 
 
 class Gate(Protocol):
-    """Whether `/logs` wants the next block of a stream; asked from the pump thread."""
+    """How much of a stream `/logs` wants next; asked from the pump thread."""
 
-    def why_not(self) -> str:
-        """Empty when the next block is wanted, else why it is not (it is then skipped)."""
+    def allowance(self) -> tuple[int, str]:
+        """The bytes `/logs` would take now, or 0 and why not (what waits is then skipped)."""
 
     def taken(self, size: int) -> None:
         """A wanted block of `size` bytes was read (charged to the rate budget)."""
@@ -78,16 +78,17 @@ class Pump:
         try:
             while True:
                 ready.poll()  # decide once output waits, not before: a wait may be long
-                why = self.gate.why_not()
-                moved = self._splice() if why else None
+                wanted, why = self.gate.allowance()
+                if wanted:
+                    block = self._copy(min(wanted, READ_BYTES))
+                    if not block:
+                        break
+                    self.gate.taken(len(block))
+                    self._offer(block)
+                    continue
+                moved = self._splice()
                 if moved is None:
-                    block = os.read(self.source_fd, READ_BYTES)
-                    moved = len(block)
-                    self._pass_through(block)
-                    if moved and not why:
-                        self.gate.taken(moved)
-                        self._offer(block)
-                        continue
+                    moved = len(self._copy(READ_BYTES))
                 if not moved:
                     break
                 self.loop.call_soon_threadsafe(self.on_skip, moved, why)
@@ -110,6 +111,12 @@ class Pump:
             else:
                 self._sink_gone(exc)
             return None
+
+    def _copy(self, size: int) -> bytes:
+        """Read up to `size` bytes and pass them through to the sink."""
+        block = os.read(self.source_fd, size)
+        self._pass_through(block)
+        return block
 
     def _pass_through(self, block: bytes) -> None:
         if not self._sink_open:
