@@ -59,7 +59,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in"),
     Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
            choices=("plain", "cri", "auto")),
-    Option("log-rate", "float", 20.0, "run only: MB a second of the command's output forwarded "
+    Option("log-rate", "float", 5.0, "run only: MB a second of the command's output forwarded "
            "to /logs at most (beyond, dropped and counted, so that forwarding a flood never "
            "takes the trainer's CPU); 0: no limit", only="run"),
     Option("file-watch", "str", "auto", "notice file changes by inotify with a safety poll "
@@ -124,7 +124,7 @@ class Config:
     running_when: str = "spawn"
     log_prefix: str = ""
     log_format: str = "auto"
-    log_rate: float = 20.0
+    log_rate: float = 5.0
     file_watch: str = "auto"
     node_name: str | None = None
     nodes: int | None = None
