@@ -23,16 +23,32 @@ from sidecar.receive import DEFAULT_PREFIX, Fault, IngestServer, IngestStats
 
 T = TypeVar("T")
 
-_CALL_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 10.0
 _POLL_INTERVAL_S = 0.01
 
 
-class RunningIngest:
+class LoopHandle:
+    """Calls into an object that lives on a background event loop, from the test's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def _call(self, function: Callable[[], T]) -> T:
+        async def call() -> T:
+            return function()
+
+        return self._run(call())
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(CALL_TIMEOUT_S)
+
+
+class RunningIngest(LoopHandle):
     """Thread-safe handle on an IngestServer running in a background thread."""
 
     def __init__(self, server: IngestServer, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self._server = server
-        self._loop = loop
 
     @property
     def base_url(self) -> str:
@@ -92,15 +108,6 @@ class RunningIngest:
             f"{stats.summary() or 'nothing accepted'}; rejected by status: {rejected}"
         )
 
-    def _call(self, function: Callable[[], T]) -> T:
-        async def call() -> T:
-            return function()
-
-        return self._run(call())
-
-    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_CALL_TIMEOUT_S)
-
 
 def wait_until(
     condition: Callable[[], bool],
@@ -159,5 +166,5 @@ def background_loop(name: str) -> Iterator[asyncio.AbstractEventLoop]:
         yield loop
     finally:
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(_CALL_TIMEOUT_S)
+        thread.join(CALL_TIMEOUT_S)
         loop.close()

@@ -27,17 +27,16 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from tests.ingest_server import background_loop
+from tests.ingest_server import CALL_TIMEOUT_S, LoopHandle, background_loop
 
 T = TypeVar("T")
 
-_CALL_TIMEOUT_S = 10.0
 _READ_BYTES = 64 << 10
 _FAIL_REASONS = {500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
                  504: "Gateway Timeout"}
@@ -205,7 +204,7 @@ class _Proxy:
         """Stop listening and end every connection."""
         self._stop_flapping()
         await self.refuse()
-        deadline = time.monotonic() + _CALL_TIMEOUT_S / 2
+        deadline = time.monotonic() + CALL_TIMEOUT_S / 2
         while self._connections and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # the handlers notice the resets and finish
 
@@ -327,12 +326,12 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-class RunningProxy:
+class RunningProxy(LoopHandle):
     """Thread-safe handle on a proxy running in a background thread."""
 
     def __init__(self, proxy: _Proxy, loop: asyncio.AbstractEventLoop, prefix: str) -> None:
+        super().__init__(loop)
         self._proxy = proxy
-        self._loop = loop
         self._prefix = prefix
 
     @property
@@ -384,15 +383,6 @@ class RunningProxy:
                 setattr(self._proxy.faults, name, value)
 
         self._call(change)
-
-    def _call(self, function: Callable[[], T]) -> T:
-        async def call() -> T:
-            return function()
-
-        return self._run(call())
-
-    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_CALL_TIMEOUT_S)
 
 
 @contextmanager
