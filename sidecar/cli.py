@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sidecar import __version__
 from sidecar.config import ConfigError, add_options, command_of, option_help, resolve
-from sidecar.lifecycle import EVENTS, Lifecycle
+from sidecar.delivery.lifecycle import EVENTS, Lifecycle
 from sidecar.log import add_secret, log, setup
 
 EXIT_CONFIG = 2
@@ -133,20 +133,20 @@ def _seconds(text: str) -> float:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from sidecar.check import check
+    from sidecar.commands.check import check
 
     setup()
     return check(args, os.environ)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from sidecar.statusview import status_command
+    from sidecar.commands.status import status_command
 
     return status_command(args)
 
 
 def _lifecycle(args: argparse.Namespace) -> int:
-    from sidecar import handoff
+    from sidecar.delivery import handoff
 
     setup()
     address = os.environ.get(handoff.ENV_VAR)
@@ -192,13 +192,13 @@ def _replay(args: argparse.Namespace) -> int:
     cfg = resolve(args, "replay", os.environ)
     setup(cfg.log_level, cfg.message_format)
     add_secret(cfg.token)
-    from sidecar.replay import replay
+    from sidecar.commands.replay import replay
 
     return asyncio.run(replay(cfg, args.timeout))
 
 
 def _receive(args: argparse.Namespace) -> int:
-    from sidecar.receive import serve
+    from sidecar.commands.receive import serve
 
     return serve(args.dir, host=args.host, port=args.port, token=args.token,
                  run_id=args.run_id, faults_enabled=args.faults, summary=not args.quiet,
@@ -208,7 +208,7 @@ def _receive(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import tempfile
 
-    from sidecar.demo import demo
+    from sidecar.commands.demo import demo
 
     with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
         return demo(Path(tmp))

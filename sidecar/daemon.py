@@ -23,20 +23,20 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sidecar import handoff
 from sidecar.config import Config
-from sidecar.ingest import IngestClient
-from sidecar.lifecycle import Lifecycle
+from sidecar.delivery import handoff
+from sidecar.delivery.client import IngestClient
+from sidecar.delivery.lifecycle import Lifecycle
+from sidecar.delivery.logs import LogShipper
 from sidecar.log import log, mask
-from sidecar.logship import LogShipper
 from sidecar.node import Node, resolve_node
 from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
 from sidecar.sources.hparams import load_hparams
 from sidecar.sources.lines import LineAssembler
 
 if TYPE_CHECKING:  # imported once the command runs: `sidecar run` spawns it before these
+    from sidecar.observe.endpoint import StatusServer
     from sidecar.pipeline import Pipeline
-    from sidecar.status import StatusServer
 
 TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
 OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
@@ -353,7 +353,12 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
                         pipeline: Pipeline | None,
                         lifecycle: Lifecycle | None) -> StatusServer | None:
     """The local status endpoint (--status-addr), reading the live objects at request time."""
-    from sidecar.status import RouteSnapshot, SourceSnapshot, StatusSnapshot, start_status_server
+    from sidecar.observe.endpoint import (
+        RouteSnapshot,
+        SourceSnapshot,
+        StatusSnapshot,
+        start_status_server,
+    )
 
     started_at = time.time()
 

@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import cancel
-from sidecar.checkpoints import Checkpoints
 from sidecar.config import Config
-from sidecar.delivery import Batcher, Ticket
-from sidecar.diskqueue import MAX_SPOOL_BYTES, DiskQueue
-from sidecar.ingest import IngestClient, iso_ts
+from sidecar.delivery.batcher import Batcher
+from sidecar.delivery.client import IngestClient
+from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
+from sidecar.delivery.logs import LogShipper
 from sidecar.log import log, mask
-from sidecar.logship import LogShipper
 from sidecar.node import Node
+from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
+from sidecar.sources.checkpoints import Checkpoints
 from sidecar.sources.environment import post_environment
 from sidecar.sources.follow import Follower, Sink, SourceSpec
 from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env

@@ -1,4 +1,4 @@
-"""Run sidecar.receive.IngestServer in a background thread, for sync and async tests alike.
+"""Run sidecar.commands.receive.IngestServer in a background thread, for sync and async tests alike.
 
     with running_ingest(tmp_path, token="tok", run_id="run-1", faults=True) as ingest:
         ...  # point the code under test at ingest.base_url
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sidecar.receive import DEFAULT_PREFIX, Fault, IngestServer, IngestStats
+from sidecar.commands.receive import DEFAULT_PREFIX, Fault, IngestServer, IngestStats
 
 T = TypeVar("T")
 

@@ -23,16 +23,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from sidecar import check as check_module
-from sidecar.check import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, check
 from sidecar.cli import build_parser
-from sidecar.receive import Fault
+from sidecar.commands import check as check_module
+from sidecar.commands.check import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, check
+from sidecar.commands.receive import Fault
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ, platform_env
 from tests.ingest_server import RunningIngest
 
 # Until the CLI has `sidecar check`, the real process is started through this one-liner; the
 # tests marked `wired` below run the `sidecar check` command itself once cli.py has it.
-CHECK_MAIN = ("import os, sys; from sidecar.check import check; from sidecar.cli import "
+CHECK_MAIN = ("import os, sys; from sidecar.commands.check import check; from sidecar.cli import "
               "build_parser; sys.exit(check(build_parser().parse_args(['check', *sys.argv[1:]]), "
               "os.environ))")
 

@@ -9,9 +9,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from sidecar.delivery import MAX_POINTS_PER_REQUEST, Batcher, Ticket
-from sidecar.ingest import IngestClient
-from sidecar.receive import Fault
+from sidecar.commands.receive import Fault
+from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST, Batcher
+from sidecar.delivery.client import IngestClient
+from sidecar.records import Ticket
 from tests.conftest import RUN_ID, TOKEN
 from tests.ingest_server import RunningIngest
 

@@ -198,7 +198,7 @@ def test_liveness_probe_reaches_the_status_server(overlay: str) -> None:
 
 @needs_kubectl
 async def test_probe_path_is_served_by_the_status_server() -> None:
-    from sidecar.status import start_status_server
+    from sidecar.observe.endpoint import start_status_server
 
     path = container(pod_spec("native-sidecar"), "sidecar")["livenessProbe"]["httpGet"]["path"]
 

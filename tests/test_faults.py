@@ -7,7 +7,7 @@ at a fixed pace (20 ticks a second), prints a 10 kB log line a tick (enough to f
 pipe in 5 s were the sidecar to stop reading it), and stamps its own timing: how
 long its work took and its slowest tick, compared with a run without faults (`baseline`). FILE
 starts with a backlog of points, so that the first requests carry full batches of 2,048. A
-fault sits either in the ingest (`sidecar.receive.Fault`) or in the connection
+fault sits either in the ingest (`sidecar.commands.receive.Fault`) or in the connection
 (tests/tcp_proxy.py). Every case checks, through `check`:
 
 - the set of points at the ingest equals the set written; repeats are counted, printed and
@@ -19,7 +19,7 @@ fault sits either in the ingest (`sidecar.receive.Fault`) or in the connection
 Scaled to keep the file near three minutes on two cores:
 - refusing connections "for a minute": 8 s, measured in the trainer's own progress;
 - flapping every two seconds: as stated, while the trainer runs (8 s);
-- answers slower than the timeout: the routes' 30 s timeout (sidecar/ingest.py ROUTES) is
+- answers slower than the timeout: the routes' 30 s timeout (sidecar/delivery/client.py ROUTES) is
   shortened to 1.5 s by a launcher, and the proxy holds every third answer 2.5 s;
 - 401 "until the token file is rotated": until the sidecar said so and 2 s of training passed;
 - the full disk: a 1 MiB tmpfs as the state dir, full for 3 s of training;
@@ -53,9 +53,9 @@ from typing import Any
 import psutil
 import pytest
 
-from sidecar.delivery import MAX_POINTS_PER_REQUEST
-from sidecar.diskqueue import DiskQueue, SpoolFull
-from sidecar.receive import Fault
+from sidecar.commands.receive import Fault
+from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST
+from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child
 from tests.ingest_server import RunningIngest, running_ingest, wait_until
 from tests.tcp_proxy import RunningProxy, running_proxy
@@ -98,7 +98,7 @@ sys.exit(code)
 # answer slower than the timeout takes seconds rather than the production 30 s.
 LAUNCHER = """
 import dataclasses, os, sys
-from sidecar import ingest
+from sidecar.delivery import client as ingest
 timeout_s = float(os.environ["FAULTS_ROUTE_TIMEOUT_S"])
 for name, policy in list(ingest.ROUTES.items()):
     ingest.ROUTES[name] = dataclasses.replace(policy, timeout_s=timeout_s)

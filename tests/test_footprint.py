@@ -12,10 +12,10 @@ import pytest
 
 # Loaded only by the commands or the moments that need them.
 NOT_FOR_A_DAEMON = (
-    "sidecar.check",  # `sidecar check`
-    "sidecar.statusview",  # `sidecar status`
-    "sidecar.receive",  # `sidecar receive`
-    "sidecar.prometheus",  # the first /metrics scrape
+    "sidecar.commands.check",  # `sidecar check`
+    "sidecar.commands.status",  # `sidecar status`
+    "sidecar.commands.receive",  # `sidecar receive`
+    "sidecar.observe.prometheus",  # the first /metrics scrape
     "prometheus_client",
     "importlib.metadata",
     "pynvml",  # only where libnvidia-ml.so.1 loads
@@ -23,7 +23,8 @@ NOT_FOR_A_DAEMON = (
 
 DAEMON_IMPORTS = """
 import json, sys
-from sidecar import cli, daemon, pipeline, status
+from sidecar import cli, daemon, pipeline
+from sidecar.observe import endpoint as status
 from sidecar.sources import environment, hardware, nvml
 cli.build_parser()
 try:

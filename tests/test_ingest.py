@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.ingest import ROUTES, Guarantee, IngestClient, Verdict, classify, parse_retry_after
+from sidecar.commands.receive import Fault
+from sidecar.delivery.client import (
+    ROUTES,
+    Guarantee,
+    IngestClient,
+    Verdict,
+    classify,
+    parse_retry_after,
+)
 from sidecar.log import log
-from sidecar.receive import Fault
 from tests.conftest import RUN_ID, TOKEN
 from tests.ingest_server import RunningIngest, running_ingest
 

@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from sidecar.ingest import IngestClient
-from sidecar.logship import FLUSH_STALL_S, LogShipper
-from sidecar.receive import Fault
+from sidecar.commands.receive import Fault
+from sidecar.delivery.client import IngestClient
+from sidecar.delivery.logs import FLUSH_STALL_S, LogShipper
 from tests.conftest import RUN_ID, TOKEN
 from tests.ingest_server import RunningIngest
 from tests.test_delivery import wait_until

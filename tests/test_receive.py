@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.receive import Fault, IngestServer, IngestStats, serve
+from sidecar.commands.receive import Fault, IngestServer, IngestStats, serve
 from tests.ingest_server import RunningIngest, running_ingest, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -666,7 +666,7 @@ def _post_sync(url: str, payload: dict[str, Any], token: str) -> int:
 
 
 SERVE = (
-    "import sys; from pathlib import Path; from sidecar.receive import serve; "
+    "import sys; from pathlib import Path; from sidecar.commands.receive import serve; "
     "sys.exit(serve(Path(sys.argv[1]), host='127.0.0.1', port=0, token=sys.argv[2], "
     "run_id='run-4f2a91', faults_enabled=False, ready_file=Path(sys.argv[3])))"
 )

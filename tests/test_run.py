@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.receive import Fault
+from sidecar.commands.receive import Fault
 from tests.conftest import (
     RUN_ID,
     SIDECAR,

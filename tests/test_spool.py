@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.spool import Journal
+from sidecar.delivery.journal import Journal
 
 RECORDS = [b'{"event":"starting"}', b'{"event":"running"}' * 50, b"",
            b'\x00\xff binary \n{"event":"succeeded","ts":"2024-05-01T12:00:00Z"}']

@@ -26,24 +26,24 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.commands.receive import Fault
+from sidecar.commands.status import HOME, LEAVE_SCREEN
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
-from sidecar.ingest import IngestClient
+from sidecar.delivery.client import IngestClient
 from sidecar.log import add_secret, log
-from sidecar.receive import Fault
-from sidecar.status import (
+from sidecar.observe.endpoint import (
     RouteSnapshot,
     SourceSnapshot,
     StatusServer,
     StatusSnapshot,
     start_status_server,
 )
-from sidecar.statusview import HOME, LEAVE_SCREEN
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, Sidecar, platform_env, python_child
 from tests.ingest_server import RunningIngest, wait_until
 
 # Until the CLI has `sidecar status`, the real process is started through this one-liner; the
 # tests marked `wired` run `sidecar status` (and `sidecar run` serving it) once cli.py has it.
-STATUS_MAIN = ("import sys; from sidecar.statusview import status_command; from sidecar.cli "
+STATUS_MAIN = ("import sys; from sidecar.commands.status import status_command; from sidecar.cli "
                "import build_parser; sys.exit(status_command(build_parser().parse_args("
                "['status', *sys.argv[1:]])))")
 STATUS_COMMAND = [sys.executable, "-c", STATUS_MAIN]

@@ -17,7 +17,7 @@ from typing import IO
 
 import pytest
 
-from sidecar.receive import Fault
+from sidecar.commands.receive import Fault
 from tests.conftest import RUN_ID, Finished, Sidecar, platform_env
 from tests.ingest_server import RunningIngest, wait_until
 

@@ -36,9 +36,9 @@ from typing import Any
 import psutil
 
 from sidecar import __version__
-from sidecar.ingest import iso_ts
 from sidecar.log import log
 from sidecar.node import Node
+from sidecar.records import iso_ts
 from sidecar.sources import nvml
 from sidecar.sources.hardware import NVML_TIMEOUT_S, off_loop
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import wait_set
-from sidecar.checkpoints import Checkpoints, Mark
-from sidecar.delivery import Ticket
 from sidecar.log import log
+from sidecar.records import Ticket
 from sidecar.sources.base import Parsed, Parser
+from sidecar.sources.checkpoints import Checkpoints, Mark
 from sidecar.sources.inotify import Inotify, filesystem_of, is_remote
 
 FINGERPRINT_BYTES = 256

@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 import psutil
 
-from sidecar.ingest import iso_ts
 from sidecar.log import log
+from sidecar.records import iso_ts
 from sidecar.sources import nvml
 from sidecar.sources.nvml import GpuDevice, GpuFilter, Readings, XidWatcher, gpu_filter_from_env
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sidecar.ingest import iso_ts
+from sidecar.records import iso_ts
 from sidecar.sources.base import Parsed
 
 STEP_FIELDS = ("step", "global_step", "_step", "iteration")

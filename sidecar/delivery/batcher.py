@@ -20,35 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import cancel, wait_set
-from sidecar.diskqueue import DiskQueue, SpoolFull
-from sidecar.ingest import IngestClient, Verdict
+from sidecar.delivery.client import IngestClient, Verdict
+from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
+from sidecar.delivery.journal import append_dead_letter
 from sidecar.log import Throttle, log, state_write_failed
-from sidecar.spool import append_dead_letter
+from sidecar.records import Ticket
 
 MAX_POINTS_PER_REQUEST = 2048  # CONTRACT 4, /metrics
 MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8 requests)
 LINGER_S = 0.05  # a small batch waits this long for company
-
-
-class Ticket:
-    """Counts outstanding parts of one unit of work; calls `on_done` when the last is acked."""
-
-    def __init__(self, on_done: Callable[[], None] | None = None) -> None:
-        self._outstanding = 1  # the creator's own hold, released by seal()
-        self._on_done = on_done
-
-    def hold(self) -> Ticket:
-        self._outstanding += 1
-        return self
-
-    def release(self) -> None:
-        self._outstanding -= 1
-        if self._outstanding == 0 and self._on_done is not None:
-            self._on_done()
-
-    def seal(self) -> None:
-        """The creator handed out every part: done once those are acknowledged."""
-        self.release()
 
 
 @dataclass

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery import Ticket
-from sidecar.ingest import IngestClient
+from sidecar.delivery.client import IngestClient
 from sidecar.log import log
+from sidecar.records import Ticket
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
 MAX_REQUEST_CHARS = 1 << 20  # text in one request

@@ -13,7 +13,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -145,11 +145,6 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
         when = when.replace(tzinfo=UTC)
     now = time.time() if now is None else now
     return min(max(when.timestamp() - now, 0.0), MAX_RETRY_AFTER_S)
-
-
-def iso_ts(epoch_s: float) -> str:
-    """An ISO-8601 UTC timestamp as the routes carry it."""
-    return datetime.fromtimestamp(epoch_s, UTC).isoformat()
 
 
 @dataclass

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from sidecar.receive import IngestServer
+from sidecar.commands.receive import IngestServer
 
 RUN_ID = "demo-run"
 TOKEN = "demo-token"

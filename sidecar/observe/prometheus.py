@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from sidecar import __version__
 
 if TYPE_CHECKING:
-    from sidecar.status import StatusSnapshot
+    from sidecar.observe.endpoint import StatusSnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -1,9 +1,10 @@
 """`sidecar status`: the running daemon's counters as a table, redrawn in place like `top`.
 
-It reads the daemon's `/status` (sidecar/status.py). The address is `--status-addr`, else the one
-the daemon wrote to `<state-dir>/<run>/status-addr` (state dir and run resolved as `run` resolves
-them), else the newest such file in the state dir, else the configured `--status-addr`
-(default 127.0.0.1:9620). Rates come from the difference between successive snapshots.
+It reads the daemon's `/status` (sidecar/observe/endpoint.py). The address is `--status-addr`,
+else the one the daemon wrote to `<state-dir>/<run>/status-addr` (state dir and run resolved as
+`run` resolves them), else the newest such file in the state dir, else the configured
+`--status-addr` (default 127.0.0.1:9620). Rates come from the difference between successive
+snapshots.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sidecar.config import (
 )
 
 if TYPE_CHECKING:  # the status server's module pulls in aiohttp.web: only once it is needed
-    from sidecar.status import RouteSnapshot, SourceSnapshot, StatusSnapshot
+    from sidecar.observe.endpoint import RouteSnapshot, SourceSnapshot, StatusSnapshot
 
 
 EXIT_OK = 0
@@ -90,7 +91,7 @@ def fetch(address: str) -> StatusSnapshot:
     try:
         with direct.open(f"http://{address}/status", timeout=FETCH_TIMEOUT_S) as response:
             doc = json.loads(response.read())
-        from sidecar.status import StatusSnapshot
+        from sidecar.observe.endpoint import StatusSnapshot
 
         return StatusSnapshot.from_json(doc)
     except urllib.error.HTTPError as exc:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
-from sidecar.ingest import IngestClient, Verdict, iso_ts
+from sidecar.delivery.client import IngestClient, Verdict
+from sidecar.delivery.journal import Journal, append_dead_letter
 from sidecar.log import log, state_write_failed
-from sidecar.spool import Journal, append_dead_letter
+from sidecar.records import iso_ts
 
 EVENTS = ("starting", "running", "succeeded", "failed")
 TERMINAL = ("succeeded", "failed")

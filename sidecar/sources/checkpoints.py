@@ -17,7 +17,7 @@ from typing import Any
 
 from sidecar.aio import cancel
 from sidecar.log import log, state_write_failed
-from sidecar.spool import write_atomic
+from sidecar.statefile import write_atomic
 
 SAVE_RETRY_S = 1.0
 

@@ -17,8 +17,9 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.delivery.journal import append_frames, frame
 from sidecar.log import log, state_write_failed
-from sidecar.spool import append_frames, frame, write_atomic
+from sidecar.statefile import write_atomic
 
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 4 << 20

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.log import log
+from sidecar.statefile import write_atomic
 
 _HEADER = struct.Struct("<II")
 MAX_RECORD_BYTES = 64 << 20
@@ -137,18 +138,3 @@ def _unframe(data: bytes) -> tuple[list[bytes], int]:
         records.append(payload)
         pos = end
     return records, pos
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves either the old or the new content."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

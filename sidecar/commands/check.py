@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve
-from sidecar.ingest import Answer, Verdict
+from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import add_secret, log, mask
 
 EXIT_OK = 0

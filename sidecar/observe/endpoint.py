@@ -26,7 +26,7 @@ from aiohttp import web
 from sidecar import __version__
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.config import parse_host_port
-from sidecar.ingest import RouteStats
+from sidecar.delivery.client import RouteStats
 from sidecar.log import log, mask
 
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
@@ -116,7 +116,7 @@ class StatusSnapshot:
 
 
 class _Prometheus:
-    """The /metrics text, rendered by `sidecar.prometheus`, which is imported at the first
+    """The /metrics text, rendered by `sidecar.observe.prometheus`, which is imported at the first
     scrape (in a thread: it takes tens of milliseconds)."""
 
     def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
@@ -126,7 +126,7 @@ class _Prometheus:
 
     async def text(self) -> str:
         if self._render is None:
-            module = await asyncio.to_thread(importlib.import_module, "sidecar.prometheus")
+            module = await asyncio.to_thread(importlib.import_module, "sidecar.observe.prometheus")
             self._render, self.content_type = module.exposition(self._snapshot), module.CONTENT_TYPE
         return self._render().decode("utf-8")
 

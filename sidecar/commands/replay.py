@@ -14,7 +14,7 @@ import time
 
 from sidecar.config import Config, ConfigError
 from sidecar.daemon import make_client
-from sidecar.lifecycle import Lifecycle
+from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.log import log
 from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
 

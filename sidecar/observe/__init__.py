@@ -1,0 +1,1 @@
+"""The daemon seen from outside: the local status endpoint and its Prometheus rendering."""
