@@ -175,16 +175,27 @@ def receiver(mode: str = "count") -> Iterator[Receiver]:
 
 # -- the sidecar ----------------------------------------------------------------------------------
 
-def sidecar_env(endpoint: str, state_dir: Path, **options: str) -> dict[str, str]:
-    """The environment of a sidecar reporting to `endpoint`: platform variables, a fresh state
-    dir, no status endpoint, no hardware sampling unless `options` says otherwise."""
+def sidecar_env(endpoint: str, state_dir: Path, token: str = TOKEN,
+                **options: str) -> dict[str, str]:
+    """The environment of a sidecar reporting to `endpoint` with `token`: platform variables, a
+    fresh state dir, no status endpoint, no hardware sampling unless `options` says otherwise."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SIDECAR_", "STARFORGE_", "TUNEPLANE_"))}
     env.update(STARFORGE_ENABLED="1", STARFORGE_ENDPOINT=endpoint, STARFORGE_RUN_ID=RUN_ID,
-               STARFORGE_TOKEN=TOKEN, SIDECAR_STATE_DIR=str(state_dir),
+               STARFORGE_TOKEN=token, SIDECAR_STATE_DIR=str(state_dir),
                SIDECAR_HARDWARE_INTERVAL="0", SIDECAR_STATUS_ADDR="off")
     env.update({"SIDECAR_" + k.upper(): v for k, v in {**options, **_extra_options}.items()})
     return env
+
+
+def fluent_bit() -> Path | None:
+    """The Fluent Bit anchor (shared/anchors/fluent-bit/fluent-bit) in the first `shared/`
+    beside the checkout or above it, as a clone with shared/ next to it has; None if none."""
+    for folder in REPO.parents:
+        binary = folder / "shared" / "anchors" / "fluent-bit" / "fluent-bit"
+        if binary.is_file():
+            return binary
+    return None
 
 
 def start_sidecar(args: list[str], env: dict[str, str], work: Path) -> subprocess.Popen[bytes]:
