@@ -10,11 +10,19 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sidecar import __version__
-from sidecar.config import ConfigError, add_options, command_of, option_help, resolve
+from sidecar.config import (
+    ConfigError,
+    add_option,
+    add_options,
+    command_of,
+    help_line,
+    resolve,
+    show_default,
+)
 from sidecar.delivery.lifecycle import EVENTS, Lifecycle
 from sidecar.log import add_secret, log, setup
 
@@ -22,72 +30,154 @@ EXIT_CONFIG = 2
 CHECK_TIMEOUT_S = 10.0  # how long each step of `sidecar check` may take
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Descriptions wrapped to the terminal as usual; indented lines (examples, exit statuses)
+    kept as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(line if line.startswith(" ") or not line
+                         else super(_Formatter, self)._fill_text(line, width, indent)
+                         for line in text.splitlines())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sidecar", description="Forward a training job's output, metrics, telemetry and "
-        "lifecycle to the platform's ingest API.")
+        "lifecycle to the platform's ingest API.", epilog=_epilog(HELP_TAILS["sidecar"]),
+        formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
     commands = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    run = commands.add_parser("run", help="wrap a training command and report it",
-                              usage="sidecar run [OPTIONS] -- COMMAND [ARG...]")
+    def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help, usage=usage,
+                                   epilog=_epilog(HELP_TAILS[name]),
+                                   formatter_class=_Formatter)
+
+    run = command("run", "wrap a training command and report it",
+                  usage="sidecar run [OPTIONS] -- COMMAND [ARG...]")
     add_options(run, "run")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
-    watch = commands.add_parser("watch", help="follow log, JSONL and TensorBoard files until "
-                                "SIGTERM", usage="sidecar watch [OPTIONS]")
+    watch = command("watch", "follow log, JSONL and TensorBoard files until SIGTERM",
+                    usage="sidecar watch [OPTIONS]")
     add_options(watch, "watch")
 
-    check = commands.add_parser("check", help="validate the configuration, probe the endpoint "
-                                "from this node, explain what is wrong")
+    check = command("check", "validate the configuration, probe the endpoint from this node, "
+                    "explain what is wrong; takes the options of run and watch")
     check.add_argument("--json", action="store_true", help="print one JSON document")
-    check.add_argument("--timeout", type=_seconds, default=CHECK_TIMEOUT_S, metavar="SECONDS",
-                       help=f"how long each step may take (default {CHECK_TIMEOUT_S:g})")
-    for name in ("token-file", "ca-file", "state-dir"):
-        check.add_argument("--" + name, default=None, metavar=name.split("-")[-1].upper(),
-                           help=option_help(name))
-    check.add_argument("--config", default=None, metavar="FILE", help="TOML file with options")
+    _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
+         type=_seconds, metavar="SECONDS")
+    add_options(check, "check")
 
-    status = commands.add_parser("status", help="counters of the running daemon")
-    status.add_argument("--status-addr", default=None, metavar="ADDR",
-                        help="the daemon's status endpoint HOST:PORT (default: the address it "
-                        "wrote to the state dir, else 127.0.0.1:9620)")
+    status = command("status", "counters of the running daemon")
+    status.add_argument("--json", action="store_true",
+                        help="print the daemon's /status document once, as JSON")
     status.add_argument("--once", action="store_true",
                         help="print the table once and exit (for scripts)")
-    status.add_argument("--state-dir", default=None, metavar="DIR", help=option_help("state-dir"))
-    status.add_argument("--config", default=None, metavar="FILE", help="TOML file with options")
+    _add(status, "--run-id", None, "the run whose daemon to show, when several run on this "
+         "node", metavar="ID", shown="the platform's run id variable, else the only daemon")
+    _add(status, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
+         shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
+         env="SIDECAR_STATUS_ADDR")
+    add_option(status, "state-dir")
+    add_option(status, "config")
 
-    lifecycle = commands.add_parser("lifecycle", help="post one lifecycle event, strictly")
-    lifecycle.add_argument("event", choices=EVENTS)
-    lifecycle.add_argument("--state-dir", default=None, help="where the event is journaled")
-    lifecycle.add_argument("--token-file", default=None, help="read the token from this file")
-    lifecycle.add_argument("--config", default=None, metavar="FILE", help="TOML options file")
-    lifecycle.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                           help="give up (exit 1, event kept for replay) after this long")
+    lifecycle = command("lifecycle", "post one lifecycle event, strictly")
+    lifecycle.add_argument("event", choices=EVENTS, help="the event to post")
+    _add(lifecycle, "--timeout", 60.0, "give up (exit 1, event kept for replay) after this "
+         "many seconds", type=float, metavar="SECONDS")
+    for name in ("state-dir", "token-file", "config"):
+        add_option(lifecycle, name)
 
-    replay = commands.add_parser("replay", help="deliver what an earlier run left spooled")
-    replay.add_argument("--state-dir", default=None, help="the state dir the run used")
-    replay.add_argument("--token-file", default=None, help="read the token from this file")
-    replay.add_argument("--config", default=None, metavar="FILE", help="TOML options file")
-    replay.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="give up (exit 1, data kept) after this long")
+    replay = command("replay", "deliver what an earlier run left spooled")
+    _add(replay, "--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
+         type=float, metavar="SECONDS")
+    for name in ("state-dir", "token-file", "config"):
+        add_option(replay, name)
 
-    receive = commands.add_parser("receive", help="a local ingest server that checks the "
-                                  "contract and stores what it accepts")
-    receive.add_argument("--host", default="127.0.0.1")
-    receive.add_argument("--port", type=int, default=8080)
-    receive.add_argument("--dir", type=Path, default=Path("received"),
-                         help="folder for one JSONL file per route")
-    receive.add_argument("--token", default=None, help="accept only this token (default: any)")
-    receive.add_argument("--run-id", default=None, help="accept only this run id (default: any)")
-    receive.add_argument("--ready-file", type=Path, default=None,
-                         help="write the base URL here once listening")
-    receive.add_argument("--faults", action="store_true",
-                         help="test only: enable the fault-injection control route")
+    receive = command("receive", "a local ingest server that checks the contract and stores "
+                      "what it accepts")
+    _add(receive, "--host", "127.0.0.1", "the address to listen on", metavar="HOST")
+    _add(receive, "--port", 8080, "the port to listen on; 0: any free one", type=int,
+         metavar="PORT")
+    _add(receive, "--dir", Path("received"), "folder for one JSONL file per route", type=Path,
+         metavar="DIR")
+    _add(receive, "--token", None, "accept only this token", metavar="TOKEN", shown="any")
+    _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
+    _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
+         metavar="PATH")
+    receive.add_argument("--faults", action="store_true", help=argparse.SUPPRESS)  # tests only
     receive.add_argument("--quiet", action="store_true", help="no live summary")
 
-    commands.add_parser("demo", help="run a bundled example trainer against a local receiver")
+    command("demo", "run a bundled example trainer against a local receiver")
     return parser
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, default: object, help: str, *,
+         metavar: str, type: Callable[[str], object] = str, shown: str = "",
+         env: str = "") -> None:
+    """An option outside the table, its help ending as the table's rows do."""
+    text = help_line(help, shown or show_default(default), env)
+    parser.add_argument(flag, default=default, type=type, metavar=metavar,
+                        help=text.replace("%", "%%"))
+
+
+def _epilog(tail: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
+    examples, exit_codes = tail
+    return ("examples:\n" + "".join(f"  {line}\n" for line in examples)
+            + "\nexit status:\n" + "".join(f"  {line}\n" for line in exit_codes))
+
+
+# Each command's examples, then its exit statuses: the end of its --help.
+HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "sidecar": (
+        ("sidecar run --jsonl 'out/*.jsonl' -- python train.py  # wrap a training run",
+         "sidecar check                  # why do the charts stay empty?",
+         "sidecar COMMAND --help         # each command's options"),
+        ("that of the command run; 2 for a configuration error",)),
+    "run": (
+        ("sidecar run -- python train.py --lr 3e-4",
+         "sidecar run --jsonl 'out/metrics*.jsonl' --tensorboard runs/ -- ./train.sh",
+         "sidecar run --running-when marker -- ./train.sh  # see: sidecar lifecycle -h"),
+        ("the command's own (128+N when a signal N ended it)",
+         "127  the command could not be started",
+         "2    configuration error: nothing was started")),
+    "watch": (
+        ("sidecar watch --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
+         "sidecar watch --tensorboard /shared/tb --hardware-interval 30"),
+        ("0  SIGTERM or SIGINT, then a clean drain",
+         "2  configuration error, or the run's state folder is held by another sidecar")),
+    "check": (
+        ("sidecar check",
+         "sidecar check --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
+         "sidecar check --json | jq .steps"),
+        ("0  the ingest accepted the probe (or reporting is off)",
+         "1  a step failed: its line names the likely cause and the fix",
+         "2  configuration error")),
+    "status": (
+        ("sidecar status", "sidecar status --once --run-id run-4f2a91",
+         "sidecar status --json --status-addr 127.0.0.1:9620"),
+        ("0  the daemon answered", "1  nothing answered at the address",
+         "2  several daemons run here and no --run-id picks one, or a bad --status-addr")),
+    "lifecycle": (
+        ("sidecar lifecycle running   # in a `run --running-when marker` child",
+         "sidecar lifecycle failed --timeout 10"),
+        ("0  acknowledged, handed to the wrapper, or reporting off",
+         "1  refused, or not acknowledged in time (kept for `sidecar replay`)",
+         "2  configuration error")),
+    "replay": (
+        ("sidecar replay", "sidecar replay --state-dir /var/lib/sidecar --timeout 60"),
+        ("0  everything was delivered (or nothing was left)",
+         "1  something is still undelivered; it stays in the state folder",
+         "2  configuration error")),
+    "receive": (
+        ("sidecar receive --dir /tmp/ingest --port 8080",
+         "sidecar receive --port 0 --ready-file /tmp/url --token tok --run-id run-1"),
+        ("0  stopped by SIGTERM or Ctrl-C", "1  cannot listen on HOST:PORT")),
+    "demo": (
+        ("sidecar demo",),
+        ("the example trainer's exit status under `sidecar run` (0)",)),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

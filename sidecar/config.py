@@ -31,6 +31,8 @@ class Option:
     help: str
     choices: tuple[str, ...] = ()
     only: str = ""  # "run" when the option belongs to `run` alone
+    metavar: str = ""  # what --help shows for the value; empty: the kind's (_METAVARS)
+    shown_default: str = ""  # the default in words, where `default` is None and found later
 
     @property
     def env(self) -> str:
@@ -40,6 +42,13 @@ class Option:
     def attr(self) -> str:
         return self.name.replace("-", "_")
 
+    @property
+    def help_line(self) -> str:
+        """The --help text: the row's help, then its default and its variable (clap's style)."""
+        return help_line(self.help, self.shown_default or show_default(self.default),
+                         self.env + (", a :-separated list" if self.kind == "list" else ""))
+
+
 
 DEFAULT_STATUS_ADDR = "127.0.0.1:9620"
 STATUS_ADDR_FILE = "status-addr"  # in the run's state folder: the status address actually bound
@@ -47,32 +56,59 @@ STATUS_ADDR_FILE = "status-addr"  # in the run's state folder: the status addres
 OPTIONS: tuple[Option, ...] = (
     Option("log", "list", (), "plain-text log file forwarded to /logs (repeatable, globs allowed)"),
     Option("jsonl", "list", (), "JSONL metric log forwarded to /metrics (repeatable, globs)"),
-    Option("tensorboard", "list", (), "TensorBoard log directory, searched recursively"),
-    Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams"),
+    Option("tensorboard", "list", (), "TensorBoard log directory, searched recursively "
+           "(repeatable)", metavar="DIR"),
+    Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams",
+           metavar="FILE"),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off"),
-    Option("state-dir", "path", None, "where offsets and the spool live"),
-    Option("status-addr", "str", DEFAULT_STATUS_ADDR, "local status endpoint HOST:PORT, or off"),
+    Option("state-dir", "path", None, "where offsets and the spool live, one folder per run",
+           metavar="DIR", shown_default="$XDG_STATE_HOME/sidecar, else ~/.local/state/sidecar"),
+    Option("status-addr", "str", DEFAULT_STATUS_ADDR, "local status endpoint HOST:PORT, or off",
+           metavar="HOST:PORT"),
     Option("drain-timeout", "float", 20.0, "seconds shutdown may spend delivering what is left"),
     Option("token-file", "path", None, "read the token from this file (wins over the variable)"),
     Option("running-when", "str", "spawn", "post running as the child is spawned, or on its marker",
            choices=("spawn", "marker"), only="run"),
-    Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in"),
+    Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in",
+           metavar="TEMPLATE"),
     Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
            choices=("plain", "cri", "auto")),
     Option("log-rate", "float", 5.0, "run only: MB a second of the command's output forwarded "
            "to /logs at most (beyond, dropped and counted, so that forwarding a flood never "
-           "takes the trainer's CPU); 0: no limit", only="run"),
+           "takes the trainer's CPU); 0: no limit", only="run", metavar="MB/S"),
     Option("file-watch", "str", "auto", "notice file changes by inotify with a safety poll "
            "(auto), or by polling alone (poll: NFS, FUSE)", choices=("auto", "poll")),
-    Option("node-name", "str", None, "this node's name"),
-    Option("nodes", "int", None, "the run's node count"),
-    Option("python", "path", None, "the trainer's interpreter, for the environment snapshot"),
+    Option("node-name", "str", None, "this node's name", metavar="NAME",
+           shown_default="$NODE_NAME, else the hostname"),
+    Option("nodes", "int", None, "the run's node count",
+           shown_default="from NNODES, SLURM_NNODES or WORLD_SIZE/LOCAL_WORLD_SIZE, else 1"),
+    Option("python", "path", None, "the trainer's interpreter, for the environment snapshot",
+           shown_default="found from the command's PATH and VIRTUAL_ENV"),
     Option("ca-file", "path", None, "extra CA bundle for the ingest endpoint"),
     Option("log-level", "str", "info", "level of the sidecar's own messages",
            choices=("debug", "info", "warning", "error")),
     Option("message-format", "str", "text", "format of the sidecar's own messages",
            choices=("text", "json")),
 )
+def help_line(help: str, default: str, env: str = "") -> str:
+    """An option's --help text: what it does, its default, its variable (as clap writes them)."""
+    return f"{help} [default: {default}]" + (f" [env: {env}]" if env else "")
+
+
+def show_default(value: Any) -> str:
+    """A default as --help writes it."""
+    if value in (None, "", ()):
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# What --help shows for an option's value when its row names none.
+_METAVARS = {"float": "SECONDS", "int": "N", "path": "PATH", "list": "PATH", "str": "TEXT"}
+CONFIG_OPTION = Option("config", "path", None, "TOML file with any of the options", metavar="FILE")
 
 
 @dataclass(frozen=True)
@@ -145,23 +181,31 @@ class Config:
         return read_token_file(self.token_file)
 
 
-def option_help(name: str) -> str:
-    """The help text of option `name` (as in `--state-dir`, without dashes)."""
-    return next(opt.help for opt in OPTIONS if opt.name == name)
+def option(name: str) -> Option:
+    """The row of option `name` (as in `state-dir`, without dashes)."""
+    return next(opt for opt in (*OPTIONS, CONFIG_OPTION) if opt.name == name)
+
+
+def options_of(command: str) -> tuple[Option, ...]:
+    """The options `command` takes: `check` takes every one, to be given `run`'s own line."""
+    return tuple(opt for opt in OPTIONS if not opt.only or command in (opt.only, "check"))
 
 
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
-    """Declare the options of `command` (run or watch) on its parser; unset ones stay None."""
-    for opt in OPTIONS:
-        if opt.only and opt.only != command:
-            continue
-        flag = "--" + opt.name
-        if opt.kind == "list":
-            parser.add_argument(flag, action="append", default=None, metavar="PATH", help=opt.help)
-        else:
-            parser.add_argument(flag, default=None, help=opt.help, metavar=opt.name.upper().split(
-                "-")[-1] if not opt.choices else None, choices=opt.choices or None)
-    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with any option")
+    """Declare the options of `command` (run, watch or check) on its parser, then --config."""
+    for opt in options_of(command):
+        add_option(parser, opt)
+    add_option(parser, CONFIG_OPTION)
+
+
+def add_option(parser: argparse.ArgumentParser, opt: Option | str) -> None:
+    """Declare one row of the table on `parser`, its help derived from the row; unset: None."""
+    if isinstance(opt, str):
+        opt = option(opt)
+    parser.add_argument(
+        "--" + opt.name, default=None, action="append" if opt.kind == "list" else "store",
+        choices=opt.choices or None, help=opt.help_line.replace("%", "%%"),
+        metavar=None if opt.choices else opt.metavar or _METAVARS.get(opt.kind, "VALUE"))
 
 
 def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str]) -> Config:
@@ -170,9 +214,7 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str]) 
     file_values = _read_config_file(config_file) if config_file else {}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for opt in OPTIONS:
-        if opt.only and opt.only != command:
-            continue
+    for opt in options_of(command):
         values[opt.attr], sources[opt.attr] = _pick(
             opt, getattr(args, opt.attr, None), environ, file_values)
     _check_ranges(values, sources)

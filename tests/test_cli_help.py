@@ -1,0 +1,120 @@
+"""`sidecar ... --help`: what a new user reads first says each option's default and variable,
+ends with examples and exit statuses, and fits an 80-column terminal."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+
+import pytest
+
+from sidecar.cli import build_parser
+from sidecar.config import OPTIONS, options_of
+from tests.conftest import SIDECAR, clean_environ
+
+COMMANDS = ("run", "watch", "check", "status", "lifecycle", "replay", "receive", "demo")
+# The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
+METAVARS = {"PATH", "DIR", "FILE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT", "TEMPLATE",
+            "MB/S", "NAME", "ID", "TOKEN", "COMMAND"}
+
+
+def help_of(command: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = build_parser()
+    if not command:
+        return parser.format_help()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command].format_help()
+
+
+def entries(help_text: str) -> dict[str, str]:
+    """Each option's entry in the `options:` section, its wrapped lines joined: --flag -> text."""
+    found: dict[str, str] = {}
+    section = help_text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+    current = ""
+    for line in section.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            found[current] = line.strip()
+        else:
+            found[current] += " " + line.strip()
+    return found
+
+
+@pytest.mark.parametrize("command", ["run", "watch", "check"])
+def test_every_table_option_shows_its_default_and_variable(
+        command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    shown = entries(help_of(command, monkeypatch))
+    for opt in options_of(command):
+        entry = shown["--" + opt.name]
+        assert f"[env: {opt.env}" in entry, entry
+        assert re.search(r"\[default: [^]]+\]", entry), entry
+    if command != "watch":
+        assert "--running-when" in shown
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_with_a_value_shows_its_default(
+        command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    valued = {a.option_strings[0] for a in sub.choices[command]._actions
+              if a.option_strings and a.nargs != 0 and a.help != argparse.SUPPRESS}
+    shown = entries(help_of(command, monkeypatch))
+    for flag in valued:
+        assert "[default: " in shown[flag], shown[flag]
+
+
+def test_defaults_are_the_real_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    shown = entries(help_of("run", monkeypatch))
+    assert "[default: 10]" in shown["--hardware-interval"]
+    assert "[default: 127.0.0.1:9620]" in shown["--status-addr"]
+    assert "[default: spawn]" in shown["--running-when"]
+    assert "SIDECAR_LOG, a :-separated list" in shown["--log"]
+    receive = entries(help_of("receive", monkeypatch))
+    assert "[default: 8080]" in receive["--port"]
+    assert "[default: 127.0.0.1]" in receive["--host"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_metavars_come_from_one_vocabulary(command: str, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    usage = help_of(command, monkeypatch).split("\n\n", 1)[0]
+    words = set(re.findall(r"--[a-z-]+ ([^\s\]{]+)", usage))
+    assert words <= METAVARS, words - METAVARS
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_ends_with_examples_and_exit_statuses(command: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    text = help_of(command, monkeypatch)
+    examples = text.split("\nexamples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert 1 <= len(examples) <= 3
+    assert all(line.strip().startswith("sidecar") for line in examples)
+    statuses = text.split("\nexit status:\n", 1)[1].strip().splitlines()
+    assert statuses and text.rstrip().endswith(statuses[-1].strip())
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_fits_80_columns(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    too_wide = [line for line in help_of(command, monkeypatch).splitlines() if len(line) > 80]
+    assert not too_wide
+
+
+def test_test_only_option_is_hidden_but_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "--faults" not in help_of("receive", monkeypatch)
+    assert build_parser().parse_args(["receive", "--faults"]).faults
+
+
+def test_every_row_reaches_a_command() -> None:
+    assert {opt.name for opt in OPTIONS} == {opt.name for opt in options_of("check")}
+
+
+def test_the_real_process_prints_it() -> None:
+    env = {**clean_environ(), "COLUMNS": "80"}
+    done = subprocess.run([*SIDECAR, "watch", "--help"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0
+    assert "[env: SIDECAR_HARDWARE_INTERVAL]" in " ".join(done.stdout.split())
+    assert "exit status:" in done.stdout
