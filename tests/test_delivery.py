@@ -92,6 +92,18 @@ async def test_every_point_arrives_once_in_order_in_batches_of_at_most_2048(
     assert batcher.queued == 0
 
 
+async def test_values_the_fast_encoder_refuses_still_arrive_exactly(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """orjson encodes the bulk; an integer beyond 64 bits (a JSONL step may be one) falls back
+    to the standard encoder instead of failing the batch."""
+    huge = 2**70 + 1
+    async with delivering(ingest, tmp_path / "run") as batcher:
+        batcher.push([point(1), {**point(2), "step": huge}])
+        assert await batcher.flush(FLUSH_S)
+    assert [p["step"] for p in received(ingest)] == [1, huge]
+    assert batcher.delivered == 2 and batcher.dead_lettered == 0
+
+
 async def test_flush_with_nothing_queued_returns_at_once(
         ingest: RunningIngest, tmp_path: Path) -> None:
     async with delivering(ingest, tmp_path / "run") as batcher:

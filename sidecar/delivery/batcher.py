@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery.client import IngestClient, Verdict
+from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
 from sidecar.delivery.journal import append_dead_letter
 from sidecar.log import Throttle, log, state_write_failed
@@ -88,7 +88,7 @@ class Batcher:
     def _to_disk(self, items: Sequence[Any]) -> bool:
         assert self.spill is not None
         try:
-            self.spill.append([json.dumps(item).encode() for item in items])
+            self.spill.append([json_body(item) for item in items])
         except SpoolFull as exc:
             self.refused += len(items)
             if self._throttle.admit("full") is not None and exc.__cause__ is None:
@@ -121,7 +121,7 @@ class Batcher:
         environment snapshots) carry their own times, so their order does not matter."""
         if self.spill is None or not self._queue:
             return 0
-        payloads = [json.dumps(item.value).encode() for item in self._queue]
+        payloads = [json_body(item.value) for item in self._queue]
         try:
             await asyncio.to_thread(self.spill.append, payloads)
         except SpoolFull as exc:
@@ -170,8 +170,7 @@ class Batcher:
 
     async def _send(self, batch: list[_Item]) -> None:
         """Deliver `batch` until acknowledged; split it on 413 and on a permanent refusal."""
-        body = json.dumps(self.wrap([item.value for item in batch]),
-                          separators=(",", ":")).encode()
+        body = json_body(self.wrap([item.value for item in batch]))
         answer = await self.client.deliver(self.route, body)
         if answer.ok:
             self.delivered += len(batch)

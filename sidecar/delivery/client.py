@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import ssl
 import time
 from collections.abc import Callable
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import orjson
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -111,6 +113,16 @@ class RouteStats:
     dropped: int = 0
     last_success: float | None = None
     last_failure: str = ""
+
+
+def json_body(doc: Any) -> bytes:
+    """`doc` as a request body: orjson, several times the standard module's speed on the bulk
+    path; the standard module for the rare value orjson refuses (an integer beyond 64 bits, a
+    lone surrogate from an odd environment), so that no payload fails to encode."""
+    try:
+        return orjson.dumps(doc)
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def classify(status: int, retry_after: str | None) -> Answer:

@@ -8,14 +8,13 @@ at a time so the console sees the text in order.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery.client import IngestClient
+from sidecar.delivery.client import IngestClient, json_body
 from sidecar.log import log
 from sidecar.records import Ticket
 
@@ -123,8 +122,7 @@ class LogShipper:
             batch, tickets = self._take()
             if self.on_room is not None and self.has_room:
                 self.on_room()
-            body = json.dumps({"run_id": self.run_id, "chunks": batch, "eof": False},
-                              separators=(",", ":")).encode()
+            body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
             self._active_at = time.monotonic()
             answer = await self.client.deliver("logs", body)
             self._active_at = time.monotonic()
