@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sidecar import __version__
 from sidecar.config import (
+    Config,
     ConfigError,
     add_option,
     add_options,
@@ -22,6 +23,7 @@ from sidecar.config import (
     help_line,
     resolve,
     show_default,
+    unknown_variables,
 )
 from sidecar.delivery.lifecycle import EVENTS, Lifecycle
 from sidecar.log import add_secret, log, setup
@@ -187,6 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sidecar {args.cmd}: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        sys.stdout.flush()  # here, not in the interpreter's exit, where a failure costs status 120
+    except BrokenPipeError:
+        from sidecar.commands import discard
+
+        discard(sys.stdout)
     return code
 
 
@@ -195,24 +203,34 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("no command to run: put it after --, as in "
                           "`sidecar run -- ./train.sh`")
-    cfg = resolve(args, "run", os.environ)
-    setup(cfg.log_level, cfg.message_format)
-    add_secret(cfg.token)
+    cfg = _configured(args, "run")
     from sidecar.daemon import run_wrapped
 
     return asyncio.run(run_wrapped(cfg, command, os.environ))
 
 
 def _watch(args: argparse.Namespace) -> int:
-    cfg = resolve(args, "watch", os.environ)
-    setup(cfg.log_level, cfg.message_format)
-    add_secret(cfg.token)
+    cfg = _configured(args, "watch")
     if not (cfg.log or cfg.jsonl or cfg.tensorboard or cfg.hparams or cfg.hardware_interval):
         raise ConfigError("nothing to watch: give at least one of --log, --jsonl, "
                           "--tensorboard or --hparams, or leave --hardware-interval above 0")
     from sidecar.daemon import run_watch
 
     return asyncio.run(run_watch(cfg, os.environ))
+
+
+def _configured(args: argparse.Namespace, command: str) -> Config:
+    """The command's Config, with the sidecar's own messages set up as it says."""
+    cfg = resolve(args, command, os.environ)
+    setup(cfg.log_level, cfg.message_format)
+    add_secret(cfg.token)
+    _warn_unknown_variables()
+    return cfg
+
+
+def _warn_unknown_variables() -> None:
+    for warning in unknown_variables(os.environ):
+        log.warning("%s", warning)
 
 
 def _seconds(text: str) -> float:
@@ -226,12 +244,15 @@ def _check(args: argparse.Namespace) -> int:
     from sidecar.commands.check import check
 
     setup()
+    _warn_unknown_variables()
     return check(args, os.environ)
 
 
 def _status(args: argparse.Namespace) -> int:
     from sidecar.commands.status import status_command
 
+    setup()
+    _warn_unknown_variables()
     return status_command(args)
 
 
@@ -246,8 +267,7 @@ def _lifecycle(args: argparse.Namespace) -> int:
             log.error("lifecycle %s: %s", args.event, refusal)
             return 1
         return 0
-    cfg = resolve(args, "lifecycle", os.environ)
-    add_secret(cfg.token)
+    cfg = _configured(args, "lifecycle")
     if not cfg.platform.enabled:
         log.info("lifecycle %s: reporting is off (ENABLED=0), nothing posted", args.event)
         return 0
@@ -279,9 +299,7 @@ async def _post_lifecycle(cfg: object, event: str, timeout_s: float) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    cfg = resolve(args, "replay", os.environ)
-    setup(cfg.log_level, cfg.message_format)
-    add_secret(cfg.token)
+    cfg = _configured(args, "replay")
     from sidecar.commands.replay import replay
 
     return asyncio.run(replay(cfg, args.timeout))

@@ -109,6 +109,7 @@ def show_default(value: Any) -> str:
 # What --help shows for an option's value when its row names none.
 _METAVARS = {"float": "SECONDS", "int": "N", "path": "PATH", "list": "PATH", "str": "TEXT"}
 CONFIG_OPTION = Option("config", "path", None, "TOML file with any of the options", metavar="FILE")
+WRAPPER_SOCKET_VARIABLE = "SIDECAR_WRAPPER_SOCKET"  # set by `run` for its child (handoff.py)
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,22 @@ def read_token_file(path: Path, source: str = "--token-file") -> str:
     if not token:
         raise ConfigError(f"{source} {path} is empty; it should hold the run's ingest token")
     return token
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One warning for each SIDECAR_* variable no option reads (a typo is otherwise silently
+    ignored), naming the closest known one."""
+    import difflib
+
+    prefix = "SIDECAR_"
+    known = [opt.env for opt in (*OPTIONS, CONFIG_OPTION)] + [WRAPPER_SOCKET_VARIABLE]
+    warnings = []
+    for name in sorted(n for n in environ if n.startswith(prefix) and n not in known):
+        # Compared without the prefix all names share, which would make any two look alike.
+        close = difflib.get_close_matches(name[len(prefix):], [k[len(prefix):] for k in known], 1)
+        hint = f"did you mean {prefix}{close[0]}?" if close else "`sidecar run --help` lists them"
+        warnings.append(f"{name} is set but no sidecar option reads it, so it is ignored; {hint}")
+    return warnings
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:

@@ -14,7 +14,9 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-ENV_VAR = "SIDECAR_WRAPPER_SOCKET"
+from sidecar.config import WRAPPER_SOCKET_VARIABLE
+
+ENV_VAR = WRAPPER_SOCKET_VARIABLE
 Acceptor = Callable[[str, float], Awaitable["str | None"]]
 HANDOFF_TIMEOUT_S = 10.0
 
