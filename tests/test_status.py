@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import select
+import shlex
 import signal
 import socket
 import struct
@@ -38,7 +39,15 @@ from sidecar.observe.endpoint import (
     StatusSnapshot,
     start_status_server,
 )
-from tests.conftest import RUN_ID, SIDECAR, TOKEN, Sidecar, platform_env, python_child
+from tests.conftest import (
+    RUN_ID,
+    SIDECAR,
+    TOKEN,
+    Sidecar,
+    clean_environ,
+    platform_env,
+    python_child,
+)
 from tests.ingest_server import RunningIngest, wait_until
 
 # Until the CLI has `sidecar status`, the real process is started through this one-liner; the
@@ -346,7 +355,7 @@ def status_process(args: list[str], env: dict[str, str] | None = None, *, cli: b
 
 def test_once_prints_the_table(tmp_path: Path) -> None:
     with serving(Counters().snapshot, None) as address:
-        done = status_process(["--once", "--status-addr", address])
+        done = status_process(["--once", "--status-addr", address], wide())
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"sidecar run  run {RUN_ID}  node gpu-07  up ")
@@ -355,17 +364,118 @@ def test_once_prints_the_table(tmp_path: Path) -> None:
     assert "hardware sample: 0.12 s" in lines[1]
     routes = next(i for i, line in enumerate(lines) if line.startswith("ROUTE"))
     assert lines[routes].split() == ["ROUTE", "REQUESTS", "REQ/S", "ACCEPTED", "FAILED",
-                                     "RETRIES", "DROPPED", "QUEUE", "SPOOL", "LAST", "OK",
-                                     "LAST", "ERROR"]
+                                     "RETRIES", "DROPPED", "QUEUE", "SPOOL", "LAST", "OK"]
     assert lines[routes + 1].split()[:8] == ["lifecycle", "3", "-", "2", "1", "1", "0", "0"]
-    assert lines[routes + 1].endswith("HTTP 502")
     assert lines[routes + 2].split()[:8] == ["logs", "40", "-", "37", "3", "2", "512", "4"]
     assert "64.0 KiB" in lines[routes + 3]
+    assert lines[routes + 4] == "lifecycle last error: HTTP 502"
     sources = next(i for i, line in enumerate(lines) if line.startswith("SOURCE"))
     assert lines[sources + 1].split()[:3] == ["stdout", "child", "1000"]
     assert lines[sources + 2].split() == ["/data/run/metrics.jsonl", "jsonl", "2.0", "KiB", "-",
                                           "20", "-", "60", "-", "2", "1"]
     assert "\x1b" not in done.stdout
+
+
+def wide(columns: int = 200, **extra: str) -> dict[str, str]:
+    return {**clean_environ(), "COLUMNS": str(columns), **extra}
+
+
+def cells(lines: list[str], key: str) -> list[str]:
+    """Every cell of the row(s) starting with `key`, across the blocks a narrow table wraps to."""
+    return [cell for line in lines if line.startswith(key + " ") for cell in line.split()[1:]]
+
+
+@pytest.mark.parametrize("columns", [80, 60])
+def test_once_fits_the_terminal_and_keeps_every_column(columns: int) -> None:
+    with serving(Counters().snapshot, None) as address:
+        narrow = status_process(["--once", "--status-addr", address], wide(columns))
+        full = status_process(["--once", "--status-addr", address], wide())
+    assert narrow.returncode == 0, narrow.stderr
+    lines = narrow.stdout.splitlines()
+    assert max(len(line) for line in lines) <= columns, narrow.stdout
+    full_lines = full.stdout.splitlines()
+    assert max(len(line) for line in full_lines) > 80  # the narrow one had something to fit
+    assert cells(lines, "logs") == cells(full_lines, "logs")  # wrapped, nothing cut off
+    assert "SKIPPED" in narrow.stdout and "LAST OK" in narrow.stdout
+    assert "lifecycle last error: HTTP 502" in narrow.stdout
+    jsonl = next(line for line in lines if "metrics.jsonl" in line)
+    assert jsonl.startswith("…") and jsonl.split()[0].endswith("metrics.jsonl")
+
+
+def test_json_is_the_status_document(tmp_path: Path) -> None:
+    counters = Counters()
+    with serving(counters.snapshot, None) as address:
+        done = status_process(["--json", "--status-addr", address])
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert StatusSnapshot.from_json(doc).run_id == RUN_ID
+    assert doc["routes"][1]["requests"] == counters.requests
+    assert doc["ready"] is True and "version" in doc
+
+
+def test_status_addr_that_is_not_host_port(tmp_path: Path) -> None:
+    done = status_process(["--once", "--status-addr", "foo"], cli=True)
+    assert done.returncode == 2
+    assert "--status-addr 'foo': expected HOST:PORT" in done.stderr
+    assert "Traceback" not in done.stderr and "not known" not in done.stderr
+
+
+def test_two_daemons_and_no_run_id_asks_which(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = wide(SIDECAR_STATE_DIR=str(state), SIDECAR_STATUS_ADDR="off")
+    other = "run-second"
+    with serving(Counters().snapshot, state / RUN_ID) as first, \
+            serving(lambda: sample(run_id=other, mode="watch"), state / other) as second:
+        both = status_process(["--once"], env, cli=True)
+        chosen = status_process(["--once", "--run-id", other], env, cli=True)
+        unknown = status_process(["--once", "--run-id", "run-none"], env, cli=True)
+    assert both.returncode == 2, both.stderr
+    assert both.stdout == ""
+    assert "2 daemons answer on this node; say which with --run-id ID" in both.stderr
+    assert f"--run-id {RUN_ID}  (run on node gpu-07, --status-addr {first})" in both.stderr
+    assert f"--run-id {other}  (watch on node gpu-07, --status-addr {second})" in both.stderr
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.startswith(f"sidecar watch  run {other}  ")
+    assert unknown.returncode == 1
+    assert "no daemon of run run-none answers" in unknown.stderr and other in unknown.stderr
+
+
+def test_a_stale_address_file_is_not_a_second_daemon(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        (state / "run-old").mkdir(parents=True)
+        (state / "run-old" / ADDR_FILE).write_text(f"127.0.0.1:{closed.getsockname()[1]}\n")
+    env = wide(SIDECAR_STATE_DIR=str(state), SIDECAR_STATUS_ADDR="off")
+    with serving(Counters().snapshot, state / RUN_ID):
+        done = status_process(["--once"], env, cli=True)
+    assert done.returncode == 0, done.stderr
+    assert f"run {RUN_ID}" in done.stdout
+
+
+@pytest.mark.parametrize("option", ["--once", "--json"])
+def test_a_reader_that_left_gets_no_traceback(option: str) -> None:
+    """`sidecar status --once | head -1` once head has exited: the write fails with EPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    with serving(Counters().snapshot, None) as address:
+        done = subprocess.run([*SIDECAR, "status", option, "--status-addr", address],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+                              check=False, env=wide())
+    os.close(write)
+    assert done.returncode == 0
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_head_minus_one_in_a_shell() -> None:
+    with serving(Counters().snapshot, None) as address:
+        done = subprocess.run(
+            ["bash", "-c", f"set -o pipefail; {shlex.join(SIDECAR)} status --once "
+             f"--status-addr {address} | head -1"],
+            capture_output=True, text=True, timeout=60, check=False, env=wide())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("sidecar run  run ")
+    assert "Traceback" not in done.stderr
 
 
 def test_address_found_in_the_state_dir(ingest: RunningIngest, tmp_path: Path) -> None:
@@ -463,8 +573,8 @@ def test_live_table_refreshes_in_place_until_ctrl_c(tmp_path: Path) -> None:
     changed = next(f for f in frames if logs_requests(f) == 46)
     assert frames.index(first) < frames.index(changed)
     assert f"run {RUN_ID}" in first and "ROUTE" in first and "SOURCE" in first
-    assert first.splitlines()[4].startswith("lifecycle ")
-    assert first.splitlines()[4].split()[2] == "-"  # no rate from a single snapshot
+    row = next(line for line in first.splitlines() if line.startswith("lifecycle "))
+    assert row.split()[2] == "-"  # no rate from a single snapshot
     row = next(line for line in changed.splitlines() if line.startswith("logs "))
     assert float(row.split()[2]) > 0  # REQ/S, from the two snapshots
     stdout = next(line for line in changed.splitlines() if line.startswith("stdout "))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
+from sidecar.commands import say
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve
 from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import add_secret, log, mask
@@ -102,7 +103,7 @@ class _Report:
             self._print(f"sidecar check: {verdict[code]} (first failed step: {first.name})")
 
     def _print(self, text: str) -> None:
-        print(mask(text), file=self.out, flush=True)
+        say(mask(text), self.out)
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,22 @@ import os
 import shutil
 import signal
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from sidecar.commands import say
 from sidecar.config import (
     DEFAULT_STATUS_ADDR,
     FAMILIES,
     STATUS_ADDR_FILE,
     ConfigError,
     default_state_dir,
+    parse_host_port,
     resolve,
 )
 
@@ -37,7 +40,9 @@ if TYPE_CHECKING:  # the status server's module pulls in aiohttp.web: only once 
 
 EXIT_OK = 0
 EXIT_NO_ANSWER = 1
+EXIT_AMBIGUOUS = 2
 REFRESH_S = 1.0
+KEY_MIN_WIDTH = 16  # a table's first column is never cut shorter, to fit a narrow terminal
 FETCH_TIMEOUT_S = 2.0
 
 # ANSI: the alternate screen (the shell's screen comes back on exit), cursor home, clear to the
@@ -54,36 +59,103 @@ class NoAnswer(Exception):
     """Nothing usable answered at the status address; the message says what happened."""
 
 
+class Ambiguous(Exception):
+    """Several daemons answer and nothing says which one is meant; the message lists them."""
+
+
 def status_command(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
-    """Show the daemon's status: once (`--once`, or stdout not a terminal) or live until
-    Ctrl-C; 1 when nothing answers."""
+    """Show the daemon's status: as JSON (`--json`), once (`--once`, or stdout not a terminal)
+    or live until Ctrl-C; 1 when nothing answers, 2 when several daemons do and nothing says
+    which one is meant."""
     environ = os.environ if environ is None else environ
-    candidates = find_addresses(args, environ)
     try:
-        address, snap = _first_answer(candidates)
+        address, doc = choose(args, environ)
+        snap = _snapshot(address, doc)
     except NoAnswer as exc:
         print(f"sidecar status: {exc}", file=sys.stderr)
         return EXIT_NO_ANSWER
+    except Ambiguous as exc:
+        print(f"sidecar status: {exc}", file=sys.stderr)
+        return EXIT_AMBIGUOUS
+    if args.json:
+        say(json.dumps(doc, indent=2, sort_keys=True))
+        return EXIT_OK
     if args.once or not sys.stdout.isatty():
-        print("\n".join(render(snap, None, address)))
+        say("\n".join(render(snap, None, address, shutil.get_terminal_size().columns)))
         return EXIT_OK
     return _live(address, snap, sys.stdout)
 
 
-def find_addresses(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
-    """Where to look for the daemon, most specific first."""
+def choose(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, dict[str, Any]]:
+    """The address of the daemon meant and its /status document: the one at --status-addr, else
+    the one of --run-id (or the platform's run id), else the only one answering here."""
     if args.status_addr:
-        return [args.status_addr]
-    run_dir, state_dir, configured = _configured(args, environ)
-    files = [run_dir / STATUS_ADDR_FILE] if run_dir is not None else []
-    files += sorted(state_dir.glob(f"*/{STATUS_ADDR_FILE}"), key=_mtime, reverse=True)
-    found = [_read_addr(path) for path in files]
-    wanted = [*found, configured if configured != "off" else DEFAULT_STATUS_ADDR]
+        try:
+            parse_host_port(args.status_addr, "--status-addr")
+        except ConfigError:
+            raise ConfigError(f"--status-addr {args.status_addr!r}: expected HOST:PORT, for "
+                              "example 127.0.0.1:9620") from None
+        try:
+            return args.status_addr, fetch_document(args.status_addr)
+        except NoAnswer as exc:
+            raise NoAnswer(_not_running(str(exc))) from None
+    run_id, state_dir, configured = _configured(args, environ)
+    problems: list[str] = []
+    answering: dict[str, dict[str, Any]] = {}
+    for address in find_addresses(state_dir, configured):
+        try:
+            answering[address] = fetch_document(address)
+        except NoAnswer as exc:
+            problems.append(str(exc))
+    meant = {a: doc for a, doc in answering.items() if not run_id or doc.get("run_id") == run_id}
+    if len(meant) == 1:
+        return next(iter(meant.items()))
+    if len(meant) > 1:
+        raise Ambiguous(f"{len(meant)} daemons answer on this node; say which with --run-id ID "
+                        "(or --status-addr HOST:PORT):\n" + _listing(meant))
+    if answering:
+        raise NoAnswer(f"no daemon of run {run_id} answers; these do (--run-id ID picks one):\n"
+                       + _listing(answering))
+    raise NoAnswer(_not_running("; ".join(problems)))
+
+
+def _not_running(problems: str) -> str:
+    return (f"{problems}. Is `sidecar run` or `sidecar watch` running on this node? It writes "
+            f"its address to <state-dir>/<run>/{STATUS_ADDR_FILE}; else pass --status-addr "
+            "HOST:PORT")
+
+
+def find_addresses(state_dir: Path, configured: str) -> list[str]:
+    """Where daemons may listen: every address written in the state dir, newest first, then
+    the configured --status-addr (default 127.0.0.1:9620)."""
+    files = sorted(state_dir.glob(f"*/{STATUS_ADDR_FILE}"), key=_mtime, reverse=True)
+    wanted = [*(_read_addr(path) for path in files),
+              configured if configured != "off" else DEFAULT_STATUS_ADDR]
     return list(dict.fromkeys(addr for addr in wanted if addr))
 
 
+def _listing(found: Mapping[str, Mapping[str, Any]]) -> str:
+    return "\n".join(f"  --run-id {doc.get('run_id') or '-'}  ({doc.get('mode', '?')} on node "
+                     f"{doc.get('node', '?')}, --status-addr {address})"
+                     for address, doc in found.items())
+
+
 def fetch(address: str) -> StatusSnapshot:
-    """GET http://ADDRESS/status; NoAnswer says why it failed."""
+    """GET http://ADDRESS/status as a snapshot; NoAnswer says why it failed."""
+    return _snapshot(address, fetch_document(address))
+
+
+def _snapshot(address: str, doc: Mapping[str, Any]) -> StatusSnapshot:
+    from sidecar.observe.endpoint import StatusSnapshot
+
+    try:
+        return StatusSnapshot.from_json(doc)
+    except ValueError as exc:
+        raise NoAnswer(f"{address} did not answer with a sidecar status ({exc})") from None
+
+
+def fetch_document(address: str) -> dict[str, Any]:
+    """GET http://ADDRESS/status, the JSON document as served; NoAnswer says why it failed."""
     import urllib.error  # here, not at the top: the daemon imports this module for its
     import urllib.request  # constants and must not carry urllib.request's half a megabyte
 
@@ -91,9 +163,6 @@ def fetch(address: str) -> StatusSnapshot:
     try:
         with direct.open(f"http://{address}/status", timeout=FETCH_TIMEOUT_S) as response:
             doc = json.loads(response.read())
-        from sidecar.observe.endpoint import StatusSnapshot
-
-        return StatusSnapshot.from_json(doc)
     except urllib.error.HTTPError as exc:
         raise NoAnswer(f"{address} answered HTTP {exc.code}: not a sidecar status "
                        "endpoint") from None
@@ -103,10 +172,15 @@ def fetch(address: str) -> StatusSnapshot:
         raise NoAnswer(f"nothing answers at {address} ({_reason(exc)})") from None
     except ValueError as exc:
         raise NoAnswer(f"{address} did not answer with a sidecar status ({exc})") from None
+    if not isinstance(doc, dict):
+        raise NoAnswer(f"{address} did not answer with a sidecar status (not an object)")
+    return doc
 
 
-def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str) -> list[str]:
-    """The table as lines of text, with rates when a previous snapshot is given."""
+def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str,
+           width: int = 80) -> list[str]:
+    """The table as lines of text at most `width` wide, with rates when a previous snapshot is
+    given."""
     elapsed = snap.taken_at - previous.taken_at if previous is not None else 0.0
     routes = {r.route: r for r in previous.routes} if previous is not None else {}
     sources = {(s.name, s.kind): s for s in previous.sources} if previous is not None else {}
@@ -114,25 +188,41 @@ def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str) 
     state = "offline (ENABLED=0): nothing is posted" if snap.offline else (
         "ready" if snap.ready else "not ready: the ingest has not accepted a request yet")
     lines = [
-        f"sidecar {snap.mode}  run {snap.run_id or '-'}  node {snap.node}  up "
-        f"{_duration(snap.taken_at - snap.started_at)}  {state}  [{address} {clock}]",
-        f"lifecycle: {', '.join(snap.lifecycle_recorded) or '-'}   "
-        f"pending: {', '.join(snap.lifecycle_pending) or '-'}"
-        + (f"   hardware sample: {snap.sampler_duration_s:.2f} s"
-           if snap.sampler_duration_s is not None else ""),
+        *_wrap(width, f"sidecar {snap.mode}", f"run {snap.run_id or '-'}", f"node {snap.node}",
+               f"up {_duration(snap.taken_at - snap.started_at)}", state,
+               f"[{address} {clock}]"),
+        *_wrap(width, f"lifecycle: {', '.join(snap.lifecycle_recorded) or '-'}",
+               f" pending: {', '.join(snap.lifecycle_pending) or '-'}",
+               *([f" hardware sample: {snap.sampler_duration_s:.2f} s"]
+                 if snap.sampler_duration_s is not None else [])),
         "",
     ]
     lines += _table(
         ("ROUTE", "REQUESTS", "REQ/S", "ACCEPTED", "FAILED", "RETRIES", "DROPPED", "QUEUE",
-         "SPOOL", "LAST OK", "LAST ERROR"),
+         "SPOOL", "LAST OK"),
         [_route_row(route, routes.get(route.route), elapsed, snap.taken_at)
-         for route in snap.routes], "no route has been used yet", left=(0, 10))
+         for route in snap.routes], "no route has been used yet", left=(0,), width=width)
+    lines += [wrapped for route in snap.routes if route.last_failure
+              for wrapped in textwrap.wrap(f"{route.route} last error: {route.last_failure}",
+                                           width, subsequent_indent="    ")]
     lines.append("")
     lines += _table(
         ("SOURCE", "KIND", "READ", "READ/S", "LINES", "LINES/S", "POINTS", "POINTS/S",
          "INVALID", "SKIPPED"),
         [_source_row(source, sources.get((source.name, source.kind)), elapsed)
-         for source in snap.sources], "no source yet", left=(0, 1))
+         for source in snap.sources], "no source yet", left=(0, 1), width=width)
+    return lines
+
+
+def _wrap(width: int, *pieces: str) -> list[str]:
+    """Pieces joined by two spaces, onto as many lines of `width` as they need."""
+    lines = [""]
+    for piece in pieces:
+        joined = f"{lines[-1]}  {piece}" if lines[-1] else piece
+        if len(joined) <= width or not lines[-1]:
+            lines[-1] = joined
+        else:
+            lines.append("  " + piece.strip())
     return lines
 
 
@@ -141,7 +231,7 @@ def _route_row(route: RouteSnapshot, before: RouteSnapshot | None, elapsed: floa
     last_ok = "-" if route.last_success is None else f"{_duration(now - route.last_success)} ago"
     return [route.route, str(route.requests), _rate(route, before, "requests", elapsed),
             str(route.accepted), str(route.failures), str(route.retries), str(route.dropped),
-            str(route.queue_depth), _bytes(route.spool_bytes), last_ok, route.last_failure or "-"]
+            str(route.queue_depth), _bytes(route.spool_bytes), last_ok]
 
 
 def _source_row(source: SourceSnapshot, before: SourceSnapshot | None,
@@ -161,18 +251,41 @@ def _rate(now: object, before: object | None, attr: str, elapsed: float,
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], empty: str,
-           left: Sequence[int]) -> list[str]:
+           left: Sequence[int], width: int) -> list[str]:
     """Columns padded to their widest cell: those in `left` left-aligned, the rest (numbers)
-    right-aligned."""
+    right-aligned, two spaces apart. Wider than `width`: one space apart, then the first
+    column's cells cut at their start (a path's end tells it apart) down to KEY_MIN_WIDTH, then
+    the columns that still do not fit go on in another block of lines, led by the first column
+    again."""
     if not rows:
         return [headers[0], f"  ({empty})"]
     widths = [max(len(row[i]) for row in (headers, *rows)) for i in range(len(headers))]
+    gap = 2 if sum(widths) + 2 * (len(widths) - 1) <= width else 1
+    excess = sum(widths) + gap * (len(widths) - 1) - width
+    if excess > 0:
+        widths[0] = max(widths[0] - excess, min(KEY_MIN_WIDTH, widths[0]), len(headers[0]))
+        rows = [[_cut(row[0], widths[0]), *row[1:]] for row in rows]
+    blocks: list[list[int]] = [[0]]
+    for i in range(1, len(headers)):
+        used = sum(widths[j] + gap for j in blocks[-1])
+        if used + widths[i] > width and len(blocks[-1]) > 1:
+            blocks.append([0])
+        blocks[-1].append(i)
 
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(cell.ljust(width) if i in left else cell.rjust(width)
-                         for i, (cell, width) in enumerate(zip(cells, widths, strict=True)))
+    def line(cells: Sequence[str], columns: Sequence[int]) -> str:
+        return (" " * gap).join(
+            cells[i].ljust(widths[i]) if i in left else cells[i].rjust(widths[i])
+            for i in columns).rstrip()
 
-    return [line(headers).rstrip(), *(line(row).rstrip() for row in rows)]
+    lines: list[str] = []
+    for columns in blocks:
+        lines += [*([""] if lines else []), line(headers, columns),
+                  *(line(row, columns) for row in rows)]
+    return lines
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[len(text) - width + 1:]
 
 
 def _live(address: str, first: StatusSnapshot, out: TextIO) -> int:
@@ -183,7 +296,8 @@ def _live(address: str, first: StatusSnapshot, out: TextIO) -> int:
     with _screen(out):
         try:
             while True:
-                _draw(out, render(snap, previous, address), trouble)
+                _draw(out, render(snap, previous, address, shutil.get_terminal_size().columns),
+                      trouble)
                 deadline += REFRESH_S
                 time.sleep(max(deadline - time.monotonic(), 0.0))
                 try:
@@ -223,25 +337,13 @@ def _screen(out: TextIO) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _first_answer(candidates: Sequence[str]) -> tuple[str, StatusSnapshot]:
-    problems = []
-    for address in candidates:
-        try:
-            return address, fetch(address)
-        except NoAnswer as exc:
-            problems.append(str(exc))
-    raise NoAnswer("; ".join(problems) + ". Is `sidecar run` or `sidecar watch` running on this "
-                   f"node? It writes its address to <state-dir>/<run>/{STATUS_ADDR_FILE}; else "
-                   "pass --status-addr HOST:PORT")
-
-
 def _configured(args: argparse.Namespace,
-                environ: Mapping[str, str]) -> tuple[Path | None, Path, str]:
-    """The run's folder (None when the platform variables are absent), the state dir and the
+                environ: Mapping[str, str]) -> tuple[str, Path, str]:
+    """The run meant (--run-id, else the platform's run id, else ""), the state dir and the
     configured --status-addr, resolved as `run` resolves them."""
     try:
         cfg = resolve(args, "status", environ)
-        return cfg.run_dir, cfg.state_dir, cfg.status_addr
+        return args.run_id or cfg.platform.run_id, cfg.state_dir, cfg.status_addr
     except ConfigError:
         pass
     # A shell without the platform's variables (a node's login shell): resolve the options only.
@@ -251,8 +353,8 @@ def _configured(args: argparse.Namespace,
     try:
         cfg = resolve(args, "status", offline)
     except ConfigError:
-        return None, default_state_dir(environ), DEFAULT_STATUS_ADDR
-    return None, cfg.state_dir, cfg.status_addr
+        return args.run_id or "", default_state_dir(environ), DEFAULT_STATUS_ADDR
+    return args.run_id or "", cfg.state_dir, cfg.status_addr
 
 
 def _read_addr(path: Path) -> str:
