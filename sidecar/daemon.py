@@ -33,6 +33,7 @@ from sidecar.node import Node, resolve_node
 from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
 from sidecar.sources.hparams import load_hparams
 from sidecar.sources.lines import LineAssembler
+from sidecar.supervise import fault_point, restarts, supervise
 
 if TYPE_CHECKING:  # imported once the command runs: `sidecar run` spawns it before these
     from sidecar.observe.endpoint import StatusServer
@@ -201,7 +202,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,
                                  find_trainer_python=True)
     status = await _serve_status(cfg, node, "run", client, pipeline, lifecycle)
-    ticker = asyncio.create_task(_tick(streams), name="ticker")
+    ticker = supervise("ticker", lambda: _tick(streams))
 
     exit_status = await child.wait()
     ended_at = time.time()
@@ -289,6 +290,7 @@ def _on_signal(child: Child, signum: int, interrupted: asyncio.Event) -> None:
 
 async def _tick(streams: Sequence[_Stream]) -> None:
     while True:
+        fault_point()
         await asyncio.sleep(TICK_S)
         for stream in streams:
             stream.tick()
@@ -378,7 +380,8 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
             sources=sources,
             sampler_duration_s=sampler.stats.last_sample_s if sampler is not None else None,
             lifecycle_recorded=tuple(lifecycle.recorded) if lifecycle is not None else (),
-            lifecycle_pending=tuple(lifecycle.pending) if lifecycle is not None else ())
+            lifecycle_pending=tuple(lifecycle.pending) if lifecycle is not None else (),
+            task_restarts=restarts())
 
     run_dir = cfg.run_dir if client is not None else None
     return await start_status_server(cfg.status_addr, run_dir, snapshot)

@@ -35,6 +35,7 @@ from sidecar.sources.follow import Follower, Sink, SourceSpec
 from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
 from sidecar.sources.jsonl import JsonlParser
 from sidecar.sources.logfile import LogFileParser
+from sidecar.supervise import supervise
 
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
@@ -161,17 +162,17 @@ class Pipeline(Sink):
         if self.hparams_file:
             self.hparams.push(list(self.hparams_file.items()))
         if self.follower.specs:
-            self._follow_task = asyncio.create_task(self.follower.run(), name="follow")
+            self._follow_task = supervise("follow", self.follower.run)
 
     def start_telemetry(self, child_env: Mapping[str, str], environ: Mapping[str, str],
                         command: Sequence[str], trainer_pid: Callable[[], int | None] | None,
                         find_trainer_python: bool) -> None:
         """The environment snapshot (once) and the /hardware sampler (CONTRACT 6)."""
         cfg = self.cfg
-        self._environment_task = asyncio.create_task(post_environment(
+        self._environment_task = supervise("environment", lambda: post_environment(
             emit=self.emit, run_id=cfg.platform.run_id, node=self.node, python=cfg.python,
             child_env=child_env, environ=environ, command=command,
-            find_trainer_python=find_trainer_python), name="environment")
+            find_trainer_python=find_trainer_python))
         if cfg.hardware_interval > 0:
             disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
                           *(Path(p) for p in cfg.tensorboard)]
@@ -179,7 +180,7 @@ class Pipeline(Sink):
                 run_id=cfg.platform.run_id, node=self.node.name, interval_s=cfg.hardware_interval,
                 emit=self.emit, gpu_filter=gpu_filter_from_env(child_env),
                 trainer_pid=trainer_pid, disk_paths=disk_paths)
-            self._sampler_task = asyncio.create_task(self.sampler.run(), name="hardware")
+            self._sampler_task = supervise("hardware", self.sampler.sample_forever)
 
     async def _stop_telemetry(self) -> None:
         """Stop sampling; a snapshot still being taken gets a share of the drain time."""

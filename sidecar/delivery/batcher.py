@@ -25,6 +25,7 @@ from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
 from sidecar.delivery.journal import append_dead_letter
 from sidecar.log import Throttle, log, state_write_failed
 from sidecar.records import Ticket
+from sidecar.supervise import fault_point, supervise
 
 MAX_POINTS_PER_REQUEST = 2048  # CONTRACT 4, /metrics
 MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8 requests)
@@ -63,7 +64,7 @@ class Batcher:
     def start(self) -> None:
         self._room.set()
         self._idle.set()
-        self._task = asyncio.create_task(self._run(), name=f"deliver-{self.route}")
+        self._task = supervise(f"deliver-{self.route}", self._run)
 
     @property
     def queued(self) -> int:
@@ -140,6 +141,7 @@ class Batcher:
 
     async def _run(self) -> None:
         while True:
+            fault_point()
             if not self._queue and self.spill is not None and self.spill.records:
                 await self._send_spilled()
                 continue

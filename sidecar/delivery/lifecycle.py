@@ -18,6 +18,7 @@ from sidecar.delivery.client import IngestClient, Verdict
 from sidecar.delivery.journal import Journal, append_dead_letter
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
+from sidecar.supervise import fault_point, supervise
 
 EVENTS = ("starting", "running", "succeeded", "failed")
 TERMINAL = ("succeeded", "failed")
@@ -51,7 +52,7 @@ class Lifecycle:
             log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
                      len(self._queue))
             self._idle.clear()
-        self._task = asyncio.create_task(self._run(), name="lifecycle")
+        self._task = supervise("lifecycle", self._run)
 
     async def record(self, event: str, ts: float | None = None) -> None:
         """Persist `event` (happened at `ts`, default now), then queue it for delivery."""
@@ -93,6 +94,7 @@ class Lifecycle:
     async def _run(self) -> None:
         assert self.client is not None and self._journal is not None
         while True:
+            fault_point()
             if not self._queue:
                 self._idle.set()
                 self._wake.clear()

@@ -17,6 +17,7 @@ from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, json_body
 from sidecar.log import log
 from sidecar.records import Ticket
+from sidecar.supervise import fault_point, supervise
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
 MAX_REQUEST_CHARS = 1 << 20  # text in one request
@@ -41,6 +42,7 @@ class LogShipper:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
+    _inflight: tuple[list[str], list[Ticket]] | None = None  # taken, not yet answered
     _warned_at: float = float("-inf")
     _active_at: float = 0.0  # when a request was last sent or answered, or work came to an idle
 
@@ -50,7 +52,7 @@ class LogShipper:
             self._active_at = time.monotonic()
         else:
             self._idle.set()
-        self._task = asyncio.create_task(self._run(), name="logs-shipper")
+        self._task = supervise("logs-shipper", self._run)
 
     @property
     def queued(self) -> int:
@@ -113,19 +115,24 @@ class LogShipper:
 
     async def _run(self) -> None:
         while True:
-            if not self._chunks:
-                self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
-            if self._buffered < self.max_request_chars:
-                await asyncio.sleep(self.linger_s)
-            batch, tickets = self._take()
-            if self.on_room is not None and self.has_room:
-                self.on_room()
+            fault_point()
+            if self._inflight is None:  # else a failure interrupted it: send it again
+                if not self._chunks:
+                    self._idle.set()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if self._buffered < self.max_request_chars:
+                    await asyncio.sleep(self.linger_s)
+                self._inflight = self._take()
+                if self.on_room is not None and self.has_room:
+                    self.on_room()
+            batch, tickets = self._inflight
             body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
             self._active_at = time.monotonic()
             answer = await self.client.deliver("logs", body)
             self._active_at = time.monotonic()
+            self._inflight = None
             size = sum(map(len, batch))
             if answer.ok:
                 self.sent_chars += size

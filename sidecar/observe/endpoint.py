@@ -83,6 +83,7 @@ class StatusSnapshot:
     sampler_duration_s: float | None = None  # how long the last hardware sample took
     lifecycle_recorded: tuple[str, ...] = ()  # events recorded, in order
     lifecycle_pending: tuple[str, ...] = ()  # events not yet acknowledged
+    task_restarts: dict[str, int] = field(default_factory=dict)  # supervised tasks that failed
     taken_at: float = field(default_factory=time.time)
 
     @property
@@ -109,9 +110,10 @@ class StatusSnapshot:
                 sampler_duration_s=doc.get("sampler_duration_s"),
                 lifecycle_recorded=tuple(doc.get("lifecycle_recorded", ())),
                 lifecycle_pending=tuple(doc.get("lifecycle_pending", ())),
+                task_restarts={str(k): int(v) for k, v in doc.get("task_restarts", {}).items()},
                 taken_at=float(doc.get("taken_at", time.time())),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a sidecar /status document ({exc!r})") from None
 
 

@@ -81,6 +81,12 @@ def _run_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("sidecar_lifecycle_events_pending",
                             "lifecycle events not yet acknowledged",
                             value=len(snap.lifecycle_pending))
+    restarts = CounterMetricFamily("sidecar_task_restarts",
+                                   "times a supervised task failed and was restarted",
+                                   labels=["task"])
+    for task, count in sorted(snap.task_restarts.items()):
+        restarts.add_metric([task], count)
+    yield restarts
 
 
 def _route_metrics(snap: StatusSnapshot) -> Iterator[Metric]:

@@ -18,6 +18,7 @@ from typing import Any
 from sidecar.aio import cancel
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import write_atomic
+from sidecar.supervise import fault_point, supervise
 
 SAVE_RETRY_S = 1.0
 
@@ -71,7 +72,7 @@ class Checkpoints:
             self._changed.set()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._saver(), name="checkpoints")
+        self._task = supervise("checkpoints", self._saver)
 
     async def stop(self) -> None:
         """Stop the saver and write what is left."""
@@ -98,6 +99,7 @@ class Checkpoints:
         # Written as soon as progress is acknowledged (changes that arrive during a write are
         # coalesced into the next one): a crash repeats only what was in flight.
         while True:
+            fault_point()
             await self._changed.wait()
             self._changed.clear()
             if not await self.save():

@@ -30,6 +30,7 @@ from sidecar.records import Ticket
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.checkpoints import Checkpoints, Mark
 from sidecar.sources.inotify import Inotify, filesystem_of, is_remote
+from sidecar.supervise import fault_point
 
 FINGERPRINT_BYTES = 256
 READ_BYTES = 1 << 20
@@ -120,6 +121,7 @@ class Follower:
         interval = SAFETY_POLL_S if self._events is not None else POLL_S
         try:
             while True:
+                fault_point()
                 await self.step()
                 if self._events is not None:
                     self._events.watch(_watch_folders(self.specs))

@@ -35,6 +35,7 @@ from sidecar.log import log
 from sidecar.records import iso_ts
 from sidecar.sources import nvml
 from sidecar.sources.nvml import GpuDevice, GpuFilter, Readings, XidWatcher, gpu_filter_from_env
+from sidecar.supervise import fault_point
 
 __all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "Rates",
            "SamplerStats", "Worker", "gpu_filter_from_env", "off_loop"]
@@ -485,17 +486,23 @@ class HardwareSampler:
 
     async def run(self) -> None:
         """Sample on a fixed schedule until cancelled; a late sample skips the ticks it missed."""
-        loop = asyncio.get_running_loop()
         try:
-            await self.start()
-            start = loop.time()
-            tick = 0
-            while True:
-                await self.sample_once()
-                tick = max(tick + 1, math.floor((loop.time() - start) / self.interval_s) + 1)
-                await asyncio.sleep(start + tick * self.interval_s - loop.time())
+            await self.sample_forever()
         finally:
             self.close()
+
+    async def sample_forever(self) -> None:
+        """Sample on a fixed schedule until cancelled, leaving the workers to `close()`: a
+        supervisor may call it again after a failure."""
+        loop = asyncio.get_running_loop()
+        await self.start()
+        start = loop.time()
+        tick = 0
+        while True:
+            fault_point()
+            await self.sample_once()
+            tick = max(tick + 1, math.floor((loop.time() - start) / self.interval_s) + 1)
+            await asyncio.sleep(start + tick * self.interval_s - loop.time())
 
     async def start(self) -> None:
         """Open the job's GPUs (once); without NVML, say why at INFO and sample the rest."""

@@ -1,0 +1,123 @@
+"""One supervisor for every long-lived task: a task that raises is restarted, never lost.
+
+Each route's sender, the follower, the sampler, the log shipper, the offsets saver, the ticker:
+each runs as `supervise(name, work)`. When `work()` raises, the exception is logged once at
+ERROR with the task's name and where it was raised (further failures of the same task within a
+minute are counted, not repeated), the restart is counted (`restarts()`, shown by /status and
+/metrics) and `work()` is called again after a backoff. A task keeps its state in its object, so
+a restart resumes where the failure left it: what was in flight is sent again (CONTRACT 4:
+nothing lost, repeats allowed). A cancellation is never a failure: it ends the task.
+
+Tests make every task fail once: `_SIDECAR_TEST_FAULTS=SECONDS` in the environment arms each
+supervised task to raise `InjectedFault` at its first `fault_point()` after a random moment
+within SECONDS of its start. It is no option: nothing a user sets or sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import traceback
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.log import Throttle, log
+
+FIRST_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 10.0
+HEALTHY_S = 60.0  # a task that ran this long before failing restarts after the first backoff
+FAULTS_ENV = "_SIDECAR_TEST_FAULTS"
+
+Work = Callable[[], Coroutine[Any, Any, None]]
+
+
+class InjectedFault(Exception):
+    """Raised by `fault_point()` in tests (FAULTS_ENV), as a bug would raise."""
+
+
+@dataclass
+class Supervisor:
+    """Runs tasks, restarts the ones that raise, counts the restarts by task name."""
+
+    fault_window_s: float | None = None
+    restarts: dict[str, int] = field(default_factory=dict)
+    _throttle: Throttle = field(default_factory=Throttle)
+    _armed: dict[str, float] = field(default_factory=dict)  # task name -> loop time to raise
+    _fired: set[str] = field(default_factory=set)
+
+    def spawn(self, name: str, work: Work) -> asyncio.Task[None]:
+        """Run `work()` as task `name` under supervision."""
+        return asyncio.create_task(self._keep(name, work), name=name)
+
+    def fault_point(self) -> None:
+        """Where an armed test fault is raised: a task's loop calls it at the top of each round,
+        where its state is consistent, as it would be when a bug raises there."""
+        task = asyncio.current_task()
+        if task is None or not self._armed:
+            return
+        name = task.get_name()
+        at = self._armed.get(name)
+        if at is not None and asyncio.get_running_loop().time() >= at:
+            del self._armed[name]
+            self._fired.add(name)
+            raise InjectedFault(f"a fault injected into {name} by the test")
+
+    async def _keep(self, name: str, work: Work) -> None:
+        loop = asyncio.get_running_loop()
+        backoff_s = FIRST_BACKOFF_S
+        while True:
+            self._arm(name)
+            began = loop.time()
+            try:
+                await work()
+                return
+            except Exception as exc:  # any bug: logged, counted, restarted (module docstring)
+                if loop.time() - began >= HEALTHY_S:
+                    backoff_s = FIRST_BACKOFF_S
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                self._say(name, exc, backoff_s)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+    def _arm(self, name: str) -> None:
+        if self.fault_window_s and name not in self._fired and name not in self._armed:
+            self._armed[name] = (asyncio.get_running_loop().time()
+                                 + random.uniform(0, self.fault_window_s))
+
+    def _say(self, name: str, exc: Exception, backoff_s: float) -> None:
+        log.debug("task %s failed", name, exc_info=exc)
+        held = self._throttle.admit(name)
+        if held is None:
+            return
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        more = f"; {held} more failures of it since the last message" if held else ""
+        log.error("task %s failed (%s: %s%s); restarting it in %.1f s (%d restarts so far%s)",
+                  name, exc.__class__.__name__, exc, where, backoff_s, self.restarts[name], more)
+
+
+def _fault_window() -> float | None:
+    try:
+        return float(os.environ[FAULTS_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
+SUPERVISOR = Supervisor(_fault_window())
+
+
+def supervise(name: str, work: Work) -> asyncio.Task[None]:
+    """Run `work()` as the long-lived task `name` under the process's supervisor."""
+    return SUPERVISOR.spawn(name, work)
+
+
+def fault_point() -> None:
+    """See `Supervisor.fault_point`; free when no test armed a fault."""
+    SUPERVISOR.fault_point()
+
+
+def restarts() -> dict[str, int]:
+    """Restarts so far, by task name (for /status and /metrics)."""
+    return dict(SUPERVISOR.restarts)
