@@ -191,3 +191,86 @@ async def test_401_rereads_the_token_file_and_errors_once(ingest: RunningIngest,
     errors = {id(r): r for r in caplog.records if "token" in r.getMessage()}
     assert len(errors) == 1  # once a minute, not once an attempt
     assert TOKEN not in caplog.text
+
+
+# -- issue 13: answers that must not stop a sender ----------------------------------------------
+
+@pytest.mark.parametrize("value", ["²", "-5", "1e9", "", " ", "٣"])
+def test_a_malformed_retry_after_is_treated_as_absent(value: str) -> None:
+    assert parse_retry_after(value) is None
+    assert classify(503, value).retry_after_s is None
+
+
+@pytest.mark.parametrize("value", ["²", "-5", "1e9", ""])
+async def test_a_malformed_retry_after_is_retried_with_backoff(ingest: RunningIngest,
+                                                               value: str) -> None:
+    """`Retry-After: ²` raised inside post() and ended the sender for the rest of the run."""
+    ingest.add_fault(Fault(route="lifecycle", status=503, retry_after=value, times=2))
+    client = await started(ingest)
+    try:
+        async with asyncio.timeout(10):
+            answer = await client.deliver("lifecycle", lifecycle_body())
+    finally:
+        await client.close()
+    assert answer.ok and client.route_stats("lifecycle").retries == 2
+
+
+async def test_an_unexpected_exception_in_post_is_an_answer_to_retry(
+        ingest: RunningIngest, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    real = classify
+
+    def flaky(status: int, retry_after: str | None) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in classification")
+        return real(status, retry_after)
+
+    monkeypatch.setattr("sidecar.delivery.client.classify", flaky)
+    client = await started(ingest)
+    try:
+        first = await client.post("lifecycle", lifecycle_body())
+        again = await client.deliver("lifecycle", lifecycle_body())
+    finally:
+        await client.close()
+    assert first.verdict is Verdict.RETRY and "RuntimeError" in first.detail
+    assert again.ok
+
+
+async def test_at_most_64_kib_of_an_answer_is_read() -> None:
+    """A 200 with a 400 MiB body took the wrapper to 1.5 GB RSS: it was read whole."""
+    from aiohttp import web
+
+    sent = 0
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        await request.read()
+        response = web.StreamResponse(status=200)
+        response.content_length = 256 << 20
+        await response.prepare(request)
+        block = b"x" * (1 << 20)
+        try:
+            for _ in range(256):
+                await response.write(block)
+                sent += len(block)
+        except (ConnectionError, RuntimeError):
+            pass
+        return response
+
+    app = web.Application()
+    app.router.add_post("/api/ingest/lifecycle", huge)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    client = await started(f"http://127.0.0.1:{port}/api/ingest")
+    try:
+        answer = await client.post("lifecycle", lifecycle_body())
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert answer.ok
+    assert sent <= 32 << 20, f"{sent >> 20} MiB of the answer were sent to be read"

@@ -72,6 +72,7 @@ ROUTES: dict[str, RoutePolicy] = {
 CONNECT_TIMEOUT_S = 5.0
 DRAIN_BACKOFF_S = 0.5
 MAX_RETRY_AFTER_S = 300.0
+MAX_ANSWER_BYTES = 64 << 10  # CONTRACT 4: of any answer's body; the rest is never read
 
 
 class Verdict(enum.Enum):
@@ -143,15 +144,16 @@ def classify(status: int, retry_after: str | None) -> Answer:
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Retry-After as seconds to wait: delta-seconds or an HTTP date; None when absent or bad."""
+    """Retry-After as seconds to wait: delta-seconds (ASCII digits) or an HTTP date; None when
+    absent or malformed (`²`, `-5`, `1e9`, empty), as if it were not there (CONTRACT 4)."""
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return min(float(value), MAX_RETRY_AFTER_S)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
@@ -201,7 +203,8 @@ class IngestClient:
         return self.stats.setdefault(route, RouteStats())
 
     async def post(self, route: str, body: bytes) -> Answer:
-        """One attempt to POST `body` to `route`; never raises for network or HTTP failures."""
+        """One attempt to POST `body` to `route`; never raises (but for a cancellation): a
+        network or HTTP failure, or anything unexpected, is an Answer to retry."""
         await self._ready.wait()  # a sender may be started before the session is
         import aiohttp
 
@@ -220,7 +223,9 @@ class IngestClient:
                 timeout=aiohttp.ClientTimeout(total=policy.timeout_s,
                                               sock_connect=CONNECT_TIMEOUT_S),
             ) as response:
-                await response.read()
+                await response.content.read(MAX_ANSWER_BYTES)
+                if not response.content.at_eof():
+                    response.close()  # a huge body: drop the connection rather than read it
                 answer = classify(response.status, response.headers.get("Retry-After"))
                 if answer.verdict is Verdict.REDIRECT:
                     target = urlsplit(response.headers.get("Location", ""))
@@ -229,6 +234,11 @@ class IngestClient:
                                     "not followed: it would carry the token elsewhere")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             answer = Answer(Verdict.RETRY, detail=_describe(exc))
+        except Exception as exc:  # a bug here, or in aiohttp, must not end a sender
+            answer = Answer(Verdict.RETRY, detail=f"unexpected {exc.__class__.__name__}")
+            if self._throttle.admit(f"{route}:unexpected") is not None:
+                log.error("/%s: a request failed unexpectedly (%s: %s); it is retried",
+                          route, exc.__class__.__name__, exc)
         self._account(route, stats, answer)
         return answer
 
