@@ -28,11 +28,14 @@ from sidecar.delivery import handoff
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
+from sidecar.diagnose import Failure, diagnose
 from sidecar.log import log, mask
 from sidecar.node import Node, resolve_node
+from sidecar.sources.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
 from sidecar.sources.hparams import load_hparams
 from sidecar.sources.lines import LineAssembler
+from sidecar.sources.signatures import Scanner
 from sidecar.supervise import fault_point, restarts, supervise
 
 if TYPE_CHECKING:  # imported once the command runs: `sidecar run` spawns it before these
@@ -97,9 +100,11 @@ class _Budget:
 class _Stream:
     """One of the child's output streams on its way to /logs; the pump's Gate."""
 
+    name: str  # stdout or stderr
     assembler: LineAssembler
     shipper: LogShipper | None  # None when reporting is off
     budget: _Budget
+    scanner: Scanner  # failure signatures, looked for beside the log path
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _skipped: int = 0
 
@@ -121,6 +126,7 @@ class _Stream:
     def feed(self, block: bytes) -> None:
         if self.shipper is None:
             return
+        self.scanner.feed(self.name, block)
         self._mark_gap()
         self.shipper.put(self.assembler.feed(block, time.monotonic()))
 
@@ -134,6 +140,7 @@ class _Stream:
             self.shipper.put(self.assembler.tick(time.monotonic()))
 
     def finish(self) -> None:
+        self.scanner.finish(self.name)
         if self.shipper is not None:
             self._mark_gap()
             self.shipper.put(self.assembler.finish())
@@ -142,6 +149,14 @@ class _Stream:
         if self._skipped and self.shipper is not None:
             self.shipper.put(self.assembler.gap(self._skipped))
         self._skipped = 0
+
+
+@dataclass
+class _Report:
+    """What the status endpoint shows of the command beyond the routes: signatures, failure."""
+
+    scanner: Scanner | None = None
+    failure: Failure | None = None
 
 
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -167,9 +182,12 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     budget = _Budget(cfg.log_rate * 1e6)
     shipper = LogShipper(client, cfg.platform.run_id) if client is not None else None  # it holds
     #                       the first output until the pipeline, imported after the spawn, is up
-    streams = [_Stream(LineAssembler(mask=mask, prefix=prefix), shipper, budget)
-               for _ in range(2)]
+    scanner = Scanner()
+    streams = [_Stream(name, LineAssembler(mask=mask, prefix=prefix), shipper, budget, scanner)
+               for name in ("stdout", "stderr")]
     child = Child(argv, child_env)
+    cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
+    oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet
     running_at = time.time()  # stamped before the spawn, journaled right after it: the fsync
     try:  #                      need not delay the command
         fds = child.spawn()
@@ -181,6 +199,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         await _drain(cfg, lifecycle, None, streams)
         await _close(client, lifecycle, None, marker, None)
         return EXIT_CANNOT_START
+    spawned_at = time.monotonic()
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -201,15 +220,27 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         pipeline.start()
         pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,
                                  find_trainer_python=True)
-    status = await _serve_status(cfg, node, "run", client, pipeline, lifecycle)
+    report = _Report(scanner)
+    status = await _serve_status(cfg, node, "run", client, pipeline, lifecycle, report)
     ticker = supervise("ticker", lambda: _tick(streams))
 
     exit_status = await child.wait()
     ended_at = time.time()
+    duration_s = time.monotonic() - spawned_at
     lifecycle.release.clear()  # the end event waits for the output before it (the platform
     await lifecycle.record("succeeded" if exit_status == 0 else "failed", ended_at)  # closes logs
     await _wait_all([s.closed for s in streams], OUTPUT_GRACE_S)
     ticker.cancel()
+    for stream in streams:
+        stream.finish()
+    if exit_status != 0:
+        report.failure = diagnose(
+            exit_status, duration_s, scanner, node,
+            await asyncio.to_thread(oom_kills_since, oom_before, cgroups),
+            tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
+        log.error("%s", mask(report.failure.line().removeprefix("[sidecar] ")))
+        if shipper is not None:
+            shipper.put(mask(prefix + report.failure.line() + "\n"))
     await _drain(cfg, lifecycle, pipeline, streams, interrupted)
     for signum in FORWARDED_SIGNALS:
         loop.remove_signal_handler(signum)
@@ -227,7 +258,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
         loop.add_signal_handler(signum, stop.set)
     if client is None:
         log.info("reporting is off (ENABLED=0): nothing is followed; waiting for SIGTERM")
-        status = await _serve_status(cfg, node, "watch", None, None, None)
+        status = await _serve_status(cfg, node, "watch", None, None, None, _Report())
         await stop.wait()
         if status is not None:
             await status.close()
@@ -239,7 +270,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     pipeline = Pipeline(cfg, client, node, load_hparams(cfg.hparams) if cfg.hparams else None)
     pipeline.start()
     pipeline.start_telemetry(environ, environ, (), None, find_trainer_python=False)
-    status = await _serve_status(cfg, node, "watch", client, pipeline, None)
+    status = await _serve_status(cfg, node, "watch", client, pipeline, None, _Report())
     log.info("watching %d log, %d jsonl, %d tensorboard source(s)", len(cfg.log),
              len(cfg.jsonl), len(cfg.tensorboard))
     await stop.wait()
@@ -302,8 +333,6 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
     deadline = time.monotonic() + cfg.drain_timeout
     if pipeline is not None:
         pipeline.client.hurry()
-    for stream in streams:
-        stream.finish()
     stop = interrupted or asyncio.Event()
     if pipeline is not None:
         output_deadline = time.monotonic() + cfg.drain_timeout * LOGS_DRAIN_SHARE
@@ -352,8 +381,8 @@ async def _close(client: IngestClient | None, lifecycle: Lifecycle, pipeline: Pi
 
 
 async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient | None,
-                        pipeline: Pipeline | None,
-                        lifecycle: Lifecycle | None) -> StatusServer | None:
+                        pipeline: Pipeline | None, lifecycle: Lifecycle | None,
+                        report: _Report) -> StatusServer | None:
     """The local status endpoint (--status-addr), reading the live objects at request time."""
     from sidecar.observe.endpoint import (
         RouteSnapshot,
@@ -381,7 +410,9 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
             sampler_duration_s=sampler.stats.last_sample_s if sampler is not None else None,
             lifecycle_recorded=tuple(lifecycle.recorded) if lifecycle is not None else (),
             lifecycle_pending=tuple(lifecycle.pending) if lifecycle is not None else (),
-            task_restarts=restarts())
+            task_restarts=restarts(),
+            signatures=report.scanner.counts if report.scanner is not None else {},
+            failure=report.failure.to_json() if report.failure is not None else None)
 
     run_dir = cfg.run_dir if client is not None else None
     return await start_status_server(cfg.status_addr, run_dir, snapshot)

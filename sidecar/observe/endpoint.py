@@ -84,6 +84,8 @@ class StatusSnapshot:
     lifecycle_recorded: tuple[str, ...] = ()  # events recorded, in order
     lifecycle_pending: tuple[str, ...] = ()  # events not yet acknowledged
     task_restarts: dict[str, int] = field(default_factory=dict)  # supervised tasks that failed
+    signatures: dict[str, int] = field(default_factory=dict)  # failure signatures seen so far
+    failure: dict[str, Any] | None = None  # the failed run's summary (sidecar.diagnose.Failure)
     taken_at: float = field(default_factory=time.time)
 
     @property
@@ -111,6 +113,8 @@ class StatusSnapshot:
                 lifecycle_recorded=tuple(doc.get("lifecycle_recorded", ())),
                 lifecycle_pending=tuple(doc.get("lifecycle_pending", ())),
                 task_restarts={str(k): int(v) for k, v in doc.get("task_restarts", {}).items()},
+                signatures={str(k): int(v) for k, v in doc.get("signatures", {}).items()},
+                failure=dict(doc["failure"]) if doc.get("failure") else None,
                 taken_at=float(doc.get("taken_at", time.time())),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -59,6 +59,7 @@ class _SnapshotCollector:
         yield from _run_metrics(snap)
         yield from _route_metrics(snap)
         yield from _source_metrics(snap)
+        yield from _diagnosis_metrics(snap)
 
 
 def _run_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
@@ -120,3 +121,18 @@ def _source_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
         for source in snap.sources:
             counter.add_metric([source.name, source.kind], getattr(source, attr))
         yield counter
+
+
+def _diagnosis_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    seen = CounterMetricFamily("sidecar_signature_seen", "lines of the command's output that "
+                               "matched a failure signature", labels=["signature"])
+    for name, count in snap.signatures.items():
+        seen.add_metric([name], count)
+    yield seen
+    if snap.failure is not None:
+        failure = GaugeMetricFamily(
+            "sidecar_run_failure_info", "the failed run's likely cause; always 1",
+            labels=["cause", "signature", "exit_status", "node", "rank"])
+        failure.add_metric([str(snap.failure.get(key, "")) for key in (
+            "cause", "signature", "exit_status", "node", "rank")], 1)
+        yield failure

@@ -18,6 +18,7 @@ than a negative or a spike. A value that could not be read is left out, never se
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import os
@@ -34,7 +35,14 @@ import psutil
 from sidecar.log import log
 from sidecar.records import iso_ts
 from sidecar.sources import nvml
-from sidecar.sources.nvml import GpuDevice, GpuFilter, Readings, XidWatcher, gpu_filter_from_env
+from sidecar.sources.nvml import (
+    GpuDevice,
+    GpuFilter,
+    Readings,
+    XidEvent,
+    XidWatcher,
+    gpu_filter_from_env,
+)
 from sidecar.supervise import fault_point
 
 __all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "Rates",
@@ -48,6 +56,7 @@ HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
 MAX_POINTS_PER_REQUEST = 2048  # as /metrics (CONTRACT 4): a big node's sample is split
 MIN_RATE_INTERVAL_S = 0.001  # two readings closer than this give no rate (noise, not data)
 IB_WORD_BYTES = 4  # port_xmit_data / port_rcv_data count 4-byte words (IB spec, PortCounters)
+MAX_XIDS_KEPT = 64  # the run's XID events kept for the failure summary
 SATURATED = (2**32 - 1, 2**64 - 1)  # IB counters stop at their maximum instead of wrapping
 
 
@@ -475,6 +484,8 @@ class HardwareSampler:
         self._workers: dict[str, Worker] = {}
         self._stalled: set[str] = set()
         self._xid: XidWatcher | None = None
+        self.xids: collections.deque[XidEvent] = collections.deque(maxlen=MAX_XIDS_KEPT)
+        self.gpu_gauges: dict[str, float] = {}  # the last sample's GPU gauges, for a stall line
         self._stats = SamplerStats()
         self._started = False
 
@@ -624,9 +635,12 @@ class HardwareSampler:
                 values[f"{key}_per_second"] = rate
         points = [{"key": k, "value": v, "ts": ts} for k, v in values.items()
                   if math.isfinite(v)]
+        self.gpu_gauges = {k: v for k, v in readings.gauges.items() if k.startswith("gpu/")}
         if self._xid is not None:
+            xids = self._xid.drain()
+            self.xids.extend(xids)
             points += [{"key": f"gpu/{e.index}/xid_code", "value": e.xid, "ts": iso_ts(e.at_s)}
-                       for e in self._xid.drain()]
+                       for e in xids]
         return points
 
     def _emit(self, points: list[dict[str, Any]]) -> None:

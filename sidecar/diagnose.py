@@ -1,0 +1,125 @@
+"""Why a run failed, from what the sidecar saw of it (CONTRACT 5, what the sidecar adds to /logs).
+
+The evidence, strongest first: the kernel's OOM killer in the cgroup (a SIGKILL while a count
+went up), a signature of the output table (sources/signatures.py) in its rank order with an XID
+the sampler saw placed after CUDA out of memory, the signal the command died of, the last
+exception line of a Python traceback, the last non-empty stderr line. The summary is one line:
+
+    [sidecar] run failed: exit status 1 after 2h13m; likely cause: CUDA out of memory
+    (stderr: "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB ...")
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sidecar.node import Node
+from sidecar.sources.cgroup import OomKill
+from sidecar.sources.nvml import XidEvent
+from sidecar.sources.signatures import Scanner
+
+EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N is 128 + N (CONTRACT 2)
+XID_AFTER = "cuda_oom"  # an XID is named after this row and before the rest of the table
+_SIGNAL_CAUSES: dict[int, str] = {
+    signal.SIGSEGV: "segmentation fault (SIGSEGV)",
+    signal.SIGBUS: "bus error (SIGBUS)",
+    signal.SIGABRT: "aborted (SIGABRT)",
+    signal.SIGILL: "illegal instruction (SIGILL)",
+    signal.SIGFPE: "floating-point exception (SIGFPE)",
+    signal.SIGKILL: "killed by SIGKILL from outside (not the kernel's out-of-memory killer)",
+}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The facts of one failed run on one node."""
+
+    exit_status: int
+    duration_s: float
+    cause: str
+    signature: str  # the evidence's label: a table row, "host_oom_kill", "xid", "signal", ...
+    stream: str = ""  # where the quote is from: stdout, stderr, cgroup, nvml; "" for none
+    quote: str = ""
+    node: str = ""
+    rank: int = 0
+    multi_node: bool = False
+
+    def line(self) -> str:
+        """The summary line for /logs and the sidecar's own log (without a line end)."""
+        where = f" on node {self.node} (rank {self.rank})" if self.multi_node else ""
+        quoted = f" ({self.stream}: \"{self.quote}\")" if self.quote else ""
+        return (f"[sidecar] run failed{where}: exit status {self.exit_status} after "
+                f"{format_duration(self.duration_s)}; likely cause: {self.cause}{quoted}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def diagnose(exit_status: int, duration_s: float, scanner: Scanner, node: Node,
+             oom_kills: Sequence[OomKill] = (), xids: Sequence[XidEvent] = ()) -> Failure:
+    """The likeliest cause of a failed run, from the evidence at hand."""
+    cause, signature, stream, quote = _cause(exit_status, scanner, oom_kills, xids)
+    return Failure(exit_status, duration_s, cause, signature, stream, quote, node.name,
+                   node.rank, node.multi_node)
+
+
+def _cause(exit_status: int, scanner: Scanner, oom_kills: Sequence[OomKill],
+           xids: Sequence[XidEvent]) -> tuple[str, str, str, str]:
+    signum = exit_status - EXIT_SIGNAL_BASE if exit_status > EXIT_SIGNAL_BASE else 0
+    if signum == signal.SIGKILL and oom_kills:
+        kill = oom_kills[0]
+        limit = (f"cgroup memory limit {format_bytes(kill.limit_bytes)}"
+                 if kill.limit_bytes is not None else "no cgroup memory limit")
+        return (f"host out of memory: the kernel's OOM killer ({limit})", "host_oom_kill",
+                "cgroup", f"{kill.folder}: oom_kill +{kill.kills}")
+    for row in scanner.table:
+        seen = scanner.seen.get(row.name)
+        if seen is not None and row.weight == "cause":
+            return row.cause.format(**seen.groups), row.name, seen.stream, seen.line
+        if row.name == XID_AFTER and xids:
+            xid = xids[0]
+            return (f"GPU XID {xid.xid} on GPU {xid.index}", "xid", "nvml",
+                    f"GPU {xid.index} reported XID {xid.xid}")
+    if signum:
+        name = _signal_name(signum)
+        return (_SIGNAL_CAUSES.get(signum, f"killed by {name}"), "signal", "", "")
+    for row in scanner.table:
+        seen = scanner.seen.get(row.name)
+        if seen is not None and row.weight == "fallback":
+            return row.cause.format(**seen.groups), row.name, seen.stream, seen.line
+    last = scanner.last_line("stderr")
+    if last:
+        return "the last line on stderr", "stderr", "stderr", last
+    return "unknown (nothing on stderr)", "unknown", "", ""
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def format_duration(seconds: float) -> str:
+    """2h13m, 41m12s, 30m0s, 7s: hours and minutes, or minutes and seconds."""
+    whole = max(int(seconds), 0)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+def format_bytes(size: int) -> str:
+    """64.0 MiB, 80.0 GiB."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"

@@ -1,0 +1,207 @@
+"""`sidecar run` says why a run failed: real children, real signals, real HTTP over loopback."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.commands.receive import Fault
+from sidecar.sources.cgroup import own_memory_cgroups
+from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest, wait_until
+
+OOM_TRACEBACK = r'''
+import sys
+for i in range(10000):
+    print(f"step {i} loss {1 / (i + 1):.4f}")
+sys.stdout.flush()
+sys.stderr.write("""Traceback (most recent call last):
+  File "/work/train.py", line 88, in <module>
+    loss.backward()
+  File "/venv/lib/python3.11/site-packages/torch/_tensor.py", line 525, in backward
+    torch.autograd.backward(
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total \
+capacity of 79.10 GiB of which 1.06 GiB is free. Of the allocated memory 75.21 GiB is allocated \
+by PyTorch, and 1.29 GiB is reserved by PyTorch but unallocated.
+""")
+sys.exit(1)
+'''
+
+# torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp's watchdog and handleException lines, as a
+# PyTorch 2.x rank logs them before the watchdog aborts the process (SIGABRT).
+NCCL_WATCHDOG = r'''
+import os, sys
+sys.stderr.write(
+    "[rank3]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 3] Watchdog caught "
+    "collective operation timeout: WorkNCCL(SeqNum=4187, OpType=ALLREDUCE, NumelIn=262144, "
+    "NumelOut=262144, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.\n"
+    "[rank3]:[E1218 20:27:21.427113201 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 3] Exception "
+    "(either an error or timeout) detected by watchdog at work: 4187, last enqueued NCCL work: "
+    "4187, last completed NCCL work: 4186.\n"
+    "[rank3]:[E1218 20:27:21.427201044 ProcessGroupNCCL.cpp:577] [Rank 3] Some NCCL operations "
+    "have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU "
+    "operations might run on corrupted/incomplete data.\n"
+    "terminate called after throwing an instance of 'c10::DistBackendError'\n")
+sys.stderr.flush()
+os.abort()
+'''
+
+SEGFAULT = "import ctypes; print('loading batch', flush=True); ctypes.string_at(0)"
+
+VALUE_ERROR = r'''
+def main():
+    raise ValueError("learning rate must be positive, got -0.1")
+print("configuring", flush=True)
+main()
+'''
+
+
+def log_text(ingest: RunningIngest) -> str:
+    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
+
+
+def summary(ingest: RunningIngest) -> str:
+    lines = [line for line in log_text(ingest).splitlines() if "[sidecar] run failed" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def run(ingest: RunningIngest, tmp_path: Path, command: list[str], *args: str) -> int:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--hardware-interval", "0", *args, "--", *command], env,
+                   tmp_path / "sc")
+    assert [r["event"] for r in ingest.records("lifecycle")][-1] == "failed"
+    assert "run failed: exit status" in done.stderr.decode()  # the same facts in our own log
+    return done.status
+
+
+def test_cuda_oom_traceback(ingest: RunningIngest, tmp_path: Path) -> None:
+    assert run(ingest, tmp_path, python_child(OOM_TRACEBACK)) == 1
+    line = summary(ingest)
+    assert line.startswith("[sidecar] run failed: exit status 1 after ")
+    assert ('likely cause: CUDA out of memory (stderr: "torch.OutOfMemoryError: CUDA out of '
+            'memory. Tried to allocate 2.00 GiB.') in line
+    assert line.endswith(' ..."))') or line.endswith('")')
+    assert log_text(ingest).rstrip("\n").endswith(line)  # the last line before the end event
+
+
+def test_nccl_watchdog_timeout_then_sigabrt(ingest: RunningIngest, tmp_path: Path) -> None:
+    assert run(ingest, tmp_path, python_child(NCCL_WATCHDOG)) == 134
+    line = summary(ingest)
+    assert "exit status 134" in line
+    assert 'likely cause: NCCL watchdog timeout (stderr: "[rank3]:[E1218' in line
+
+
+def test_segfault(ingest: RunningIngest, tmp_path: Path) -> None:
+    assert run(ingest, tmp_path, python_child(SEGFAULT)) == 139
+    assert "likely cause: segmentation fault (SIGSEGV)" in summary(ingest)
+
+
+def test_plain_value_error(ingest: RunningIngest, tmp_path: Path) -> None:
+    assert run(ingest, tmp_path, python_child(VALUE_ERROR)) == 1
+    assert ('likely cause: Python exception ValueError (stderr: "ValueError: learning rate '
+            'must be positive, got -0.1")') in summary(ingest)
+
+
+def test_a_good_run_has_no_summary(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child("print('CUDA out of memory, said in jest')")],
+                   env, tmp_path / "sc")
+    assert done.status == 0
+    assert "[sidecar]" not in log_text(ingest)
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A cgroup below this process's own with a 64 MiB limit, where the machine lets us."""
+    roots = own_memory_cgroups()
+    if not roots:
+        pytest.skip("no memory cgroup is visible to this process")
+    folder = roots[0] / f"sidecar-test-{uuid.uuid4().hex[:8]}"
+    try:
+        folder.mkdir()
+        limit = "memory.max" if (folder / "memory.max").exists() else "memory.limit_in_bytes"
+        (folder / limit).write_text(str(64 << 20))
+    except OSError as exc:
+        if folder.exists():
+            folder.rmdir()
+        pytest.skip(f"cannot create a memory-limited cgroup below {roots[0]}: {exc.strerror}")
+    try:
+        yield folder
+    finally:
+        wait_until(lambda: not (folder / "cgroup.procs").read_text().strip(), 10,
+                   "the cgroup emptied")
+        folder.rmdir()
+
+
+def test_host_oom_kill_in_a_memory_limited_cgroup(ingest: RunningIngest, tmp_path: Path,
+                                                  memory_cgroup: Path) -> None:
+    hog = "x = []\nwhile True: x.append(bytearray(16 << 20))"
+    command = ["sh", "-c", f'echo $$ > {memory_cgroup}/cgroup.procs && exec "$0" "$@"',
+               *python_child(hog)]
+    assert run(ingest, tmp_path, command) == 137
+    line = summary(ingest)
+    assert ("likely cause: host out of memory: the kernel's OOM killer (cgroup memory limit "
+            "64.0 MiB)") in line
+    assert str(memory_cgroup) in line
+
+
+def test_sigkill_from_outside_is_not_called_an_oom_kill(ingest: RunningIngest,
+                                                        tmp_path: Path) -> None:
+    assert run(ingest, tmp_path, python_child("import os; os.kill(os.getpid(), 9)")) == 137
+    assert "likely cause: killed by SIGKILL from outside" in summary(ingest)
+
+
+WARNS_THEN_WAIT = r'''
+import os, sys, time
+for i in range(3):
+    print(f"gpu-node-07:4187:4251 [{i}] NCCL WARN NET/IB : Got async event : port error",
+          flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+sys.exit(3)
+'''
+
+
+def get(address: str, path: str) -> str:
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as answer:
+        return str(answer.read().decode())
+
+
+def test_signature_counts_live_and_the_failure_in_status_and_metrics(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_STATUS_ADDR="127.0.0.1:0")
+    proc = Sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "60", "--",
+                    *python_child(WARNS_THEN_WAIT), str(go)], env, tmp_path / "sc")
+    addr_file = tmp_path / "state" / RUN_ID / "status-addr"
+    wait_until(addr_file.exists, 20, "the status endpoint is up")
+    address = addr_file.read_text().strip()
+    wait_until(lambda: json.loads(get(address, "/status"))["signatures"]["nccl_error"] == 3, 20,
+               "three NCCL warnings counted while the command runs")
+    assert 'sidecar_signature_seen_total{signature="nccl_error"} 3.0' in get(address, "/metrics")
+    ingest.add_fault(Fault(route="lifecycle", status=503))  # hold the drain open at the end event
+    go.touch()
+    wait_until(lambda: "[sidecar] run failed" in log_text(ingest), 20, "the summary arrives")
+    failure = json.loads(get(address, "/status"))["failure"]
+    assert (failure["exit_status"], failure["signature"]) == (3, "nccl_error")
+    metrics = get(address, "/metrics")
+    assert 'sidecar_run_failure_info{cause="NCCL error"' in metrics
+    assert 'exit_status="3"' in metrics
+    ingest.clear_faults()
+    assert proc.wait(60).status == 3
+    assert [r["event"] for r in ingest.records("lifecycle")][-1] == "failed"
+
+
+def test_multi_node_summary_names_node_and_rank(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state", NODE_RANK="2", NNODES="4")
+    done = sidecar(["run", "--node-name", "gpu-node-07", "--hardware-interval", "0", "--",
+                    *python_child(VALUE_ERROR)], env, tmp_path / "sc")
+    assert done.status == 1
+    assert summary(ingest).startswith("[sidecar] run failed on node gpu-node-07 (rank 2): exit "
+                                      "status 1 after ")
