@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
+import shlex
 import ssl
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from sidecar.cli import build_parser
 from sidecar.commands import check as check_module
 from sidecar.commands.check import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, check
 from sidecar.commands.receive import Fault
+from sidecar.delivery.client import MAX_REASON_CHARS, refusal_reason
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ, platform_env
 from tests.ingest_server import RunningIngest
 
@@ -207,16 +210,22 @@ def test_loopback_in_a_plain_container_is_settled_by_the_probe(
     assert refused.line("tcp").startswith("FAIL")
 
 
-def test_proxy_is_mentioned_when_the_request_failed(
+def test_proxy_is_said_to_be_bypassed_and_blamed_when_the_request_failed(
         ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     env = platform_env(ingest, tmp_path, HTTPS_PROXY="http://alice:s3cr@t@proxy.corp:3128")
     healthy = run_check(env, capsys)
     assert healthy.code == EXIT_OK
-    assert "proxy" not in healthy.steps
+    bypassed = healthy.line("proxy")
+    assert bypassed.startswith("ok")
+    assert "HTTPS_PROXY=http://***@proxy.corp:3128 set and bypassed" in bypassed
+    assert "reaches the ingest directly" in bypassed
+    assert [step for step in healthy.steps if step == "proxy"] == ["proxy"]
+    assert "s3cr" not in healthy.out
     ingest.stop_listening()
     failed = run_check(env, capsys)
     assert failed.code == EXIT_FAILED
     proxy = failed.line("proxy")
+    assert proxy.startswith("warn") and "need a direct route to the ingest" in proxy
     assert "HTTPS_PROXY=http://***@proxy.corp:3128" in proxy
     assert "s3cr" not in failed.out and "alice" not in failed.out
 
@@ -399,3 +408,96 @@ def test_cli_check(ingest: RunningIngest, tmp_path: Path) -> None:
     rejected = check_process(["--json"], env, cli=True)
     assert rejected.returncode == 1
     assert json.loads(rejected.stdout)["steps"][-1]["details"]["http_status"] == 401
+
+
+# -- what the ingest said, the sources, and a reader that leaves early ---------------------------
+
+
+def test_the_ingest_s_own_reason_for_a_400(ingest: RunningIngest, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    env = platform_env(ingest, tmp_path, STARFORGE_RUN_ID="run-2")
+    result = run_check(env, capsys)
+    assert result.code == EXIT_FAILED
+    probe = result.line("probe")
+    assert probe.startswith("FAIL") and "HTTP 400" in probe
+    assert f"saying: run_id mismatch: expected {RUN_ID!r}, got \"run-2\"" in probe
+    assert "STARFORGE_RUN_ID=run-2" in probe
+    assert "it may not know the run" not in probe
+
+
+def test_a_refusal_s_reason_is_bounded_on_one_line_and_masks_the_token() -> None:
+    assert refusal_reason(b'{"ok": false, "error": "token tok-1 is\\nnot for run-2"}',
+                          "tok-1") == "token *** is not for run-2"
+    assert refusal_reason(b"<html>\n  <h1>Bad   Request</h1></html>", "tok") == \
+        "<html> <h1>Bad Request</h1></html>"
+    long = refusal_reason(b"x" * 100_000, "tok")
+    assert len(long) == MAX_REASON_CHARS and long.endswith("…")
+    assert refusal_reason(b"", "tok") == ""
+
+
+def test_source_options_say_what_each_matches(ingest: RunningIngest, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    logs = tmp_path / "shared"
+    logs.mkdir()
+    for name in ("a.log", "b.log", "c.log", "d.log"):
+        (logs / name).write_text("line\n")
+    tb = tmp_path / "tb"
+    (tb / "train").mkdir(parents=True)
+    (tb / "train" / "events.out.tfevents.1.host").write_bytes(b"")
+    empty_tb = tmp_path / "tb-empty"
+    empty_tb.mkdir()
+    hparams = tmp_path / "config.yaml"
+    hparams.write_text("lr: 0.1\nmodel:\n  layers: 4\n")
+    result = run_check(platform_env(ingest, tmp_path), capsys,
+                       "--log", f"{logs}/*.log", "--jsonl", f"{tmp_path}/nowhere/*.jsonl",
+                       "--jsonl", f"{logs}/*.jsonl", "--tensorboard", str(tb),
+                       "--tensorboard", str(empty_tb), "--hparams", str(hparams))
+    assert result.code == EXIT_OK, result.out
+    lines = result.out.splitlines()
+    log = next(line for line in lines if line.split()[1] == "log")
+    assert log.startswith("ok") and f"--log {logs}/*.log: 4 files" in log and ", and 1 more" in log
+    jsonl = [line for line in lines if line.split()[1] == "jsonl"]
+    assert jsonl[0].startswith("warn")
+    assert f"the folder {tmp_path}/nowhere does not exist" in jsonl[0]
+    assert jsonl[1].startswith("warn") and "nothing matches yet" in jsonl[1]
+    board = [line for line in lines if line.split()[1] == "tensorboard"]
+    assert board[0].startswith("ok") and "1 file (" in board[0] and "train/events" in board[0]
+    assert board[1].startswith("warn") and "no events.out.tfevents.* file under it" in board[1]
+    assert result.line("hparams").startswith("ok")
+    assert "2 parameters" in result.line("hparams")
+
+
+def test_an_unreadable_hparams_file_is_a_configuration_error(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("[1, 2]")
+    result = run_check(platform_env(ingest, tmp_path), capsys, "--hparams", str(bad))
+    assert result.code == EXIT_CONFIG
+    assert result.line("hparams").startswith("FAIL") and "not a mapping" in result.line("hparams")
+
+
+def test_a_reader_that_left_gets_the_verdict_and_no_traceback(ingest: RunningIngest,
+                                                              tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path)
+    read, write = os.pipe()
+    os.close(read)  # as `| head -1` once head has exited
+    try:
+        done = subprocess.run([*SIDECAR, "check"], env=env, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    finally:
+        os.close(write)
+    assert done.returncode == EXIT_OK
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("listening", "reader", "status"), [
+    (True, "grep -q ^ok", EXIT_OK), (True, "head -1", EXIT_OK), (False, "head -1", EXIT_FAILED)])
+def test_pipelines_end_with_check_s_verdict(ingest: RunningIngest, tmp_path: Path,
+                                            listening: bool, reader: str, status: int) -> None:
+    if not listening:
+        ingest.stop_listening()
+    line = f"set -o pipefail; {shlex.join(SIDECAR)} check | {reader}"
+    done = subprocess.run(["bash", "-c", line], env=platform_env(ingest, tmp_path),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import glob
 import ipaddress
 import json
 import os
@@ -50,6 +51,9 @@ _LOCAL_MEANING = {
                   "link (169.254.169.254 is a cloud's metadata service, not the platform)",
     "unspecified": "{address} is no destination, it stands for this {place} itself",
 }
+TENSORBOARD_FILES = "events.out.tfevents.*"
+SHOWN_FILES = 3  # files named in a source's line; --json lists up to MAX_LISTED_FILES
+MAX_LISTED_FILES = 100
 _NETWORK_STEPS = frozenset({"dns", "tcp", "tls", "probe"})  # where a proxy may be the cause
 
 
@@ -134,12 +138,15 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     timeout_s = args.timeout
     report = _Report(args.json, sys.stdout)
     cfg = _configuration(args, environ, report)
+    usable = cfg is not None and _sources(cfg, report)
     if cfg is None:
         code = EXIT_CONFIG
     elif not cfg.platform.enabled:
         code = EXIT_OK
     else:
         code = asyncio.run(_check_endpoint(cfg, environ, report, timeout_s))
+    if not usable:  # what `run` would refuse to start with, as a configuration error
+        code = EXIT_CONFIG
     report.finish(code, cfg)
     return code
 
@@ -169,10 +176,58 @@ def _configuration(args: argparse.Namespace, environ: Mapping[str, str],
     return cfg
 
 
+def _sources(cfg: Config, report: _Report) -> bool:
+    """What each source option matches now, as `watch` would expand it; False when one is
+    unusable (an --hparams file that cannot be read)."""
+    for option, pattern in [*(("log", p) for p in cfg.log), *(("jsonl", p) for p in cfg.jsonl),
+                            *(("tensorboard", p) for p in cfg.tensorboard)]:
+        wanted = (f"{pattern.rstrip('/')}/**/{TENSORBOARD_FILES}" if option == "tensorboard"
+                  else pattern)
+        files = sorted(p for p in glob.glob(wanted, recursive=True) if os.path.isfile(p))
+        what = f"--{option} {pattern}"
+        if files:
+            more = f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
+            report.add(option, "ok", f"{what}: {len(files)} file{'s' if len(files) > 1 else ''} "
+                       f"({', '.join(files[:SHOWN_FILES])}{more})", pattern=pattern,
+                       files=files[:MAX_LISTED_FILES], matched=len(files))
+            continue
+        folder = _fixed_folder(pattern if option != "tensorboard" else pattern + "/x")
+        if not folder.is_dir():
+            report.add(option, "warn", f"{what}: the folder {folder} does not exist (yet); in a "
+                       "pod, check the volume's mountPath, the same in both containers",
+                       pattern=pattern, matched=0)
+            continue
+        nothing = (f"no {TENSORBOARD_FILES} file under it yet" if option == "tensorboard"
+                   else "nothing matches yet")
+        report.add(option, "warn", f"{what}: {nothing}; files that appear later are followed, "
+                   "but check the name (and quote a pattern, so that the shell leaves it to "
+                   "the sidecar)", pattern=pattern, matched=0)
+    if cfg.hparams is not None:
+        from sidecar.sources.hparams import load_hparams
+
+        try:
+            params = load_hparams(cfg.hparams)
+        except ConfigError as exc:  # `run` and `watch` would stop on it, with exit status 2
+            report.add("hparams", "fail", str(exc), path=str(cfg.hparams))
+            return False
+        report.add("hparams", "ok", f"--hparams {cfg.hparams}: {len(params)} parameters",
+                   path=str(cfg.hparams), parameters=len(params))
+    return True
+
+
+def _fixed_folder(pattern: str) -> Path:
+    """The folder of a pattern that holds no wildcard."""
+    folder = Path(pattern).parent
+    while glob.has_magic(str(folder)):
+        folder = folder.parent
+    return folder
+
+
 async def _check_endpoint(cfg: Config, environ: Mapping[str, str], report: _Report,
                           timeout_s: float) -> int:
     target = _Target.of(cfg, environ)
     _state_dir(cfg, report)
+    _proxy_note(environ, report, failed=False)
     addresses = await _dns(target, report, timeout_s)
     if addresses:
         _placement(target, addresses, environ, report)
@@ -180,7 +235,7 @@ async def _check_endpoint(cfg: Config, environ: Mapping[str, str], report: _Repo
         if connected and await _tls(cfg, target, connected, report, timeout_s):
             await _probe(cfg, target, report, timeout_s)
     if any(s.status == "fail" and s.name in _NETWORK_STEPS for s in report.steps):
-        _proxy_note(environ, report)
+        _proxy_note(environ, report, failed=True)
     return EXIT_FAILED if report.failed else EXIT_OK
 
 
@@ -404,7 +459,7 @@ async def _probe(cfg: Config, target: _Target, report: _Report, timeout_s: float
         await client.close()
     status = "ok" if answer.ok else "fail"
     report.add("probe", status, _explain(answer, cfg, target), http_status=answer.status,
-               verdict=answer.verdict.value)
+               verdict=answer.verdict.value, **({"reason": answer.reason} if answer.reason else {}))
 
 
 @contextlib.contextmanager
@@ -429,8 +484,9 @@ def _explain(answer: Answer, cfg: Config, target: _Target) -> str:
         source = (f"check that the Secret mounted at --token-file {cfg.token_file} is this run's"
                   if cfg.token_file else f"{cfg.platform.token_variable} must be the token "
                   "issued with this run id")
-        return (f"{http}: the ingest rejected the token: it expired (tokens last 30 days), was "
-                f"revoked, or belongs to another run than {run}; {source}")
+        said = f" (the ingest said: {answer.reason})" if answer.reason else ""
+        return (f"{http}{said}: the ingest rejected the token: it expired (tokens last 30 "
+                f"days), was revoked, or belongs to another run than {run}; {source}")
     if verdict is Verdict.REDIRECT:
         return (f"{http}: {answer.detail}; a proxy, a login page or a load balancer answered "
                 f"instead of the ingest, or the URL is wrong (http where https is needed?): "
@@ -441,6 +497,9 @@ def _explain(answer: Answer, cfg: Config, target: _Target) -> str:
                     "another service answers at this address")
         return (f"{http}: nothing at {target.url}/logs: {target.var('endpoint')} must be the "
                 "base URL ending in /api/ingest")
+    if verdict is Verdict.REJECTED and answer.reason:
+        return (f"{http}: the ingest refused the probe, saying: {answer.reason} (for "
+                f"{run}; the run id and token must be the ones the platform issued together)")
     if verdict is Verdict.REJECTED:
         return (f"{http}: the ingest refused the probe; it may not know the run ({run}), or it "
                 "speaks another version of the API")
@@ -456,16 +515,22 @@ def _explain(answer: Answer, cfg: Config, target: _Target) -> str:
     return f"{http} from {target.url}/logs: {answer.detail}"
 
 
-def _proxy_note(environ: Mapping[str, str], report: _Report) -> None:
-    """The sidecar never uses a proxy (one would see the token): say so when one is set."""
+def _proxy_note(environ: Mapping[str, str], report: _Report, *, failed: bool) -> None:
+    """The sidecar never uses a proxy (one would see the token): say so when one is set, and
+    that it may be why a network step `failed`."""
     found = [(name, environ[name]) for name in PROXY_VARIABLES if environ.get(name)]
     if not found:
         return
     shown = ", ".join(f"{name}={_without_credentials(value)}" for name, value in found)
-    report.add("proxy", "warn", f"{shown} set, but the sidecar connects to the ingest directly, "
-               "never through a proxy: if this node reaches the platform only through that "
-               "proxy, the GPU nodes need a direct route to the ingest",
-               variables=[name for name, _ in found])
+    names = [name for name, _ in found]
+    if failed:
+        report.add("proxy", "warn", f"{shown} set, but the sidecar connects to the ingest "
+                   "directly, never through a proxy: if this node reaches the platform only "
+                   "through that proxy, the GPU nodes need a direct route to the ingest",
+                   variables=names)
+    else:
+        report.add("proxy", "ok", f"{shown} set and bypassed: the sidecar reaches the ingest "
+                   "directly, never through a proxy (one would see the token)", variables=names)
 
 
 def _without_credentials(url: str) -> str:

@@ -8,12 +8,13 @@ HTTP failure: the caller reads the returned `Answer` and decides (split, dead-le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -33,6 +34,8 @@ from tenacity import (
 
 from sidecar.aio import wait_set
 from sidecar.log import Throttle, log
+
+MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
 
 if TYPE_CHECKING:  # aiohttp is imported when the client starts, so that `sidecar run` spawns
     import aiohttp  # the command before paying for it
@@ -97,6 +100,7 @@ class Answer:
     status: int | None = None
     retry_after_s: float | None = None
     detail: str = ""
+    reason: str = ""  # what the ingest's body said about a refusal, bounded, no token in it
 
     @property
     def ok(self) -> bool:
@@ -141,6 +145,21 @@ def classify(status: int, retry_after: str | None) -> Answer:
     if 400 <= status < 500:
         return Answer(Verdict.REJECTED, status)
     return Answer(Verdict.RETRY, status)
+
+
+def refusal_reason(body: bytes, token: str) -> str:
+    """The ingest's own words about a refusal: the `error` (or `message`, `detail`) of a JSON
+    body, else its text; on one line, at most MAX_REASON_CHARS, the token masked."""
+    text = body[:MAX_REASON_CHARS * 4].decode("utf-8", "replace")
+    with contextlib.suppress(ValueError):
+        doc = json.loads(body)  # at most MAX_ANSWER_BYTES
+        if isinstance(doc, dict):
+            text = next((v for k in ("error", "message", "detail") if isinstance(
+                v := doc.get(k), str)), text)
+    text = " ".join(text.split())
+    if token:
+        text = text.replace(token, "***")
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 1] + "…"
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -223,10 +242,12 @@ class IngestClient:
                 timeout=aiohttp.ClientTimeout(total=policy.timeout_s,
                                               sock_connect=CONNECT_TIMEOUT_S),
             ) as response:
-                await response.content.read(MAX_ANSWER_BYTES)
+                data = await response.content.read(MAX_ANSWER_BYTES)
                 if not response.content.at_eof():
                     response.close()  # a huge body: drop the connection rather than read it
                 answer = classify(response.status, response.headers.get("Retry-After"))
+                if not answer.ok:
+                    answer = replace(answer, reason=refusal_reason(data, self._token))
                 if answer.verdict is Verdict.REDIRECT:
                     target = urlsplit(response.headers.get("Location", ""))
                     answer = Answer(Verdict.REDIRECT, response.status,
@@ -248,7 +269,8 @@ class IngestClient:
             stats.last_success = time.time()
             return
         stats.failures += 1
-        stats.last_failure = answer.detail or f"HTTP {answer.status}"
+        stats.last_failure = answer.detail or f"HTTP {answer.status}" + (
+            f": {answer.reason}" if answer.reason else "")
         if answer.verdict is Verdict.AUTH:
             self._reread_token()
         if answer.verdict in (Verdict.AUTH, Verdict.REDIRECT, Verdict.REJECTED):
@@ -269,7 +291,8 @@ class IngestClient:
         what = {
             Verdict.AUTH: "the ingest rejected the token; data is kept and delivery retried",
             Verdict.REDIRECT: answer.detail,
-            Verdict.REJECTED: "the ingest rejected the payload permanently",
+            Verdict.REJECTED: "the ingest rejected the payload permanently"
+                              + (f" ({answer.reason})" if answer.reason else ""),
         }[answer.verdict]
         more = f" ({held} more since the last message)" if held else ""
         log.error("/%s: HTTP %s: %s%s", route, answer.status, what, more)
