@@ -76,6 +76,20 @@ def test_lines_and_points_arrive_and_sigterm_drains(ingest: RunningIngest, tmp_p
         ("acc/top1", 7, 0.5), ("loss", 7, 0.25)]
 
 
+def test_a_large_file_goes_out_in_full_requests(ingest: RunningIngest, tmp_path: Path,
+                                                 folder: Path) -> None:
+    """The bulk path cuts a file into payloads of about a MiB each: not one such payload and
+    then a request of its own for the few lines past the cut."""
+    log = folder / "train.log"
+    written = [f"line {i:07d} " + "x" * 86 for i in range(60_000)]  # 100 B each, 6 MB
+    log.write_text("".join(line + "\n" for line in written))
+    watch = Watch(ingest, tmp_path, "--log", str(log)).start()
+    ingest.wait_for(lambda: len(log_lines(ingest)) >= len(written), 30)
+    assert watch.stop().status == 0
+    assert log_lines(ingest) == written
+    assert len(ingest.records("logs")) <= 6_000_000 // (1 << 20) + 1
+
+
 def test_a_file_in_a_folder_that_does_not_exist_yet(ingest: RunningIngest, tmp_path: Path,
                                                     folder: Path) -> None:
     later = folder / "later" / "run"

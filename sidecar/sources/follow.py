@@ -296,14 +296,19 @@ class Follower:
             tail.last_data = time.monotonic()
             self.stats[tail.spec.kind].bytes_read += len(data)
             tail.buffer += data
-            self._parse_buffer(tail)
+            self._parse_buffer(tail, whole=tail.read_offset >= size)
+        if self.sink.has_room():
+            self._parse_buffer(tail, whole=True)
         quiet = final or tail.retired or time.monotonic() - tail.last_data >= QUIET_S
         if tail.buffer and quiet and self.sink.has_room():
             self._parse(tail, tail.parser.quiet(tail.buffer, time.time()))
 
-    def _parse_buffer(self, tail: _Tail) -> None:
-        """Parse the buffer a slice at a time (a slice too short for one record: all of it)."""
-        while tail.buffer:
+    def _parse_buffer(self, tail: _Tail, whole: bool) -> None:
+        """Parse the buffer a slice at a time (a slice too short for one record: all of it).
+        While more of the file is waiting (not `whole`), a slice shorter than parse_bytes waits
+        for the next read: parsed alone it would make a payload of a few lines, and a request
+        of its own."""
+        while len(tail.buffer) >= (1 if whole else tail.spec.parse_bytes):
             now = time.time()
             parsed = tail.parser.parse(tail.buffer[:tail.spec.parse_bytes], now)
             if not parsed.consumed and len(tail.buffer) > tail.spec.parse_bytes:
