@@ -291,7 +291,7 @@ async def _post_lifecycle(cfg: object, event: str, timeout_s: float) -> int:
             return 1 if lifecycle.rejected else 0
         log.error("lifecycle %s: not acknowledged within %.0f s (%s); kept in %s for the next "
                   "start or `sidecar replay`", event, timeout_s,
-                  client.route_stats("lifecycle").last_failure, cfg.run_dir)
+                  client.route_stats("lifecycle").trouble, cfg.run_dir)
         return 1
     finally:
         await lifecycle.close()

@@ -227,6 +227,11 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     exit_status = await child.wait()
     ended_at = time.time()
     duration_s = time.monotonic() - spawned_at
+    if cfg.running_when == "marker" and "running" not in lifecycle.recorded:
+        log.warning("the command exited (status %d) and never ran `sidecar lifecycle running`, "
+                    "the marker --running-when marker waits for: `running` was never posted; "
+                    "run it in the command just before training starts, or drop the option",
+                    exit_status)
     lifecycle.release.clear()  # the end event waits for the output before it (the platform
     await lifecycle.record("succeeded" if exit_status == 0 else "failed", ended_at)  # closes logs
     await _wait_all([s.closed for s in streams], OUTPUT_GRACE_S)

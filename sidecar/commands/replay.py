@@ -45,11 +45,13 @@ async def replay(cfg: Config, timeout_s: float) -> int:
 
         total = left()
         deadline = time.monotonic() + timeout_s
+        redraw = "\r" if sys.stderr.isatty() else ""  # a line redrawn is for a terminal only
         while left() and time.monotonic() < deadline:
-            print(f"\rreplay: {total - left()}/{total} payloads delivered", end="",
-                  file=sys.stderr, flush=True)
+            if redraw:
+                print(f"{redraw}replay: {total - left()}/{total} payloads delivered", end="",
+                      file=sys.stderr, flush=True)
             await asyncio.sleep(PROGRESS_EVERY_S)
-        print(f"\rreplay: {total - left()}/{total} payloads delivered", file=sys.stderr)
+        print(f"{redraw}replay: {total - left()}/{total} payloads delivered", file=sys.stderr)
         if left():
             log.error("replay: %d payloads still undelivered after %.0f s (last failure: %s); "
                       "they stay in %s", left(), timeout_s, _last_failure(client), cfg.run_dir)
@@ -64,4 +66,4 @@ async def replay(cfg: Config, timeout_s: float) -> int:
 def _last_failure(client: object) -> str:
     stats = getattr(client, "stats", {})
     reasons = [s.last_failure for s in stats.values() if s.last_failure]
-    return reasons[-1] if reasons else "none recorded"
+    return reasons[-1] if reasons else "none: the ingest has not answered yet"

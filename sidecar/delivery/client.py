@@ -119,6 +119,13 @@ class RouteStats:
     last_success: float | None = None
     last_failure: str = ""
 
+    @property
+    def trouble(self) -> str:
+        """Why a payload of this route is still unacknowledged, for a message: never empty."""
+        if self.last_failure:
+            return self.last_failure
+        return "the ingest has not answered yet" if self.requests else "nothing was sent yet"
+
 
 def json_body(doc: Any) -> bytes:
     """`doc` as a request body: orjson, several times the standard module's speed on the bulk
@@ -288,8 +295,12 @@ class IngestClient:
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")
         if held is None:
             return
+        kept = ("this output is dropped and counted (/logs is best-effort); later output is "
+                "sent once the token is accepted"
+                if ROUTES[route].guarantee is Guarantee.BEST_EFFORT
+                else "data is kept and delivery retried")
         what = {
-            Verdict.AUTH: "the ingest rejected the token; data is kept and delivery retried",
+            Verdict.AUTH: f"the ingest rejected the token; {kept}",
             Verdict.REDIRECT: answer.detail,
             Verdict.REJECTED: "the ingest rejected the payload permanently"
                               + (f" ({answer.reason})" if answer.reason else ""),

@@ -156,6 +156,8 @@ class LogShipper:
         return batch, tickets
 
     def _drop(self, chars: int, why: str) -> None:
+        if chars <= 0:  # nothing lost: no count, and no "dropped 0 characters"
+            return
         self.dropped_chars += chars
         self.client.route_stats("logs").dropped += chars
         now = time.monotonic()

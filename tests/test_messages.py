@@ -1,0 +1,96 @@
+"""The sidecar's own messages say what happens, and never contradict themselves: a /logs 401 is
+not "kept and retried", nothing says "dropped 0", a timeout names its reason, a marker that
+never came is said."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from sidecar.commands.receive import Fault
+from sidecar.delivery.client import IngestClient
+from sidecar.delivery.logs import LogShipper
+from sidecar.log import log
+from tests.conftest import RUN_ID, TOKEN, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest
+
+
+def events(ingest: RunningIngest) -> list[str]:
+    return [r["event"] for r in ingest.records("lifecycle")]
+
+
+def lines_with(stderr: bytes, text: str) -> list[str]:
+    return [line for line in stderr.decode().splitlines() if text in line]
+
+
+def test_a_marker_that_never_came_is_said_at_the_end(ingest: RunningIngest,
+                                                     tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--running-when", "marker", "--", *python_child("print('hi')")], env,
+                   tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert events(ingest) == ["starting", "succeeded"]
+    [warning] = lines_with(done.stderr, "never ran `sidecar lifecycle running`")
+    assert " WARNING " in warning and "`running` was never posted" in warning
+    assert "exited (status 0)" in warning
+
+
+def test_a_marker_that_came_is_not_warned_about(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    marked = "import subprocess, sys\nsubprocess.check_call([sys.executable, '-m', 'sidecar', " \
+             "'lifecycle', 'running'])\n"
+    done = sidecar(["run", "--running-when", "marker", "--", *python_child(marked)], env,
+                   tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert lines_with(done.stderr, "never ran") == []
+
+
+def test_a_rejected_token_on_logs_says_the_output_is_dropped(ingest: RunningIngest,
+                                                            tmp_path: Path) -> None:
+    ingest.add_fault(Fault(route="logs", status=401))
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child("print('x' * 55)")], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    [rejected] = lines_with(done.stderr, "/logs: HTTP 401")
+    assert "dropped and counted (/logs is best-effort)" in rejected
+    assert "kept" not in rejected and "retried" not in rejected
+    dropped = lines_with(done.stderr, "/logs: dropped")
+    assert dropped and "dropped 56 characters" in dropped[0]
+    assert lines_with(done.stderr, "dropped 0 ") == []
+    assert TOKEN.encode() not in done.stderr
+
+
+async def test_nothing_dropped_is_neither_counted_nor_said() -> None:
+    client = IngestClient("http://127.0.0.1:9/api/ingest", ("X-StarForge-Token",), lambda: "t")
+    shipper = LogShipper(client, RUN_ID)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        shipper.count_dropped(0, "the command writes faster than --log-rate forwards")
+    finally:
+        log.removeHandler(handler)
+    assert seen == []
+    assert shipper.dropped_chars == 0 and client.route_stats("logs").dropped == 0
+
+
+def test_a_lifecycle_timeout_names_its_reason(ingest: RunningIngest, tmp_path: Path) -> None:
+    ingest.add_fault(Fault(route="lifecycle", latency_s=30))
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["lifecycle", "failed", "--timeout", "1"], env, tmp_path / "sc")
+    assert done.status == 1
+    [line] = lines_with(done.stderr, "not acknowledged within 1 s")
+    assert "()" not in line
+    assert "(the ingest has not answered yet)" in line
+
+
+def test_replay_draws_no_carriage_return_into_a_log_file(ingest: RunningIngest,
+                                                         tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / RUN_ID).mkdir(parents=True)
+    done = sidecar(["replay", "--timeout", "5"], platform_env(ingest, state), tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert b"replay: 0/0 payloads delivered\n" in done.stderr
+    assert b"\r" not in done.stderr
