@@ -38,3 +38,15 @@ def test_the_real_run_warns_once_per_unknown_variable(tmp_path: Path) -> None:
     assert len(warnings) == 2, done.stderr
     assert "SIDECAR_DRAIN_TIMEOUTT" in warnings[0] and "SIDECAR_DRAIN_TIMEOUT?" in warnings[0]
     assert "did you mean SIDECAR_HARDWARE_INTERVAL?" in warnings[1]
+
+
+def test_demo_runs_the_bundled_trainer_to_success(tmp_path: Path) -> None:
+    done = subprocess.run([*SIDECAR, "demo"], env={**clean_environ(), "TMPDIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "== sidecar run exited with 0" in done.stdout
+    events = [line.split()[-1] for line in done.stdout.split("lifecycle:\n", 1)[1].splitlines()
+              if line.startswith("  ") and line.split()[-1] in ("starting", "running",
+                                                                  "succeeded", "failed")]
+    assert events == ["starting", "running", "succeeded"]
+    assert "can't open file" not in done.stdout + done.stderr

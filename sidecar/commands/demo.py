@@ -12,7 +12,7 @@ from sidecar.commands.receive import IngestServer
 
 RUN_ID = "demo-run"
 TOKEN = "demo-token"
-TRAINER = Path(__file__).with_name("examples") / "trainer.py"
+TRAINER = Path(__file__).parents[1] / "examples" / "trainer.py"  # sidecar/examples/
 
 
 def demo(workdir: Path) -> int:
