@@ -71,6 +71,9 @@ OPTIONS: tuple[Option, ...] = (
            choices=("spawn", "marker"), only="run"),
     Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in",
            metavar="TEMPLATE"),
+    Option("log-ansi", "str", "strip", "escape sequences in forwarded text: cursor movement is "
+           "applied as a terminal would; strip drops every other one, keep keeps colours",
+           choices=("strip", "keep")),
     Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
            choices=("plain", "cri", "auto")),
     Option("log-rate", "float", 5.0, "run only: MB a second of the command's output forwarded "
@@ -160,6 +163,7 @@ class Config:
     token_file: Path | None = None
     running_when: str = "spawn"
     log_prefix: str = ""
+    log_ansi: str = "strip"
     log_format: str = "auto"
     log_rate: float = 5.0
     file_watch: str = "auto"

@@ -29,7 +29,7 @@ from sidecar.delivery.client import IngestClient
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
-from sidecar.log import log, mask
+from sidecar.log import log, mask, secrets
 from sidecar.node import Node, resolve_node
 from sidecar.sources.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
@@ -183,8 +183,9 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     shipper = LogShipper(client, cfg.platform.run_id) if client is not None else None  # it holds
     #                       the first output until the pipeline, imported after the spawn, is up
     scanner = Scanner()
-    streams = [_Stream(name, LineAssembler(mask=mask, prefix=prefix), shipper, budget, scanner)
-               for name in ("stdout", "stderr")]
+    keep_sgr = cfg.log_ansi == "keep"
+    streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
+                       scanner) for name in ("stdout", "stderr")]
     child = Child(argv, child_env)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
     oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet

@@ -25,7 +25,7 @@ from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.logs import LogShipper
-from sidecar.log import log, mask
+from sidecar.log import log, secrets
 from sidecar.node import Node
 from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
@@ -62,7 +62,8 @@ def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
     specs = []
     if cfg.log:
         specs.append(SourceSpec("log", cfg.log, lambda path, state: LogFileParser.resume(
-            state, log_format=cfg.log_format, mask=mask, prefix=prefix)))
+            state, log_format=cfg.log_format, secrets=secrets, prefix=prefix,
+            keep_sgr=cfg.log_ansi == "keep")))
     if cfg.jsonl:
         specs.append(SourceSpec("jsonl", cfg.jsonl,
                                 lambda path, state: JsonlParser.resume(state),

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.log import Secrets
 from sidecar.sources.lines import (
     MAX_LINE_CHARS,
     PROGRESS_INTERVAL_S,
@@ -20,8 +21,7 @@ TOKEN = "tok-SECRET-0123456789abcdef"
 PREFIX = "[n1] "
 
 
-def _mask(text: str) -> str:
-    return text.replace(TOKEN, "***")
+SECRETS = Secrets([TOKEN])
 
 
 def _blocks(data: bytes, cuts: Sequence[int]) -> list[bytes]:
@@ -48,7 +48,7 @@ def _prefixed(text: str, prefix: str) -> str:
 # Bytes without a bare carriage return: text (multibyte included), CRLF and LF line ends,
 # and invalid UTF-8 (stray continuation bytes, truncated sequences, overlongs).
 _piece = st.one_of(
-    st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\r"),
+    st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\r\b\x1b"),
             max_size=12).map(lambda s: s.encode("utf-8")),
     st.sampled_from([b"\n", b"\r\n", b"\xc3", b"\xa9", b"\xe2\x82", b"\xf0\x9f\x98", b"\xff",
                      b"\xc0\xaf", b"\xed\xa0\x80", "é€😀".encode()]),
@@ -101,7 +101,7 @@ def test_invalid_utf8_becomes_replacement_characters(data: bytes) -> None:
 @given(data=st.binary(max_size=600), cuts=_cuts,
        times=st.lists(st.floats(min_value=0, max_value=5), max_size=30))
 def test_random_bytes_never_raise(data: bytes, cuts: list[int], times: list[float]) -> None:
-    asm = LineAssembler(prefix=PREFIX, mask=_mask, max_line_chars=16)
+    asm = LineAssembler(prefix=PREFIX, secrets=SECRETS, max_line_chars=16)
     now = 0.0
     out: list[str] = []
     for i, block in enumerate(_blocks(data, cuts)):
@@ -306,19 +306,57 @@ def test_token_is_masked_when_split_at_any_byte_across_two_blocks() -> None:
     line = f"export STARFORGE_TOKEN={TOKEN} # é\n".encode()
     start = line.index(TOKEN.encode())
     for cut in range(start, start + len(TOKEN) + 1):
-        asm = LineAssembler(mask=_mask)
+        asm = LineAssembler(secrets=SECRETS)
         out = "".join(_feed_all(asm, [b"before\n" + line[:cut], line[cut:] + b"after\n"]))
         assert TOKEN not in out
         assert out == "before\nexport STARFORGE_TOKEN=*** # é\nafter\n"
 
 
-@given(before=st.text(max_size=20).filter(lambda s: "\r" not in s and "\n" not in s),
+@given(before=st.text(max_size=20).filter(lambda s: not set(s) & set("\r\n\b\x1b")),
        cuts=st.lists(st.integers(min_value=0, max_value=80), max_size=6))
 def test_token_never_appears_in_output(before: str, cuts: list[int]) -> None:
     data = f"{before}{TOKEN}{before}\n{TOKEN}\n".encode()
-    out = "".join(_feed_all(LineAssembler(mask=_mask, prefix=PREFIX), _blocks(data, cuts)))
+    out = "".join(_feed_all(LineAssembler(secrets=SECRETS, prefix=PREFIX), _blocks(data, cuts)))
     assert TOKEN not in out
     assert out.count("***") == 2
+
+
+def test_token_printed_in_two_writes_a_quiet_spell_apart_is_masked() -> None:
+    """A quiet partial keeps back what could be the start of a secret until the next block."""
+    for cut in range(1, len(TOKEN)):
+        asm = LineAssembler(secrets=SECRETS)
+        out = [asm.feed(f"export T={TOKEN[:cut]}".encode(), 0.0), asm.tick(QUIET_FLUSH_S)]
+        out += [asm.feed(f"{TOKEN[cut:]} ok\n".encode(), 1.6), asm.finish()]
+        assert "".join(out) == "export T=*** ok\n", cut
+
+
+def test_quiet_partial_ending_in_a_token_start_goes_out_at_the_end() -> None:
+    asm = LineAssembler(secrets=SECRETS)
+    out = asm.feed(("prompt " + TOKEN[:5]).encode(), 0.0) + asm.tick(QUIET_FLUSH_S)
+    assert TOKEN[:5] not in out
+    assert out + asm.finish() == "prompt " + TOKEN[:5]
+
+
+@pytest.mark.parametrize("blocks", [1, 7])
+def test_token_straddling_the_line_split_is_masked(blocks: int) -> None:
+    """Masking comes before the 64 KiB split, in one block or over many (the line then waits
+    as an over-long partial)."""
+    for offset in (1, 5, len(TOKEN) - 1):
+        line = ("a" * (MAX_LINE_CHARS - offset) + TOKEN + "b" * 10 + "\n").encode()
+        step = -(-len(line) // blocks)
+        asm = LineAssembler(secrets=SECRETS)
+        out = "".join(_feed_all(asm, [line[i:i + step] for i in range(0, len(line), step)]))
+        assert out.replace("\n", "") == "a" * (MAX_LINE_CHARS - offset) + "***" + "b" * 10
+        assert all(len(part) <= MAX_LINE_CHARS for part in out.split("\n"))
+
+
+def test_every_secret_added_is_masked_and_the_longest_wins() -> None:
+    secrets = Secrets(["tok-first-000000"])
+    secrets.add("tok-first-000000-and-longer")
+    secrets.add("short")  # too short to be a secret: never masked inside words
+    assert secrets.mask("a tok-first-000000-and-longer b tok-first-000000 short") == \
+        "a *** b *** short"
+    assert secrets.longest == len("tok-first-000000-and-longer")
 
 
 # --- prefix ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.log import Secrets
 from sidecar.sources.lines import MAX_LINE_CHARS
 from sidecar.sources.logfile import LogFileParser
 
@@ -17,8 +18,7 @@ TOKEN = "tok-SECRET-0123456789abcdef"
 TS = b"2026-11-30T10:00:00.123456789Z"
 
 
-def _mask(text: str) -> str:
-    return text.replace(TOKEN, "***")
+SECRETS = Secrets([TOKEN])
 
 
 def cri(stream: str, tag: str, text: str | bytes, ts: bytes = TS) -> bytes:
@@ -113,7 +113,7 @@ def test_plain_line_without_newline_longer_than_the_limit_is_passed_in_pieces() 
 
 
 def test_plain_masks_secrets_and_prefixes_every_line() -> None:
-    parser = LogFileParser(log_format="plain", mask=_mask, prefix="[gpu-node-3] ")
+    parser = LogFileParser(log_format="plain", secrets=SECRETS, prefix="[gpu-node-3] ")
     parsed = parser.parse(f"token={TOKEN}\nloss 0.5\n".encode(), 0.0)
     assert parsed.text == "[gpu-node-3] token=***\n[gpu-node-3] loss 0.5\n"
     assert TOKEN not in parsed.text
@@ -126,7 +126,7 @@ def test_plain_forwards_a_cri_looking_line_verbatim() -> None:
 
 
 _plain_piece = st.one_of(
-    st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\r"),
+    st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\r\b\x1b"),
             max_size=10).map(str.encode),
     st.sampled_from([b"\n", b"\xc3", b"\xa9", b"\xff", "é€😀".encode()]))
 
@@ -198,7 +198,7 @@ def test_cri_malformed_line_is_skipped_and_counted(bad: bytes) -> None:
 
 def test_cri_masks_and_prefixes_the_joined_line() -> None:
     half = len(TOKEN) // 2
-    parser = LogFileParser(log_format="cri", mask=_mask, prefix="[n2] ")
+    parser = LogFileParser(log_format="cri", secrets=SECRETS, prefix="[n2] ")
     data = (cri("stdout", "P", f"token={TOKEN[:half]}") + cri("stdout", "F", TOKEN[half:])
             + cri("stderr", "F", "x"))
     fed = _follow(parser, [data])
@@ -212,7 +212,7 @@ def test_cri_text_with_invalid_utf8_is_replaced() -> None:
 
 _cri_entry = st.tuples(
     st.sampled_from(["stdout", "stderr"]), st.sampled_from(["P", "F"]),
-    st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\r\n"), max_size=8))
+    st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\r\n\b\x1b"), max_size=8))
 
 
 @settings(max_examples=150, deadline=None)
@@ -282,7 +282,7 @@ def test_auto_quiet_before_detection_takes_a_plain_partial_line() -> None:
 
 def test_auto_applies_mask_and_prefix_in_both_formats() -> None:
     for data in (f"k={TOKEN}\n".encode(), cri("stdout", "F", f"k={TOKEN}")):
-        parser = LogFileParser(log_format="auto", mask=_mask, prefix="[r0] ")
+        parser = LogFileParser(log_format="auto", secrets=SECRETS, prefix="[r0] ")
         assert _follow(parser, [data]).text == "[r0] k=***\n"
 
 

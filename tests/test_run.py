@@ -243,6 +243,39 @@ def test_token_never_printed_or_stored(ingest: RunningIngest, tmp_path: Path) ->
             assert TOKEN.encode() not in path.read_bytes(), path
 
 
+ROTATED_CHILD = """
+import os, sys, time
+print("old token", sys.argv[1], flush=True)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.01)
+print("new token", sys.argv[2], flush=True)
+"""
+
+
+def test_token_reread_after_a_401_is_masked_too(ingest: RunningIngest, tmp_path: Path) -> None:
+    """The token file is re-read on 401: from then on the new token is masked as well as the
+    one it replaced."""
+    old = "tok-OLD-rotated-away-0000"
+    token_file = tmp_path / "token"
+    token_file.write_text(old + "\n")
+    go = tmp_path / "go"
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_TOKEN_FILE=str(token_file))
+    del env["STARFORGE_TOKEN"]
+    run = Sidecar(["run", "--", *python_child(ROTATED_CHILD), old, TOKEN, str(go)], env,
+                  tmp_path / "sc")
+    ingest.wait_for(lambda: ingest.stats.rejected_total() > 0, what="a 401 for the old token")
+    token_file.write_text(TOKEN + "\n")
+    ingest.wait_for(lambda: bool(ingest.records("lifecycle")), timeout=30,
+                    what="the new token accepted")
+    go.touch()
+    done = run.wait()
+    assert done.status == 0, done.stderr
+    assert TOKEN.encode() in done.stdout  # the child's own output stays as it wrote it
+    text = log_text(ingest)
+    assert "new token ***\n" in text
+    assert TOKEN not in text and old not in text
+
+
 def test_redirect_is_never_followed(ingest: RunningIngest, tmp_path: Path) -> None:
     with running_ingest(tmp_path / "elsewhere") as elsewhere:
         ingest.add_fault(Fault(redirect=elsewhere.base_url + "/lifecycle"))

@@ -33,7 +33,7 @@ from tenacity import (
 )
 
 from sidecar.aio import wait_set
-from sidecar.log import Throttle, log
+from sidecar.log import Throttle, add_secret, log
 
 MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
 
@@ -206,7 +206,7 @@ class IngestClient:
         """Open the keep-alive session; call once from the event loop."""
         import aiohttp
 
-        self._token = self.read_token()
+        self._use_token(self.read_token())
         ssl_context: ssl.SSLContext | bool = True
         if self.ca_file is not None:
             ssl_context = ssl.create_default_context()
@@ -287,9 +287,14 @@ class IngestClient:
 
     def _reread_token(self) -> None:
         try:
-            self._token = self.read_token()
+            self._use_token(self.read_token())
         except Exception as exc:  # a missing file now is reported, the old token kept
             log.error("re-reading the token after a 401/403 failed: %s", exc)
+
+    def _use_token(self, token: str) -> None:
+        """Send `token` from now on; it is masked wherever the old one was, and so is the old."""
+        add_secret(token)
+        self._token = token
 
     def _error_once_a_minute(self, route: str, answer: Answer) -> None:
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")

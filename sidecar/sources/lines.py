@@ -1,34 +1,57 @@
 """Bytes of one output stream -> text for `/logs` (CONTRACT 5, Logs).
 
 Works on blocks, not lines: a block of ordinary output is decoded, cut at its last newline and
-passed on as one piece of text; only the rare block that holds a carriage-return progress bar
-or an over-long line takes the per-line path. Pure: the caller supplies the clock.
+passed on as one piece of text; an over-long line takes a per-line path, and the rare block that
+moves the cursor (a carriage return, a backspace, an escape sequence other than colours) goes to
+a small terminal (terminal.py) until it holds nothing. Secrets are masked before any cut, and a
+partial line keeps back what could be a secret's start. Pure: the caller supplies the clock.
 """
 
 from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from sidecar.sources.terminal import Screen
 
 MAX_LINE_CHARS = 64 * 1024  # CONTRACT 5: a longer line is split
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet
 PROGRESS_INTERVAL_S = 3.0  # a progress bar's latest state at most this often
 
-_BARE_CR = re.compile(r"\r(?!\n)")
+_BARE_CR = re.compile(r"\r(?=[^\n])")  # a final one may be half of a CRLF: the next block says
+_NOT_SGR = re.compile(r"\x1b(?!\[[0-9;:]*m)")  # an escape that is not a complete colour sequence
+_SGR = re.compile(r"\x1b\[[0-9;:]*m")
 
 
-def _no_mask(text: str) -> str:
-    return text
+class Masker(Protocol):
+    """The secrets to mask (sidecar.log.Secrets)."""
+
+    longest: int  # characters of the longest secret
+
+    def mask(self, text: str) -> str:
+        """`text` with every secret replaced."""
+
+
+class _NoSecrets:
+    longest = 0
+
+    def mask(self, text: str) -> str:
+        return text
+
+
+NO_SECRETS: Masker = _NoSecrets()
 
 
 @dataclass
 class LineAssembler:
-    """Turns a stream's byte blocks into text: whole lines, quiet partials, collapsed bars."""
+    """Turns a stream's byte blocks into text: whole lines, quiet partials, what a terminal
+    shows of output that moves the cursor."""
 
-    mask: Callable[[str], str] = _no_mask
+    secrets: Masker = NO_SECRETS
     prefix: str = ""
+    keep_sgr: bool = False  # --log-ansi keep: colour sequences are forwarded
     max_line_chars: int = MAX_LINE_CHARS
     quiet_flush_s: float = QUIET_FLUSH_S
     progress_interval_s: float = PROGRESS_INTERVAL_S
@@ -37,13 +60,17 @@ class LineAssembler:
     _pending: str = ""  # the current line's text not yet sent
     _open_chars: int = 0  # how much of the current line was already sent (a quiet partial)
     _last_feed: float = 0.0
-    _bar_sent: str | None = None  # the progress state last sent for the current line
-    _bar_sent_at: float = float("-inf")
+    _screen: Screen | None = None  # while output that moves the cursor is being drawn
 
     def feed(self, block: bytes, now: float) -> str:
         """Take the next block of the stream; returns the text ready to send (often all of it)."""
         self._last_feed = now
         text = self._pending + self._decoder.decode(block)
+        if (self._screen is not None and not self._screen.idle) or _moves_cursor(text):
+            return self._on_screen(text, now)
+        self._screen = None
+        if "\x1b" in text and not self.keep_sgr:
+            text = _SGR.sub("", text)  # colours alone need no terminal
         cut = text.rfind("\n") + 1
         self._pending = text[cut:]
         out = self._lines(text[:cut]) if cut else ""
@@ -51,19 +78,22 @@ class LineAssembler:
 
     def tick(self, now: float) -> str:
         """Called periodically: a partial line after a quiet second, a progress bar's state."""
-        if not self._pending:
+        if self._screen is not None:
+            return self._emit(self.secrets.mask(self._screen.tick(now)))
+        if not self._pending or now - self._last_feed < self.quiet_flush_s:
             return ""
-        if _has_bar(self._pending):
-            return self._bar_update(now, quiet=now - self._last_feed >= self.quiet_flush_s)
-        if now - self._last_feed < self.quiet_flush_s:
-            return ""
-        partial, self._pending = self._pending, ""
-        return self._emit(partial)
+        partial = self.secrets.mask(self._pending)
+        cut = max(len(partial) - max(self.secrets.longest - 1, 0), 0)  # may begin a secret
+        self._pending = partial[cut:]
+        return self._emit(partial[:cut])
 
     def finish(self) -> str:
         """The stream ended: everything left, a progress bar's final state included."""
         text = self._pending + self._decoder.decode(b"", final=True)
         self._pending = ""
+        if self._screen is not None:
+            screen, self._screen = self._screen, None
+            return self._emit(self.secrets.mask(screen.finish(text)))
         if not text:
             return ""
         return self._lines(text)
@@ -78,56 +108,43 @@ class LineAssembler:
         return out + f"{self.prefix}[sidecar] {dropped_bytes} bytes of output were dropped here\n"
 
     def _hold(self, now: float) -> str:
-        """Keep the unfinished line, sending what it must not keep: bar states, over-long text."""
-        if not self._pending:
-            return ""
-        out = self._bar_update(now, quiet=False) if _has_bar(self._pending) else ""
+        """Keep the unfinished line, sending what it must not keep: over-long text, masked first
+        and keeping back what could be a secret's start."""
         room = self.max_line_chars - self._open_chars
         if len(self._pending) <= room:
-            return out
-        # Over-long, even as a bar's latest state: send it in whole lines, keep the remainder.
-        pending = self._pending.lstrip("\r")
-        cut = room + (len(pending) - room - 1) // self.max_line_chars * self.max_line_chars
+            return ""
+        pending = self.secrets.mask(self._pending)
+        keep = max(self.secrets.longest - 1, 0)
+        if len(pending) - keep <= room:
+            self._pending = pending
+            return ""
+        cut = room + (len(pending) - keep - room - 1) // self.max_line_chars * self.max_line_chars
         self._pending = pending[cut:]
-        head = _split_long(pending[:cut] + "\n", self.max_line_chars, self._open_chars)
-        return out + self._emit(head)
-
-    def _bar_update(self, now: float, quiet: bool) -> str:
-        """Send the bar's latest state if it changed and enough time passed (or it went quiet)."""
-        head, _, current = self._pending.rpartition("\r")
-        state = _latest_state(self._pending)
-        self._pending = "\r" + current if current else "\r" + _latest_state(head)
-        if not state or state == self._bar_sent:
-            return ""
-        if not quiet and now - self._bar_sent_at < self.progress_interval_s:
-            return ""
-        self._bar_sent, self._bar_sent_at = state, now
-        return self._emit(state + "\n")
+        return self._emit(_split_long(pending[:cut] + "\n", self.max_line_chars,
+                                      self._open_chars))
 
     def _lines(self, text: str) -> str:
         """Whole lines (the last may be unterminated at the stream's end) ready to send."""
-        if "\r" in text and _BARE_CR.search(text):
-            text = self._collapse_bars(text)
+        text = self.secrets.mask(text)
         first_line_end = text.find("\n") % (len(text) + 1)
         if (_may_hold_long_line(text, self.max_line_chars)
                 or self._open_chars + first_line_end > self.max_line_chars):
             text = _split_long(text, self.max_line_chars, self._open_chars)
         return self._emit(text)
 
-    def _collapse_bars(self, text: str) -> str:
-        """Each line with carriage returns becomes its final state (progress bars)."""
-        lines = _split_lines(text)
-        for i, line in enumerate(lines):
-            if _BARE_CR.search(line):
-                ending = "\r\n" if line.endswith("\r\n") else "\n" if line.endswith("\n") else ""
-                lines[i] = _latest_state(line[: len(line) - len(ending)]) + ending
-        if self._bar_sent is not None and lines[0].rstrip("\r\n") == self._bar_sent:
-            lines[0] = ""  # the bar's final state already went out when it went quiet
-        self._bar_sent, self._bar_sent_at = None, float("-inf")
-        return "".join(lines)
+    def _on_screen(self, text: str, now: float) -> str:
+        """Output that moves the cursor: drawn on the terminal, which says what to send."""
+        out = ""
+        if self._screen is None:
+            self._screen = Screen(self.max_line_chars, self.keep_sgr, self.progress_interval_s,
+                                  self.quiet_flush_s)
+            if self._open_chars:  # the terminal draws the line whole: end the part sent
+                out = self._emit("\n")
+        self._pending = ""
+        return out + self._emit(self.secrets.mask(self._screen.feed(text, now)))
 
     def _emit(self, text: str) -> str:
-        """Prefix every line start, mask secrets; track whether the current line is open."""
+        """Prefix every line start (of text already masked); track whether the line is open."""
         if not text:
             return ""
         last_newline = text.rfind("\n")
@@ -136,13 +153,14 @@ class LineAssembler:
         if self.prefix:
             first = "" if open_before else self.prefix
             text = first + text[:-1].replace("\n", "\n" + self.prefix) + text[-1]
-        return self.mask(text)
+        return text
 
 
-def _has_bar(pending: str) -> bool:
-    """Whether an unfinished line holds a carriage return that is not half of a split CRLF."""
-    body = pending[:-1] if pending.endswith("\r") else pending
-    return "\r" in body and _BARE_CR.search(body) is not None
+def _moves_cursor(text: str) -> bool:
+    """Whether `text` needs the terminal: an escape other than a colour, a backspace, a bare
+    carriage return."""
+    return (("\x1b" in text and _NOT_SGR.search(text) is not None) or "\b" in text
+            or ("\r" in text and _BARE_CR.search(text) is not None))
 
 
 def _may_hold_long_line(text: str, limit: int) -> bool:
@@ -165,14 +183,6 @@ def _split_lines(text: str) -> list[str]:
     if parts[-1]:
         lines.append(parts[-1])
     return lines
-
-
-def _latest_state(line: str) -> str:
-    """The last non-blank carriage-return segment of a line: what a terminal would show."""
-    for segment in reversed(line.split("\r")):
-        if segment.strip():
-            return segment.rstrip(" ")
-    return ""
 
 
 def _split_long(text: str, limit: int, already_sent: int = 0) -> str:

@@ -8,12 +8,11 @@ Either way the text then takes the same path as a wrapped command's output (Line
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.sources.base import Parsed
-from sidecar.sources.lines import MAX_LINE_CHARS, LineAssembler
+from sidecar.sources.lines import MAX_LINE_CHARS, NO_SECRETS, LineAssembler, Masker
 
 _CRI_LINE = re.compile(
     rb"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)) (stdout|stderr) ([PF])"
@@ -25,13 +24,14 @@ class LogFileParser:
     """Parses one log file; `log_format` is plain, cri or auto."""
 
     log_format: str = "auto"
-    mask: Callable[[str], str] = field(default=lambda text: text)
+    secrets: Masker = NO_SECRETS
     prefix: str = ""
+    keep_sgr: bool = False
     _assembler: LineAssembler = field(init=False)
     _partial: dict[bytes, list[bytes]] = field(default_factory=dict)  # CRI P pieces by stream
 
     def __post_init__(self) -> None:
-        self._assembler = LineAssembler(mask=self.mask, prefix=self.prefix)
+        self._assembler = LineAssembler(self.secrets, self.prefix, keep_sgr=self.keep_sgr)
 
     @classmethod
     def resume(cls, state: dict[str, Any], **kwargs: Any) -> LogFileParser:

@@ -1,0 +1,256 @@
+"""What a terminal shows is what /logs gets: real programs drawing progress bars through
+`sidecar run`, compared with the screen of a real terminal emulator (pyte) fed the raw output."""
+
+from __future__ import annotations
+
+import re
+import tracemalloc
+from pathlib import Path
+
+import pyte
+import pytest
+
+from sidecar.sources.lines import MAX_LINE_CHARS, LineAssembler
+from tests.conftest import platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest
+
+WIDTH = 400  # columns of the oracle terminal: no line of these programs wraps
+OWN_MESSAGE = re.compile(rb"^\d{4}-\d\d-\d\dT[0-9:.]+Z sidecar .*\n", re.M)
+CURSOR_MOVE = re.compile(r"\x1b\[[0-9;]*[ABCDEFGHJKf]")
+
+NESTED_TQDM = """
+import sys, time
+from tqdm import tqdm
+for epoch in tqdm(range(3), desc="epoch", position=0, file=sys.stdout):
+    for step in tqdm(range(120), desc="batch", position=1, leave=False, file=sys.stdout,
+                     mininterval=0):
+        time.sleep(0.01)
+    tqdm.write(f"epoch {epoch} loss=0.{epoch}3", file=sys.stdout)
+print("training done")
+"""
+
+THREE_BARS = """
+import sys, time
+from tqdm import tqdm
+bars = [tqdm(total=50, desc=name, position=i, file=sys.stdout, mininterval=0)
+        for i, name in enumerate(("load", "train", "eval"))]
+for step in range(50):
+    for bar in bars:
+        bar.update(1)
+    time.sleep(0.005)
+for bar in reversed(bars):
+    bar.close()
+print("all three done")
+"""
+
+RICH_PROGRESS = """
+import time
+from rich.console import Console
+from rich.progress import Progress
+console = Console(force_terminal=True, width=100)
+with Progress(console=console, refresh_per_second=50) as progress:
+    download = progress.add_task("download", total=40)
+    unpack = progress.add_task("unpack", total=40)
+    for step in range(40):
+        progress.update(download, advance=1)
+        progress.update(unpack, advance=1)
+        if step == 20:
+            progress.console.print("halfway there")
+        time.sleep(0.01)
+print("rich done")
+"""
+
+KERAS_BACKSPACES = """
+import sys, time
+previous = 0
+for step in range(1, 31):
+    done = step * 20 // 30
+    line = f"{step}/30 [" + "=" * done + ">" + "." * (20 - done) + f"] - loss: {1 / step:.4f}"
+    sys.stdout.write("\\b" * previous + line)
+    sys.stdout.flush()
+    previous = len(line)
+    time.sleep(0.005)
+sys.stdout.write("\\n")
+print("Epoch 2/2")
+"""
+
+PIP_BARS = """
+import sys, time
+sys.stdout.write("Collecting torch\\n  Downloading torch-2.3.0.whl (780 MB)\\n")
+sys.stdout.write("\\x1b[?25l")
+for i in range(41):
+    bar = "\\u2501" * i + " " * (40 - i)
+    sys.stdout.write(f"\\r     \\x1b[38;5;197m{bar}\\x1b[0m {i * 19.5:.1f}/780.0 MB "
+                     f"2.1 MB/s eta 0:00:{40 - i:02d}")
+    sys.stdout.flush()
+    time.sleep(0.005)
+sys.stdout.write("\\x1b[?25h\\n")
+print("Successfully installed torch-2.3.0")
+"""
+
+LINES_BETWEEN_UPDATES = """
+import sys, time
+from tqdm import tqdm
+outer = tqdm(total=3, desc="epochs", position=0, file=sys.stdout)
+for epoch in range(3):
+    inner = tqdm(total=30, desc="steps", position=1, leave=False, file=sys.stdout, mininterval=0)
+    for step in range(30):
+        inner.update(1)
+        if step % 10 == 9:
+            tqdm.write(f"epoch {epoch} checkpoint at step {step + 1}", file=sys.stdout)
+        time.sleep(0.003)
+    inner.close()
+    outer.update(1)
+outer.close()
+print("bye")
+"""
+
+BAR_THEN_TRACEBACK = """
+import time
+from tqdm import tqdm
+for epoch in tqdm(range(2), desc="epoch", position=0):
+    for step in tqdm(range(100), desc="train", position=1, mininterval=0):
+        time.sleep(0.003)
+        if epoch == 1 and step == 60:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+"""
+
+
+def screen_lines(raw: bytes) -> list[str]:
+    """Every line a terminal shows of `raw`, its scrollback first, without blank ones."""
+    screen = pyte.HistoryScreen(WIDTH, 24, history=10_000)
+    stream = pyte.Stream(screen)
+    stream.feed(raw.decode("utf-8", "replace").replace("\n", "\r\n"))  # as onlcr would
+    history = ["".join(line[x].data for x in range(WIDTH)) for line in screen.history.top]
+    return [line.rstrip() for line in history + screen.display if line.strip()]
+
+
+def arrived(ingest: RunningIngest) -> str:
+    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
+
+
+def assert_in_order(shown: list[str], text: str) -> None:
+    """Each line the terminal shows is a whole line of `text`, in the same order."""
+    lines = text.split("\n")
+    position = 0
+    for line in shown:
+        try:
+            position = lines.index(line, position) + 1
+        except ValueError:
+            raise AssertionError(f"{line!r} missing (or out of order) in what arrived:\n"
+                                 + "\n".join(lines)) from None
+
+
+@pytest.mark.parametrize("program", [
+    NESTED_TQDM, THREE_BARS, RICH_PROGRESS, KERAS_BACKSPACES, PIP_BARS, LINES_BETWEEN_UPDATES],
+    ids=["nested-tqdm", "three-bars", "rich-progress", "keras-backspaces", "pip-bars",
+         "lines-between-updates"])
+def test_what_arrives_is_what_a_terminal_shows(ingest: RunningIngest, tmp_path: Path,
+                                              program: str) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(program)], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    text = arrived(ingest)
+    assert_in_order(screen_lines(done.stdout), text)
+    assert "\x1b" not in text  # strip: no escape sequence of any kind
+    assert "\r" not in text and "\b" not in text
+
+
+def test_bar_interrupted_by_a_traceback(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_LOG_LEVEL="error")
+    done = sidecar(["run", "--", *python_child(BAR_THEN_TRACEBACK)], env, tmp_path / "sc")
+    assert done.status == 1
+    text = arrived(ingest)
+    shown = screen_lines(OWN_MESSAGE.sub(b"", done.stderr))  # the child's output alone
+    assert shown[-1] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert_in_order(shown, text)
+    assert not CURSOR_MOVE.search(text) and "\r" not in text
+
+
+def test_nested_bars_send_a_line_per_epoch_and_per_bar_every_few_seconds(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """Three epochs of a 120-step inner bar: not one line per redraw (360 of them), but the
+    epoch lines, and each bar's state at most once per 3 s of the run, and its final state."""
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(NESTED_TQDM)], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    lines = arrived(ingest).splitlines()
+    run_s = 3 * 120 * 0.01 * 1.5  # the sleeps, and slack for a loaded machine
+    bound = 3 + 1 + 2 * (int(run_s / 3.0) + 2)  # epochs, the last line, each bar per 3 s
+    assert len(lines) <= bound, lines
+    assert sum(line.startswith("batch:") for line in lines) <= int(run_s / 3.0) + 2, lines
+
+
+# --- the terminal model, fed directly ----------------------------------------------------------
+
+
+def feed_all(asm: LineAssembler, blocks: list[bytes], now: float = 0.0) -> str:
+    return "".join(asm.feed(block, now) for block in blocks) + asm.finish()
+
+
+def test_cursor_moves_and_erasing_as_a_terminal_applies_them() -> None:
+    raw = (b"abcdef\x1b[3Dxy\x1b[K\n"  # back 3, overwrite, erase to the end
+           b"12345\x1b[2G-\x1b[1K+\n"  # column 2, erase to the start
+           b"gone\x1b[2Kkept\n"  # erase the whole line, the column stays
+           b"one\ntwo\x1b[Fthree\x1b[E"  # previous line, next line
+           b"back\b\bck\n")
+    assert feed_all(LineAssembler(), [raw]) == screen_text(raw)
+
+
+def screen_text(raw: bytes) -> str:
+    return "".join(line + "\n" for line in screen_lines(raw))
+
+
+def test_an_escape_sequence_cut_by_a_block_end_is_still_applied() -> None:
+    raw = b"\r 10%\x1b[2K\r 20%\n\x1b[1A\x1b[38;5;197mdone\x1b[0m\n"
+    for cut in range(len(raw)):
+        out = feed_all(LineAssembler(), [raw[:cut], raw[cut:]])
+        assert "\x1b" not in out and out.endswith("done\n") and out.count("done") == 1, cut
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("strip", "loss 0.5 ok\n"), ("keep", "loss \x1b[1;31m0.5\x1b[0m ok\n")])
+def test_log_ansi_keeps_colours_only_when_asked(mode: str, expected: str) -> None:
+    raw = b"\x1b]0;window title\x07\x1b[?25lloss \x1b[1;31m0.5\x1b[0m ok\x1b[?25h\n"
+    assert feed_all(LineAssembler(keep_sgr=mode == "keep"), [raw]) == expected
+    plain = b"loss \x1b[1;31m0.5\x1b[0m ok\n"  # colours alone take the fast path, same result
+    assert feed_all(LineAssembler(keep_sgr=mode == "keep"), [plain]) == expected
+
+
+def test_line_left_downwards_is_final_after_the_hold_unless_the_cursor_comes_back() -> None:
+    asm = LineAssembler()
+    assert asm.feed(b"\rbar 1\n\rinner 1\x1b[A", 0.0) == "bar 1\ninner 1\n"  # first states
+    assert asm.feed(b"\rbar 2\ntext\x1b[A", 1.0) == ""  # redrawn within 3 s: nothing yet
+    assert asm.tick(1.5) == ""
+    assert asm.tick(2.5) == "bar 2\ntextr 1\n"  # quiet: the latest states
+    assert asm.feed(b"\n\n", 3.0) == ""  # the cursor leaves both downwards
+    assert asm.tick(5.9) == ""
+    assert asm.tick(6.0) == ""  # final now, and already sent in that state: not again
+    assert asm.feed(b"after\n", 7.0) == "after\n"  # nothing held: the fast path again
+
+
+def test_a_line_sent_is_redrawn_when_the_cursor_goes_back_up_into_it() -> None:
+    """tqdm's first redraw of a lower bar may come in another block than the line feed that
+    made room for it: the line above, already sent, is drawn on again, not the line below."""
+    asm = LineAssembler()
+    out = asm.feed(b"\repoch 0/3", 0.0) + asm.feed(b"\n", 0.0)
+    out += asm.feed(b"\rbatch 0/9\x1b[A\repoch 1/3", 0.1) + asm.finish()
+    assert out == "epoch 0/3\nepoch 1/3\nbatch 0/9"
+
+
+def test_a_million_cursor_ups_and_a_ten_megabyte_line_take_bounded_memory() -> None:
+    tracemalloc.start()
+    asm = LineAssembler()
+    out = [asm.feed(b"top\n\x1b[999999999A\x1b[999999999B\x1b[999999999D\x1b[999999999C", 0.0)]
+    for _ in range(10):
+        out.append(asm.feed(b"\x1b[A" * 100_000, 0.0))
+    line = b"x" * (10 << 20)
+    for start in range(0, len(line), 1 << 20):
+        out.append(asm.feed(b"\r" + line[start:start + (1 << 20)], 1.0))
+    out.append(asm.finish())
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 << 20
+    text = "".join(out)
+    assert text.startswith("top\n")
+    assert all(len(part) <= MAX_LINE_CHARS for part in text.split("\n"))
