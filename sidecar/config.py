@@ -26,7 +26,7 @@ class Option:
     """One option of `run`/`watch`, settable on the command line, as SIDECAR_<NAME> and in TOML."""
 
     name: str
-    kind: str  # "str", "float", "int", "list", "path"
+    kind: str  # "str", "float", "int", "list", "path", "bool" (a flag)
     default: Any
     help: str
     choices: tuple[str, ...] = ()
@@ -207,9 +207,14 @@ def add_option(parser: argparse.ArgumentParser, opt: Option | str) -> None:
     """Declare one row of the table on `parser`, its help derived from the row; unset: None."""
     if isinstance(opt, str):
         opt = option(opt)
+    help_text = opt.help_line.replace("%", "%%")
+    if opt.kind == "bool":  # a flag: given, it is on; absent, the environment or file decide
+        parser.add_argument("--" + opt.name, default=None, action="store_const", const=True,
+                            help=help_text)
+        return
     parser.add_argument(
         "--" + opt.name, default=None, action="append" if opt.kind == "list" else "store",
-        choices=opt.choices or None, help=opt.help_line.replace("%", "%%"),
+        choices=opt.choices or None, help=help_text,
         metavar=None if opt.choices else opt.metavar or _METAVARS.get(opt.kind, "VALUE"))
 
 
@@ -335,6 +340,18 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return {key.replace("_", "-"): value for key, value in data.items()}
 
 
+def _flag(raw: Any) -> bool:
+    """A flag's value: True from the command line or TOML, 1/0, true/false, yes/no, on/off."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
     "float": float,
@@ -371,6 +388,8 @@ def _convert(opt: Option, raw: Any) -> Any:
     if opt.kind == "list":
         items = [raw] if isinstance(raw, str) else list(raw)
         return tuple(str(item) for item in items)
+    if opt.kind == "bool":
+        return _flag(raw)
     if isinstance(raw, (bool, list | dict)):
         raise TypeError(raw)
     if opt.kind == "int" and isinstance(raw, float) and not raw.is_integer():

@@ -118,3 +118,28 @@ def test_the_real_process_prints_it() -> None:
     assert done.returncode == 0
     assert "[env: SIDECAR_HARDWARE_INTERVAL]" in " ".join(done.stdout.split())
     assert "exit status:" in done.stdout
+
+
+def test_a_new_row_of_any_kind_gets_its_help_and_parsing_derived(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.config import Option, _pick, add_option
+
+    rows = (Option("tty", "bool", False, "run the command on a pseudo-terminal", only="run"),
+            Option("stall-after", "float", 1800.0, "seconds of silence before a stall is said"),
+            Option("log-ansi", "str", "strip", "escape sequences in forwarded text",
+                   choices=("strip", "keep")))
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = argparse.ArgumentParser(prog="sidecar run")
+    for row in rows:
+        add_option(parser, row)
+    shown = entries(parser.format_help())
+    assert shown["--tty"].endswith("[default: off] [env: SIDECAR_TTY]")
+    assert shown["--stall-after"].startswith("--stall-after SECONDS")
+    assert "[default: 1800] [env: SIDECAR_STALL_AFTER]" in shown["--stall-after"]
+    assert shown["--log-ansi"].startswith("--log-ansi {strip,keep}")
+    args = parser.parse_args(["--tty", "--stall-after", "5"])
+    assert args.tty is True and args.stall_after == "5" and args.log_ansi is None
+    assert parser.parse_args([]).tty is None  # absent: the environment or the file decide
+    assert _pick(rows[0], None, {"SIDECAR_TTY": "yes"}, {}) == (True, "SIDECAR_TTY")
+    assert _pick(rows[0], None, {}, {"tty": False}) == (False, "tty in --config")
+    assert _pick(rows[0], None, {}, {}) == (False, "--tty")
