@@ -32,7 +32,7 @@ import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c
 from google.protobuf.message import DecodeError
@@ -82,9 +82,9 @@ HParamValue = str | int | float | bool
 _MAX_EXACT_INT = 2**53  # a double holds every integer up to here exactly
 
 
-@dataclass(frozen=True, slots=True)
-class ScalarPoint:
-    """One scalar for `/metrics`."""
+class ScalarPoint(NamedTuple):
+    """One scalar for `/metrics` (a named tuple: made millions of times a second, at a third
+    of a frozen dataclass's cost)."""
 
     key: str  # tag, prefixed by the event file's folder under the --tensorboard dir ("train/loss")
     step: int
@@ -137,10 +137,8 @@ def _frame_of(header: bytes) -> _Frame | None:
 # Headers already checked: a file repeats a few lengths millions of times.
 _VALID_HEADERS: dict[bytes, _Frame] = {}
 
-# ScalarPoint(...) by its slots, at half the cost of the frozen dataclass's __init__.
-_new_point = object.__new__
-_POINT_SETTERS = tuple(getattr(ScalarPoint, name).__set__
-                       for name in ("key", "step", "value", "wall_time"))
+# ScalarPoint(...) from a tuple of its fields, without the keyword-handling __new__.
+_new_point = tuple.__new__
 
 
 class EventFileParser:
@@ -202,7 +200,6 @@ class EventFileParser:
         is_finite = _is_finite
         point_class = ScalarPoint
         new_point = _new_point
-        set_key, set_step, set_value, set_wall = _POINT_SETTERS
         while True:
             header_end = pos + _HEADER_BYTES
             if header_end > n:
@@ -246,12 +243,7 @@ class EventFileParser:
                     if not is_finite(value):
                         out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
                         continue
-                    point = new_point(point_class)
-                    set_key(point, key)
-                    set_step(point, step)
-                    set_value(point, value)
-                    set_wall(point, wall_time)
-                    append(point)
+                    append(new_point(point_class, (key, step, value, wall_time)))
                     continue
                 self._learn_simple_tail(tail)
             if not self._decode_event(record, out):
