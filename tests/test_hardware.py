@@ -4,6 +4,7 @@ InfiniBand counters through seams, the schedule, and (once wired) two nodes end 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes.util
 import json
 import logging
@@ -16,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from sidecar.log import log
@@ -25,13 +27,14 @@ from sidecar.sources.hardware import (
     HostCollector,
     HostProbe,
     InfinibandCollector,
+    ParentTable,
     ProcessReading,
     Rates,
     counter_rate,
     gpu_filter_from_env,
 )
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child
-from tests.ingest_server import RunningIngest
+from tests.ingest_server import RunningIngest, wait_until
 from tests.nvml_stub.build import BuildError, build, gcc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -419,6 +422,33 @@ def test_trainer_tree_cpu_counts_new_processes_and_never_goes_negative() -> None
     assert "trainer/open_files_count" not in second.gauges  # one process's count unknown
     third, pids = host.read(4.0, wall + 4)  # the trainer is gone
     assert pids is None and not any(k.startswith("trainer/") for k in third.gauges)
+
+
+def test_the_trainer_tree_is_found_as_psutil_finds_it_and_follows_exits_and_orphans() -> None:
+    """ParentTable keeps parents between samples: new processes, exited ones and an orphan
+    re-parented away from the tree are each seen at the next look."""
+    table = ParentTable()
+    # sh -> (sleep, sh -> sleep): the inner sh prints its pid and that of its sleep
+    tree = subprocess.Popen(["sh", "-c", "sleep 30 & sh -c 'sleep 30 & echo $$ $!; wait' & wait"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert tree.stdout is not None
+        inner, orphan = map(int, tree.stdout.readline().split())
+        def descendants() -> list[int]:
+            return sorted(p.pid for p in psutil.Process(tree.pid).children(recursive=True))
+
+        assert sorted(table.descendants(tree.pid) or []) == descendants()
+        assert {inner, orphan} <= set(table.descendants(tree.pid) or [])
+        os.kill(inner, 9)  # its sleep is re-parented (to init or a subreaper): no longer ours
+        wait_until(lambda: inner not in descendants() and orphan not in descendants(), 10,
+                   "the inner shell exited and its child was re-parented")
+        assert sorted(table.descendants(tree.pid) or []) == descendants()
+        assert orphan not in (table.descendants(tree.pid) or [])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, 9)
+        tree.kill()
+        tree.wait()
 
 
 # ---- the sampler in this process (no GPUs) --------------------------------------------------
