@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import importlib
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -356,8 +357,11 @@ _FI_NVLINK_LINK_COUNT = 91
 _FI_NVLINK_DATA_TX_KIB = 138
 _FI_NVLINK_DATA_RX_KIB = 139
 # nvmlValueType_t -> the member of the nvmlValue_t union that holds the value
-_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
-                  6: "usVal"}
+# nvmlValueType_t -> how the 8 bytes of the value union read (nvmlValue_t, little-endian).
+_VALUE_FORMATS = {0: struct.Struct("<d"), 1: struct.Struct("<I4x"), 2: struct.Struct("<Q"),
+                  3: struct.Struct("<Q"), 4: struct.Struct("<q"), 5: struct.Struct("<i4x"),
+                  6: struct.Struct("<H6x")}
+_U64 = _VALUE_FORMATS[3]
 _KIB = 1024
 _MILLI = 1e-3
 _MEGA = 1e6
@@ -421,6 +425,7 @@ class GpuDevice:
         self.gpm: GpmSampler | None = None
         self.nvlink_links: int | None = None
         self.nvlink_ok: frozenset[int] = frozenset()
+        self.nvlink_request: FieldRequest | None = None
 
     def describe(self) -> str:
         return f"GPU {self.index} ({self.uuid})"
@@ -520,9 +525,10 @@ def _nvlink(dev: GpuDevice, out: Readings) -> None:
     if not dev.nvlink_links:
         raise NvmlError(NOT_SUPPORTED, "no NVLink")
     links = range(dev.nvlink_links)
-    fields = [(_FI_NVLINK_DATA_TX_KIB, link) for link in links]
-    fields += [(_FI_NVLINK_DATA_RX_KIB, link) for link in links]
-    values = _field_values(dev.handle, fields)
+    if dev.nvlink_request is None:
+        dev.nvlink_request = FieldRequest([(_FI_NVLINK_DATA_TX_KIB, link) for link in links]
+                                          + [(_FI_NVLINK_DATA_RX_KIB, link) for link in links])
+    values = dev.nvlink_request.read(dev.handle)
     ok = frozenset(i for i, (ret, _, _) in enumerate(values) if ret == 0)
     if not ok:
         raise NvmlError(values[0][0], "NVLink throughput fields failed")
@@ -540,11 +546,58 @@ def _nvlink(dev: GpuDevice, out: Readings) -> None:
 def _field_values(handle: Handle, fields: Sequence[tuple[int, int]]) -> list[
         tuple[int, float, float]]:
     """(return code, value, timestamp in microseconds) of each (field id, scope id)."""
-    result = []
-    for v in _call("nvmlDeviceGetFieldValues", handle, list(fields)):
-        member = _VALUE_MEMBERS.get(int(v.valueType), "ullVal")
-        result.append((int(v.nvmlReturn), float(getattr(v.value, member)), float(v.timestamp)))
-    return result
+    return FieldRequest(fields).read(handle)
+
+
+class FieldRequest:
+    """A reusable nvmlDeviceGetFieldValues request, its answers read from the array's bytes
+    in one struct call. pynvml's wrapper builds the array anew on every call, one ctypes
+    attribute at a time, and its answers are read the same way: that made NVLink's 36 fields
+    the costliest query of a sample (240 us a GPU, the other fourteen queries together 110)."""
+
+    def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
+        nv = _BINDINGS.get()
+        if nv is None:
+            raise NvmlError(LIBRARY_NOT_FOUND, _BINDINGS.missing)
+        value_type = nv.c_nvmlFieldValue_t
+        self._values = (value_type * len(fields))()
+        for slot, (field_id, scope_id) in enumerate(fields):
+            self._values[slot].fieldId = field_id
+            self._values[slot].scopeId = scope_id
+        self._count = ctypes.c_int32(len(fields))
+        self._function = _call("_nvmlGetFunctionPointer", "nvmlDeviceGetFieldValues")
+        self._layout = _struct_layout(value_type, ("timestamp", "valueType", "nvmlReturn",
+                                                   "value"))
+
+    def read(self, handle: Handle) -> list[tuple[int, float, float]]:
+        code = int(self._function(handle, self._count, ctypes.byref(self._values)))
+        if code:
+            raise NvmlError(code, f"nvmlDeviceGetFieldValues: {_error_text(code)}")
+        return [(int(ret), float(_VALUE_FORMATS.get(kind, _U64).unpack(raw)[0]), float(at_us))
+                for at_us, kind, ret, raw in self._layout.iter_unpack(bytes(self._values))]
+
+
+def _struct_layout(structure: Any, names: Sequence[str]) -> struct.Struct:
+    """A struct reading the members `names` of a ctypes Structure (a union member as its raw
+    bytes), in order of offset, skipping the rest: offsets from ctypes, not hard-coded."""
+    codes = {1: "B", 2: "H", 4: "I", 8: "q"}
+    members = sorted((getattr(structure, name).offset, getattr(structure, name).size, name)
+                     for name in names)
+    if [name for _, _, name in members] != list(names):
+        raise NvmlError(FUNCTION_NOT_FOUND, f"unexpected layout of {structure.__name__}")
+    fmt, at = "<", 0
+    for offset, size, name in members:
+        fmt += f"{offset - at}x" if offset > at else ""
+        fmt += f"{size}s" if name == "value" else codes[size]
+        at = offset + size
+    return struct.Struct(fmt + f"{ctypes.sizeof(structure) - at}x")
+
+
+def _error_text(code: int) -> str:
+    try:
+        return _text(_call("nvmlErrorString", code))
+    except NvmlError:
+        return f"NVML error {code}"
 
 
 _clock_event_reasons = _first_of("nvmlDeviceGetCurrentClocksEventReasons",
