@@ -87,13 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     lifecycle = command("lifecycle", "post one lifecycle event, strictly")
     lifecycle.add_argument("event", choices=EVENTS, help="the event to post")
     _add(lifecycle, "--timeout", 60.0, "give up (exit 1, event kept for replay) after this "
-         "many seconds", type=float, metavar="SECONDS")
+         "many seconds", type=_seconds, metavar="SECONDS")
     for name in ("state-dir", "token-file", "config"):
         add_option(lifecycle, name)
 
     replay = command("replay", "deliver what an earlier run left spooled")
     _add(replay, "--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
-         type=float, metavar="SECONDS")
+         type=_seconds, metavar="SECONDS")
     for name in ("state-dir", "token-file", "config"):
         add_option(replay, name)
 
@@ -276,12 +276,12 @@ def _lifecycle(args: argparse.Namespace) -> int:
 
 async def _post_lifecycle(cfg: object, event: str, timeout_s: float) -> int:
     from sidecar.config import Config
-    from sidecar.daemon import make_client
+    from sidecar.daemon import claim_run_dir, make_client
 
     assert isinstance(cfg, Config)
     client = make_client(cfg)
     assert client is not None
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(cfg, lock=False)  # the wrapper's own folder, perhaps: it holds the lock
     await client.start()
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
     try:

@@ -8,17 +8,24 @@ in configuration surfaces before anything is started, as one ConfigError naming 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
+
+from sidecar.log import add_secret, mask
 
 
 class ConfigError(Exception):
-    """A configuration mistake: the message names the option or variable, the value and the fix."""
+    """A configuration mistake: the message names the option or variable, the value and the fix.
+    Any secret known (`sidecar.log.add_secret`) is masked in it, wherever the value came from."""
+
+    def __str__(self) -> str:
+        return mask(super().__str__())
 
 
 @dataclass(frozen=True)
@@ -173,11 +180,15 @@ class Config:
     ca_file: Path | None = None
     log_level: str = "info"
     message_format: str = "text"
+    state_dir_is_default: bool = False  # no --state-dir given: a home folder, maybe shared
+    node_folder: str = ""  # with the default state dir, this node's own subfolder of the run's
 
     @property
     def run_dir(self) -> Path:
-        """This run's own folder inside the state dir."""
-        return self.state_dir / _safe_name(self.platform.run_id or "offline")
+        """This run's own folder inside the state dir (and this node's, inside the default one,
+        which a home folder shared by every node of a run may hold: CONTRACT 2, --state-dir)."""
+        folder = self.state_dir / _safe_name(self.platform.run_id or "offline")
+        return folder / self.node_folder if self.node_folder else folder
 
     def read_token(self) -> str:
         """The current token: the token file's content when one is given (re-read each call)."""
@@ -222,18 +233,27 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str]) 
     """Resolve one Config for `command`, raising ConfigError on the first mistake found."""
     config_file = getattr(args, "config", None) or environ.get("SIDECAR_CONFIG")
     file_values = _read_config_file(config_file) if config_file else {}
+    _learn_secrets(args, environ, file_values)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for opt in options_of(command):
         values[opt.attr], sources[opt.attr] = _pick(
             opt, getattr(args, opt.attr, None), environ, file_values)
     _check_ranges(values, sources)
+    if "log_prefix" in values:
+        check_log_prefix(values["log_prefix"], sources["log_prefix"])
     platform = resolve_platform(environ)
     token = ""
     if platform.enabled:
         token = _resolve_token(values.get("token_file"), sources.get("token_file", ""),
                                platform, environ)
-    values["state_dir"] = values["state_dir"] or default_state_dir(environ)
+    if values["state_dir"] is None:
+        values.update(state_dir=default_state_dir(environ), state_dir_is_default=True)
+        if platform.enabled:
+            from sidecar.node import resolve_node
+
+            node = resolve_node(values.get("node_name"), environ, values.get("nodes"))
+            values["node_folder"] = _safe_name(node.name)
     return Config(platform=platform, token=token, **values)
 
 
@@ -255,11 +275,7 @@ def resolve_platform(environ: Mapping[str, str]) -> Platform:
         return Platform(enabled=False)
     if enabled != "1":
         raise ConfigError(f"{family.enabled}={enabled!r} is neither 1 (report) nor 0 (offline)")
-    endpoint = _required(environ, family.endpoint).rstrip("/")
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{family.endpoint}={endpoint!r} is not an http(s) URL; it should look "
-                          "like https://platform.example.com/api/ingest")
+    endpoint = check_endpoint(_required(environ, family.endpoint).rstrip("/"), family.endpoint)
     return Platform(
         enabled=True,
         endpoint=endpoint,
@@ -278,7 +294,99 @@ def read_token_file(path: Path, source: str = "--token-file") -> str:
                           "mount the token Secret there or drop the option") from None
     if not token:
         raise ConfigError(f"{source} {path} is empty; it should hold the run's ingest token")
+    add_secrets(token)
+    return check_token(token, f"{source} {path}")
+
+
+INGEST_PATH = "/api/ingest"  # CONTRACT 3: every endpoint ends with it
+EXAMPLE_ENDPOINT = "https://platform.example.com/api/ingest"
+
+
+def check_endpoint(endpoint: str, variable: str) -> str:
+    """`endpoint` when it is an http(s) URL ending in /api/ingest with a valid port and no
+    credentials; else ConfigError naming `variable`, the URL shown without any credentials."""
+    parts = urlsplit(endpoint)
+    shown = _without_credentials(parts)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{variable}={shown!r} is not an http(s) URL; it should look like "
+                          f"{EXAMPLE_ENDPOINT}")
+    if "@" in parts.netloc:
+        raise ConfigError(f"{variable}={shown!r} carries credentials (user:password@) in the URL; "
+                          "remove them: the token alone authenticates, and a URL is printed in "
+                          "logs")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise ConfigError(f"{variable}={shown!r}: the port is not a number from 1 to 65535; "
+                          f"it should look like {EXAMPLE_ENDPOINT} or http://host:8080/api/ingest")
+    if not parts.path.endswith(INGEST_PATH) or parts.query or parts.fragment:
+        raise ConfigError(f"{variable}={shown!r} does not end in {INGEST_PATH} (CONTRACT 3); "
+                          f"give the base URL the platform shows, as in {EXAMPLE_ENDPOINT}: the "
+                          "routes (/lifecycle, /metrics, ...) are added to it")
+    return endpoint
+
+
+def _without_credentials(parts: SplitResult) -> str:
+    netloc = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=netloc).geturl()
+
+
+def check_token(token: str, source: str) -> str:
+    """`token` when an HTTP header can carry it (visible ASCII, one line); else ConfigError
+    naming `source` and the fault, never the token."""
+    if "\n" in token or "\r" in token:
+        raise ConfigError(f"{source} holds more than one line; it should hold the token alone "
+                          "(a trailing newline is fine)")
+    bad = next((i for i, c in enumerate(token) if not 0x21 <= ord(c) <= 0x7E), None)
+    if bad is not None:
+        what = ("a non-ASCII character" if ord(token[bad]) >= 0x80
+                else "a space or a control character")
+        raise ConfigError(f"{source}: the token holds {what} at position {bad + 1}, which an "
+                          "HTTP header cannot carry; it should be the token exactly as issued")
     return token
+
+
+LOG_PREFIX_FIELDS = ("node", "rank")
+
+
+def check_log_prefix(template: str, source: str) -> str:
+    """`template` when it is a format string using only {node} and {rank} (CONTRACT 2)."""
+    import string
+
+    fix = "only {node} and {rank} are filled in; write {{ or }} for a literal brace"
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"{source}={template!r} is not a valid template ({exc}); {fix}") from None
+    for name, spec, conv in fields:
+        if name not in LOG_PREFIX_FIELDS or spec or conv:
+            shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ConfigError(f"{source}={template!r} uses {shown}; {fix}")
+    return template
+
+
+def _learn_secrets(args: argparse.Namespace, environ: Mapping[str, str],
+                   file_values: Mapping[str, Any]) -> None:
+    """Register every token this configuration may hold before anything is checked, so that a
+    message quoting a value never shows one, even one pasted into the wrong variable."""
+    for family in FAMILIES:
+        add_secrets(environ.get(family.token, ""))
+    token_file = (getattr(args, "token_file", None) or environ.get(option("token-file").env)
+                  or file_values.get("token-file"))
+    if isinstance(token_file, str):
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            add_secrets(Path(token_file).expanduser().read_text(encoding="utf-8"))
+
+
+def add_secrets(text: str) -> None:
+    """Mask `text` stripped, and each of its words: a token file with a second line holds the
+    token on its first."""
+    add_secret(text.strip())
+    for word in text.split():
+        add_secret(word)
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
@@ -319,7 +427,7 @@ def _resolve_token(token_file: Path | None, source: str, platform: Platform,
                    environ: Mapping[str, str]) -> str:
     if token_file is not None:
         return read_token_file(token_file, source)
-    return _required(environ, platform.token_variable)
+    return check_token(_required(environ, platform.token_variable), platform.token_variable)
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
@@ -403,11 +511,19 @@ def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None
             continue
         if not math.isfinite(values[name]) or values[name] < 0:
             raise ConfigError(f"{sources[name]}={values[name]} must be a number, 0 or more")
+    interval = values.get("hardware_interval")
+    if interval is not None and 0 < interval < MIN_HARDWARE_INTERVAL_S:
+        raise ConfigError(f"{sources['hardware_interval']}={interval:g} is below the floor of "
+                          f"{MIN_HARDWARE_INTERVAL_S:g} s: sampling faster costs the trainer's "
+                          "CPU and floods /hardware; give 1 or more, or 0 to turn sampling off")
     if values["nodes"] is not None and values["nodes"] < 1:
         raise ConfigError(f"{sources['nodes']}={values['nodes']} must be at least 1")
     addr = values["status_addr"]
     if addr != "off":
         parse_host_port(addr, sources["status_addr"])
+
+
+MIN_HARDWARE_INTERVAL_S = 1.0
 
 
 def parse_host_port(addr: str, option: str) -> tuple[str, int]:

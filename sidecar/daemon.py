@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sidecar.config import Config
+from sidecar.config import Config, ConfigError
 from sidecar.delivery import handoff
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.lifecycle import Lifecycle
@@ -36,6 +36,7 @@ from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, Sp
 from sidecar.sources.hparams import load_hparams
 from sidecar.sources.lines import LineAssembler
 from sidecar.sources.signatures import Scanner
+from sidecar.statefile import FolderBusy, claim_folder, release
 from sidecar.supervise import fault_point, restarts, supervise
 
 if TYPE_CHECKING:  # imported once the command runs: `sidecar run` spawns it before these
@@ -53,11 +54,37 @@ GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each re
 
 
 def make_client(cfg: Config) -> IngestClient | None:
-    """The ingest client for `cfg`, or None when reporting is off (ENABLED=0)."""
+    """The ingest client for `cfg`, or None when reporting is off (ENABLED=0); ConfigError when
+    --ca-file cannot be loaded, so that nothing starts with it."""
     if not cfg.platform.enabled:
         return None
-    return IngestClient(endpoint=cfg.platform.endpoint, token_headers=cfg.platform.token_headers,
-                        read_token=cfg.read_token, ca_file=cfg.ca_file)
+    try:
+        return IngestClient(endpoint=cfg.platform.endpoint,
+                            token_headers=cfg.platform.token_headers, read_token=cfg.read_token,
+                            ca_file=cfg.ca_file)
+    except ValueError as exc:
+        raise ConfigError(f"--ca-file {cfg.ca_file}: {exc}; give the PEM bundle of the "
+                          "authority that signed the ingest's certificate, or drop the "
+                          "option") from None
+
+
+def claim_run_dir(cfg: Config, *, lock: bool = True) -> int | None:
+    """The run's state folder created, proven writable and, with `lock`, held by this process
+    alone (CONTRACT 2, --state-dir); ConfigError naming --state-dir otherwise. Returns the lock
+    for `release`."""
+    try:
+        return claim_folder(cfg.run_dir, lock=lock)
+    except FolderBusy as busy:
+        raise ConfigError(f"--state-dir: {cfg.run_dir} is in use by another sidecar (PID "
+                          f"{busy.holder}); a run's folder is held by one sidecar at a time: "
+                          "stop that one, or give this one its own --state-dir") from None
+    except OSError as exc:
+        where = ("--state-dir (SIDECAR_STATE_DIR)" if not cfg.state_dir_is_default else
+                 "the default --state-dir (from XDG_STATE_HOME or HOME)")
+        raise ConfigError(f"{where}: {cfg.run_dir} cannot be created or written "
+                          f"({exc.strerror or exc.__class__.__name__}); the spool and the "
+                          "lifecycle journal live there: pass --state-dir a writable folder, "
+                          "in a pod an emptyDir volume") from None
 
 
 @dataclass
@@ -165,8 +192,10 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     node = resolve_node(cfg.node_name, environ, cfg.nodes)
     client = make_client(cfg)
     hparams = load_hparams(cfg.hparams) if client is not None and cfg.hparams else None
-    if client is not None:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    held = claim_run_dir(cfg) if client is not None else None
+    if client is None:
+        log.info("reporting is off (ENABLED=0): the command's output is passed through, "
+                 "nothing is posted")
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id,
                           client if node.reports_lifecycle else None)
     await lifecycle.open()  # its sender waits for the client, started after the spawn
@@ -199,6 +228,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
             await client.start()
         await _drain(cfg, lifecycle, None, streams)
         await _close(client, lifecycle, None, marker, None)
+        release(held)
         return EXIT_CANNOT_START
     spawned_at = time.monotonic()
 
@@ -251,6 +281,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     for signum in FORWARDED_SIGNALS:
         loop.remove_signal_handler(signum)
     await _close(client, lifecycle, pipeline, marker, status)
+    release(held)
     return exit_status
 
 
@@ -271,7 +302,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
         return 0
     from sidecar.pipeline import Pipeline
 
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    held = claim_run_dir(cfg)
     await client.start()
     pipeline = Pipeline(cfg, client, node, load_hparams(cfg.hparams) if cfg.hparams else None)
     pipeline.start()
@@ -291,6 +322,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     await client.close()
     if status is not None:
         await status.close()
+    release(held)
     return 0
 
 

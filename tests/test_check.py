@@ -161,13 +161,16 @@ def test_wrong_token_from_the_real_ingest(ingest: RunningIngest, tmp_path: Path,
     assert "tok-from-an-older-run-0000" not in result.out
 
 
-def test_base_url_without_api_ingest_is_404(ingest: RunningIngest, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_base_url_without_api_ingest_is_a_configuration_error(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """CONTRACT 3: an endpoint not ending in /api/ingest is refused before anything is tried
+    (issue 13: `run` posted the billing events to 404 and dead-lettered them)."""
     base = ingest.base_url.removesuffix("/api/ingest")
     result = run_check(platform_env(base, tmp_path), capsys)
-    assert result.code == EXIT_FAILED
-    assert "HTTP 404" in result.line("probe")
-    assert "ending in /api/ingest" in result.line("probe")
+    assert result.code == 2
+    assert "STARFORGE_ENDPOINT" in result.line("configuration")
+    assert "does not end in /api/ingest" in result.line("configuration")
+    assert not ingest.records("lifecycle")
 
 
 def test_probe_that_hangs_times_out(ingest: RunningIngest, tmp_path: Path,

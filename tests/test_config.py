@@ -395,3 +395,60 @@ def test_run_dir_is_one_component_under_the_state_dir(tmp_path: Path, run_id: st
     assert "/" not in name
     assert "\x00" not in name
     assert c.run_dir.resolve().parent == tmp_path.resolve()
+
+
+@pytest.mark.parametrize("node", ["gpu-node-7", "../escape"])
+def test_the_default_state_dir_has_a_folder_per_run_and_per_node(node: str) -> None:
+    """A home folder may be shared by every node of a run (Slurm, NFS): CONTRACT 2."""
+    c = cfg(**STARFORGE, NODE_NAME=node)
+    run_folder = Path(HOME) / ".local" / "state" / "sidecar" / RUN_ID
+    assert c.run_dir.parent == run_folder
+    assert c.run_dir.name not in ("", ".", "..") and "/" not in c.run_dir.name
+    assert cfg(**STARFORGE, NODE_NAME="other").run_dir != c.run_dir
+
+
+def test_a_given_state_dir_has_no_node_folder(tmp_path: Path) -> None:
+    assert cfg("--state-dir", str(tmp_path), **STARFORGE, NODE_NAME="n1").run_dir == (
+        tmp_path / RUN_ID)
+
+
+@pytest.mark.parametrize("interval", ["0.001", "0.5"])
+def test_hardware_interval_below_one_second_is_refused(interval: str) -> None:
+    message = config_error("--hardware-interval", interval, environ=OFFLINE)
+    assert "--hardware-interval" in message and "0 to turn sampling off" in message
+
+
+@pytest.mark.parametrize("template", ["[{node}] ", "{rank}/{node}: ", "{{literal}} ", ""])
+def test_log_prefix_templates_accepted(template: str) -> None:
+    assert cfg("--log-prefix", template).log_prefix == template
+
+
+@pytest.mark.parametrize("template", ["{nod} ", "x{", "}", "{node.__class__}", "{0}", "{}",
+                                      "{node!r}", "{rank:>{width}}"])
+def test_log_prefix_templates_refused(template: str) -> None:
+    message = config_error("--log-prefix", template, environ=OFFLINE)
+    assert "--log-prefix" in message and "{node}" in message
+
+
+@pytest.mark.parametrize("endpoint", ["https://h/api/ingest", "http://h:8080/api/ingest",
+                                      "https://h/prefix/api/ingest/", "http://[::1]:80/api/ingest"])
+def test_endpoints_accepted(endpoint: str) -> None:
+    assert resolve_platform({**STARFORGE, "STARFORGE_ENDPOINT": endpoint}).endpoint == (
+        endpoint.rstrip("/"))
+
+
+@pytest.mark.parametrize("endpoint", ["https://h/", "https://h/api", "https://h/api/ingest?x=1",
+                                      "http://h:0/api/ingest", "http://h:/api/ingest",
+                                      "http://h:99999/api/ingest", "http://h:-1/api/ingest",
+                                      "http://u:p@h/api/ingest", "http://u@h/api/ingest"])
+def test_endpoints_refused(endpoint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_platform({**STARFORGE, "STARFORGE_ENDPOINT": endpoint})
+    assert "STARFORGE_ENDPOINT" in str(info.value) and "u:p" not in str(info.value)
+
+
+@pytest.mark.parametrize("token", ["a b" + TOKEN, TOKEN + "\x00", TOKEN[:5] + "\u2028" + TOKEN[5:],
+                                   "tök" + TOKEN])
+def test_a_token_a_header_cannot_carry_is_refused_without_echoing_it(token: str) -> None:
+    message = config_error(environ={**STARFORGE, "STARFORGE_TOKEN": token})
+    assert "STARFORGE_TOKEN" in message and token not in message

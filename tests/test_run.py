@@ -425,7 +425,8 @@ def test_as_pid1_it_reaps_orphans(ingest: RunningIngest, tmp_path: Path) -> None
     script = (f"{sys.executable} -c '{ORPHAN_MAKER}' > {tmp_path}/orphan; "
               f"{sys.executable} -c \"$CHECK\" $(cut -d' ' -f2 {tmp_path}/orphan)")
     env = platform_env(ingest, tmp_path / "state", CHECK=check)
-    done = sidecar(["run", "--", unshare, "-fp", "--mount-proc", "--", *SIDECAR, "run", "--",
-                    "sh", "-c", script], env, tmp_path / "sc")
+    inner_state = f"SIDECAR_STATE_DIR={tmp_path / 'inner'}"  # the outer one holds its folder
+    done = sidecar(["run", "--", unshare, "-fp", "--mount-proc", "--", "env", inner_state,
+                    *SIDECAR, "run", "--", "sh", "-c", script], env, tmp_path / "sc")
     assert done.status == 0, done.stderr
     assert b"reaped" in done.stdout, done.stdout

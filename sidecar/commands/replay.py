@@ -13,10 +13,11 @@ import sys
 import time
 
 from sidecar.config import Config, ConfigError
-from sidecar.daemon import make_client
+from sidecar.daemon import claim_run_dir, make_client
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.log import log
 from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
+from sidecar.statefile import release
 
 PROGRESS_EVERY_S = 0.5
 
@@ -30,6 +31,7 @@ async def replay(cfg: Config, timeout_s: float) -> int:
     if not cfg.run_dir.is_dir():
         print(f"replay: nothing to deliver, {cfg.run_dir} does not exist", file=sys.stderr)
         return 0
+    held = claim_run_dir(cfg)
     await client.start()
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
     batchers = [document_batcher(client, route, cfg.run_dir) for route in DOCUMENT_ROUTES]
@@ -61,6 +63,7 @@ async def replay(cfg: Config, timeout_s: float) -> int:
         await lifecycle.close()
         await asyncio.gather(*(b.stop() for b in batchers))
         await client.close()
+        release(held)
 
 
 def _last_failure(client: object) -> str:

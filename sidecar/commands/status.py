@@ -128,7 +128,8 @@ def _not_running(problems: str) -> str:
 def find_addresses(state_dir: Path, configured: str) -> list[str]:
     """Where daemons may listen: every address written in the state dir, newest first, then
     the configured --status-addr (default 127.0.0.1:9620)."""
-    files = sorted(state_dir.glob(f"*/{STATUS_ADDR_FILE}"), key=_mtime, reverse=True)
+    files = sorted([*state_dir.glob(f"*/{STATUS_ADDR_FILE}"),  # <run>/, or <run>/<node>/
+                    *state_dir.glob(f"*/*/{STATUS_ADDR_FILE}")], key=_mtime, reverse=True)
     wanted = [*(_read_addr(path) for path in files),
               configured if configured != "off" else DEFAULT_STATUS_ADDR]
     return list(dict.fromkeys(addr for addr in wanted if addr))

@@ -194,24 +194,25 @@ class IngestClient:
     endpoint: str
     token_headers: tuple[str, ...]
     read_token: Callable[[], str]
-    ca_file: Path | None = None
+    ca_file: Path | None = None  # loaded when the client is made: see load_ca_file
     stats: dict[str, RouteStats] = field(default_factory=dict)
     _session: aiohttp.ClientSession | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _token: str = field(default="", repr=False)
     _throttle: Throttle = field(default_factory=Throttle)
     _hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    _ssl: ssl.SSLContext | bool = True
+
+    def __post_init__(self) -> None:
+        if self.ca_file is not None:
+            self._ssl = load_ca_file(self.ca_file)
 
     async def start(self) -> None:
         """Open the keep-alive session; call once from the event loop."""
         import aiohttp
 
         self._use_token(self.read_token())
-        ssl_context: ssl.SSLContext | bool = True
-        if self.ca_file is not None:
-            ssl_context = ssl.create_default_context()
-            ssl_context.load_verify_locations(cafile=str(self.ca_file))
-        connector = aiohttp.TCPConnector(limit=8, ssl=ssl_context)
+        connector = aiohttp.TCPConnector(limit=8, ssl=self._ssl)
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S),
@@ -378,6 +379,21 @@ def _retryable(policy: RoutePolicy, answer: Answer) -> bool:
     if policy.guarantee is Guarantee.BEST_EFFORT:
         return answer.verdict is Verdict.RETRY
     return answer.verdict in RETRYABLE
+
+
+def load_ca_file(path: Path) -> ssl.SSLContext:
+    """The default TLS context plus the CA bundle in `path` (--ca-file); ValueError saying why
+    when it is missing, unreadable or holds no PEM certificate."""
+    context = ssl.create_default_context()
+    try:
+        context.load_verify_locations(cafile=str(path))
+    except FileNotFoundError:
+        raise ValueError("no such file") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read it ({exc.strerror or exc.__class__.__name__})") from None
+    except ssl.SSLError as exc:
+        raise ValueError(f"not a PEM CA bundle ({exc.reason or exc})") from None
+    return context
 
 
 def _describe(exc: BaseException) -> str:

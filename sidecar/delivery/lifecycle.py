@@ -60,9 +60,10 @@ class Lifecycle:
             raise ValueError(f"unknown lifecycle event {event!r}; one of {', '.join(EVENTS)}")
         self.recorded.append(event)
         when = time.time() if ts is None else ts
-        log.info("lifecycle: %s", event)
-        if self._journal is None:
+        if self._journal is None:  # offline, or a node that does not report the lifecycle
+            log.debug("lifecycle: %s (not posted)", event)
             return
+        log.info("lifecycle: %s", event)
         body = json.dumps({"run_id": self.run_id, "event": event, "ts": iso_ts(when)}).encode()
         try:
             await asyncio.to_thread(self._journal.append, body)
