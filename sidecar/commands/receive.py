@@ -687,22 +687,12 @@ def serve(
     ready_file: Path | None = None,
 ) -> int:
     """Receive until SIGTERM or SIGINT, printing a live summary; 0 on a clean stop."""
-    return asyncio.run(
-        _serve(store_dir, host, port, token, run_id, faults_enabled, summary, ready_file)
-    )
-
-
-async def _serve(
-    store_dir: Path,
-    host: str,
-    port: int,
-    token: str | None,
-    run_id: str | None,
-    faults_enabled: bool,
-    summary: bool,
-    ready_file: Path | None,
-) -> int:
     server = IngestServer(store_dir, token=token, run_id=run_id, faults_enabled=faults_enabled)
+    return asyncio.run(_serve(server, host, port, summary, ready_file))
+
+
+async def _serve(server: IngestServer, host: str, port: int, summary: bool,
+                 ready_file: Path | None) -> int:
     try:
         await server.start(host, port)
     except OSError as exc:
@@ -713,7 +703,7 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        print(f"receiving on {server.base_url}, storing in {store_dir}", flush=True)
+        print(f"receiving on {server.base_url}, storing in {server.store_dir}", flush=True)
         if ready_file is not None:
             _write_atomically(ready_file, server.base_url + "\n")
         await _report(server.stats, stop, summary)
