@@ -616,3 +616,10 @@ def test_run_serves_status_and_metrics(ingest: RunningIngest, tmp_path: Path) ->
         go.touch()
     assert run.wait(30).status == 0
 
+
+
+def test_a_malformed_status_addr_variable_is_said_not_ignored(tmp_path: Path) -> None:
+    env = wide(SIDECAR_STATE_DIR=str(tmp_path), SIDECAR_STATUS_ADDR="foo")
+    done = status_process(["--once"], env, cli=True)
+    assert done.returncode == 2
+    assert "SIDECAR_STATUS_ADDR" in done.stderr and "HOST:PORT" in done.stderr
