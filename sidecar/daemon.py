@@ -23,9 +23,11 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sidecar.aio import cancel
 from sidecar.config import Config, ConfigError
 from sidecar.delivery import handoff
 from sidecar.delivery.client import IngestClient
+from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, tail_pieces
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
@@ -47,6 +49,7 @@ TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
 OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
 LOGS_DRAIN_SHARE = 0.5  # of --drain-timeout the output may take, so a hung /logs cannot starve
 #                         the end event that waits behind it
+TAIL_DRAIN_SHARE = 0.5  # of the output's share kept for the crash tail when older text waits
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
 GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
@@ -132,6 +135,7 @@ class _Stream:
     shipper: LogShipper | None  # None when reporting is off
     budget: _Budget
     scanner: Scanner  # failure signatures, looked for beside the log path
+    tail: StreamTail  # the recent text and what of it the ingest acknowledged (crash tail)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _skipped: int = 0
 
@@ -155,7 +159,7 @@ class _Stream:
             return
         self.scanner.feed(self.name, block)
         self._mark_gap()
-        self.shipper.put(self.assembler.feed(block, time.monotonic()))
+        self._put(self.assembler.feed(block, time.monotonic()))
 
     def skip(self, size: int, why: str) -> None:
         self._skipped += size
@@ -164,18 +168,22 @@ class _Stream:
 
     def tick(self) -> None:
         if self.shipper is not None:
-            self.shipper.put(self.assembler.tick(time.monotonic()))
+            self._put(self.assembler.tick(time.monotonic()))
 
     def finish(self) -> None:
         self.scanner.finish(self.name)
         if self.shipper is not None:
             self._mark_gap()
-            self.shipper.put(self.assembler.finish())
+            self._put(self.assembler.finish())
 
     def _mark_gap(self) -> None:
         if self._skipped and self.shipper is not None:
-            self.shipper.put(self.assembler.gap(self._skipped))
+            self._put(self.assembler.gap(self._skipped))
         self._skipped = 0
+
+    def _put(self, text: str) -> None:
+        if text and self.shipper is not None:
+            self.shipper.put(text, piece=self.tail.add(text))
 
 
 @dataclass
@@ -198,7 +206,10 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
                  "nothing is posted")
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id,
                           client if node.reports_lifecycle else None)
+    crash_tail = CrashTail(cfg.run_dir, cfg.platform.run_id, client) if client else None
+    earlier_tail = await crash_tail.open() if crash_tail is not None else 0
     await lifecycle.open()  # its sender waits for the client, started after the spawn
+    tail_sender = _send_earlier_tail(crash_tail, lifecycle) if earlier_tail else None
     await lifecycle.record("starting")
 
     address = handoff.new_address()
@@ -214,7 +225,8 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     scanner = Scanner()
     keep_sgr = cfg.log_ansi == "keep"
     streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
-                       scanner) for name in ("stdout", "stderr")]
+                       scanner, tail)
+               for name, tail in zip(("stdout", "stderr"), new_tails(2), strict=True)]
     child = Child(argv, child_env)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
     oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet
@@ -226,7 +238,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         await lifecycle.record("failed")
         if client is not None:
             await client.start()
-        await _drain(cfg, lifecycle, None, streams)
+        await _drain(cfg, lifecycle, None)
         await _close(client, lifecycle, None, marker, None)
         release(held)
         return EXIT_CANNOT_START
@@ -263,21 +275,28 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
                     "the marker --running-when marker waits for: `running` was never posted; "
                     "run it in the command just before training starts, or drop the option",
                     exit_status)
+    await cancel(tail_sender)  # what it did not deliver goes first in the drain
     lifecycle.release.clear()  # the end event waits for the output before it (the platform
     await lifecycle.record("succeeded" if exit_status == 0 else "failed", ended_at)  # closes logs
     await _wait_all([s.closed for s in streams], OUTPUT_GRACE_S)
     ticker.cancel()
     for stream in streams:
         stream.finish()
+    summary = ""
     if exit_status != 0:
         report.failure = diagnose(
             exit_status, duration_s, scanner, node,
             await asyncio.to_thread(oom_kills_since, oom_before, cgroups),
             tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
         log.error("%s", mask(report.failure.line().removeprefix("[sidecar] ")))
-        if shipper is not None:
-            shipper.put(mask(prefix + report.failure.line() + "\n"))
-    await _drain(cfg, lifecycle, pipeline, streams, interrupted)
+        summary = mask(prefix + report.failure.line() + "\n")
+    drain_start = time.monotonic()
+    if client is not None:
+        client.hurry()  # a backoff of the request in flight ends now
+    if pipeline is not None and crash_tail is not None:
+        await _journal_tail(pipeline.shipper, crash_tail, streams, summary,
+                            drain_start + cfg.drain_timeout * LOGS_DRAIN_SHARE)
+    await _drain(cfg, lifecycle, pipeline, interrupted, crash_tail, drain_start)
     for signum in FORWARDED_SIGNALS:
         loop.remove_signal_handler(signum)
     await _close(client, lifecycle, pipeline, marker, status)
@@ -366,20 +385,58 @@ async def _tick(streams: Sequence[_Stream]) -> None:
 
 
 async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
-                 streams: Sequence[_Stream], interrupted: asyncio.Event | None = None) -> None:
-    """Deliver what is left within --drain-timeout: the output first, then the end event."""
-    deadline = time.monotonic() + cfg.drain_timeout
+                 interrupted: asyncio.Event | None = None, crash_tail: CrashTail | None = None,
+                 started: float | None = None) -> None:
+    """Deliver what is left within --drain-timeout from `started` (default now): the output
+    first (what was queued before the crash tail, then the crash tail), then the end event."""
+    started = time.monotonic() if started is None else started
+    deadline = started + cfg.drain_timeout
     if pipeline is not None:
         pipeline.client.hurry()
     stop = interrupted or asyncio.Event()
     if pipeline is not None:
-        output_deadline = time.monotonic() + cfg.drain_timeout * LOGS_DRAIN_SHARE
-        await _until(_drained(pipeline, output_deadline), output_deadline, stop)
-    delivered = await _until(lifecycle.drain(cfg.drain_timeout), deadline, stop)
+        output_deadline = started + cfg.drain_timeout * LOGS_DRAIN_SHARE
+        backlog_deadline = output_deadline
+        if crash_tail is not None and crash_tail.pending:
+            backlog_deadline -= (output_deadline - time.monotonic()) * TAIL_DRAIN_SHARE
+        await _until(_drained(pipeline, backlog_deadline), backlog_deadline, stop)
+        if crash_tail is not None and not await _until(
+                crash_tail.deliver(output_deadline), output_deadline, stop):
+            log.warning("the crash tail (the command's last output) is not yet delivered to "
+                        "/logs; kept in %s for the next start or `sidecar replay`",
+                        cfg.run_dir)
+    delivered = await _until(lifecycle.drain(max(deadline - time.monotonic(), 0.0)), deadline,
+                             stop)
     if not delivered and lifecycle.pending:
         log.warning("drain deadline reached: %d lifecycle event(s) (%s) not yet delivered, "
                     "kept in %s; the next start or `sidecar replay` delivers them",
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
+
+
+async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[_Stream],
+                        summary: str, deadline: float) -> None:
+    """Once the request in flight was answered, take the streams' unacknowledged tail (and the
+    failure summary after it) out of the best-effort queue into the crash tail's journal; the
+    queue's older text is then sent on, best-effort, before it."""
+    await shipper.settle(deadline - time.monotonic())
+    pieces = tail_pieces([stream.tail for stream in streams])
+    shipper.forget(pieces)
+    await crash_tail.add([piece.text for piece in pieces] + ([summary] if summary else []))
+    shipper.start()
+
+
+def _send_earlier_tail(crash_tail: CrashTail | None,
+                       lifecycle: Lifecycle) -> asyncio.Task[None] | None:
+    """An earlier start's crash tail goes before the lifecycle events it left: they wait."""
+    if crash_tail is None:
+        return None
+    lifecycle.release.clear()
+
+    async def send() -> None:
+        await crash_tail.deliver()
+        lifecycle.release.set()
+
+    return supervise("earlier-crash-tail", send)
 
 
 async def _drained(pipeline: Pipeline, deadline: float) -> bool:

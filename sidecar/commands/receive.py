@@ -386,6 +386,8 @@ class IngestStats:
     routes: dict[str, RouteStats] = field(
         default_factory=lambda: {route: RouteStats() for route in _ROUTES}
     )
+    arrivals: list[str] = field(default_factory=list)  # the route of each accepted request, in
+    #                                                    order across routes
 
     def rejected_total(self) -> int:
         """Requests answered with an error status, on any path."""
@@ -652,6 +654,7 @@ class IngestServer:
         with (self.store_dir / _store_name(route)).open("a", encoding="utf-8") as store:
             store.write(line)
         counts = self.stats.routes[route]
+        self.stats.arrivals.append(route)
         counts.accepted += 1
         counts.items += items
         if route == "logs":

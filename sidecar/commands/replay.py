@@ -1,7 +1,8 @@
 """`sidecar replay`: deliver what an earlier run left in its state folder (issue: nothing lost).
 
-A node restarted or a pod rescheduled onto the same volume leaves lifecycle events in the
-journal and hardware/environment payloads in the spool; this delivers them with a progress line
+A node restarted or a pod rescheduled onto the same volume leaves the crash tail and lifecycle
+events in their journals and hardware/environment payloads in the spool (the crash tail goes
+first: the end event it left closes the log); this delivers them with a progress line
 and exits 0 only when nothing is left. Metric points need no replay: `sidecar watch` reads their
 files again from the last acknowledged offsets.
 """
@@ -14,6 +15,7 @@ import time
 
 from sidecar.config import Config, ConfigError
 from sidecar.daemon import claim_run_dir, make_client
+from sidecar.delivery.crashtail import CrashTail
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.log import log
 from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
@@ -33,9 +35,17 @@ async def replay(cfg: Config, timeout_s: float) -> int:
         return 0
     held = claim_run_dir(cfg)
     await client.start()
+    crash_tail = CrashTail(cfg.run_dir, cfg.platform.run_id, client)
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
     batchers = [document_batcher(client, route, cfg.run_dir) for route in DOCUMENT_ROUTES]
     try:
+        await crash_tail.open()
+        deadline = time.monotonic() + timeout_s
+        if not await crash_tail.deliver(deadline):  # the lifecycle events it left come after
+            log.error("replay: the crash tail (the command's last output) is still undelivered "
+                      "after %.0f s (last failure: %s); it and the lifecycle events stay in %s",
+                      timeout_s, _last_failure(client), cfg.run_dir)
+            return 1
         await lifecycle.open()
         for batcher in batchers:
             assert batcher.spill is not None
@@ -46,7 +56,6 @@ async def replay(cfg: Config, timeout_s: float) -> int:
             return len(lifecycle.pending) + sum(b.queued for b in batchers)
 
         total = left()
-        deadline = time.monotonic() + timeout_s
         redraw = "\r" if sys.stderr.isatty() else ""  # a line redrawn is for a terminal only
         while left() and time.monotonic() < deadline:
             if redraw:

@@ -64,6 +64,7 @@ class RoutePolicy:
 ROUTES: dict[str, RoutePolicy] = {
     "lifecycle": RoutePolicy("/lifecycle", Guarantee.STRICT, None, 0.5, 30.0, 30.0),
     "logs": RoutePolicy("/logs", Guarantee.BEST_EFFORT, 3, 0.2, 1.0, 10.0),
+    "logs/tail": RoutePolicy("/logs", Guarantee.STRICT, None, 0.2, 1.0, 10.0),  # the crash tail
     "metrics": RoutePolicy("/metrics", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
     "hparams": RoutePolicy("/hparams", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
     "hardware": RoutePolicy("/hardware", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),

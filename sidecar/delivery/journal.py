@@ -70,6 +70,13 @@ class Journal:
         write_atomic(self._ack_path, str(self._acked).encode())
         self._ack_saved = True
 
+    def clear(self) -> None:
+        """Forget every record once all are acknowledged: the journal first, so that a crash
+        in between leaves an acknowledged count that `open` finds too high and corrects."""
+        self.path.unlink(missing_ok=True)
+        self._ack_path.unlink(missing_ok=True)
+        self._records, self._acked, self._ack_saved = [], 0, True
+
     def save_ack(self) -> None:
         """Write the acknowledged count again if its last write failed (a full disk)."""
         if not self._ack_saved:

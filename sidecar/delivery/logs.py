@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, json_body
+from sidecar.delivery.crashtail import Piece
 from sidecar.log import log
 from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
@@ -37,12 +38,14 @@ class LogShipper:
     dropped_chars: int = 0
     sent_chars: int = 0
     on_room: Callable[[], None] | None = None  # called when room comes back (wakes a reader)
-    _chunks: deque[tuple[str, Ticket | None]] = field(default_factory=deque)
+    _chunks: deque[tuple[str, Ticket | None, Piece | None]] = field(default_factory=deque)
     _buffered: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
-    _inflight: tuple[list[str], list[Ticket]] | None = None  # taken, not yet answered
+    _inflight: list[tuple[str, Ticket | None, Piece | None]] | None = None  # taken, not yet
+    #                                                                          answered
+    _answered: asyncio.Event = field(default_factory=asyncio.Event)
     _warned_at: float = float("-inf")
     _active_at: float = 0.0  # when a request was last sent or answered, or work came to an idle
 
@@ -70,18 +73,19 @@ class LogShipper:
         """Count output a source dropped on this batcher's behalf."""
         self._drop(size, why)
 
-    def put(self, text: str, ticket: Ticket | None = None) -> None:
+    def put(self, text: str, ticket: Ticket | None = None, piece: Piece | None = None) -> None:
         """Queue `text` for `/logs`; never blocks. `ticket` is released once it was sent or
-        given up on (best-effort: either way the source may move on)."""
+        given up on (best-effort: either way the source may move on); `piece` (of a stream's
+        crash tail) is marked acknowledged once the ingest took it."""
         if not text:
             return
-        self._chunks.append((text, ticket.hold() if ticket else None))
+        self._chunks.append((text, ticket.hold() if ticket else None, piece))
         self._buffered += len(text)
         if self._idle.is_set():
             self._active_at = time.monotonic()
         self._idle.clear()
         while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
-            oldest, done = self._chunks.popleft()
+            oldest, done, _ = self._chunks.popleft()
             self._buffered -= len(oldest)
             self._drop(len(oldest), "the log buffer is full while the ingest is slow")
             if done is not None:
@@ -105,6 +109,37 @@ class LogShipper:
             await wait_set(self._idle, left)
         return True
 
+    async def settle(self, timeout_s: float) -> None:
+        """Stop sending once the request in flight was answered (or has had no answer for
+        FLUSH_STALL_S since it was sent, or `timeout_s` ran out: then it is cancelled and its
+        text queued again, unacknowledged). What the ingest acknowledged is then known."""
+        deadline = time.monotonic() + timeout_s
+        while self._inflight is not None:
+            now = time.monotonic()
+            left = min(deadline - now, self._active_at + FLUSH_STALL_S - now)
+            if left <= 0 or not await wait_set(self._answered, left):
+                break
+        await cancel(self._task)
+        self._task = None
+        if self._inflight is not None:
+            self._chunks.extendleft(reversed(self._inflight))
+            self._buffered += sum(len(text) for text, _, _ in self._inflight)
+            self._inflight = None
+
+    def forget(self, pieces: Sequence[Piece]) -> None:
+        """Take the queued text of `pieces` out: it goes by the crash tail's journal instead."""
+        gone = {piece.order for piece in pieces}
+        kept: deque[tuple[str, Ticket | None, Piece | None]] = deque()
+        for entry in self._chunks:
+            text, ticket, piece = entry
+            if piece is None or piece.order not in gone:
+                kept.append(entry)
+                continue
+            self._buffered -= len(text)
+            if ticket is not None:
+                ticket.release()
+        self._chunks = kept
+
     async def stop(self) -> None:
         """Stop shipping; what is still buffered is counted as dropped."""
         await cancel(self._task)
@@ -127,33 +162,35 @@ class LogShipper:
                 self._inflight = self._take()
                 if self.on_room is not None and self.has_room:
                     self.on_room()
-            batch, tickets = self._inflight
+            batch = [text for text, _, _ in self._inflight]
             body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
             self._active_at = time.monotonic()
+            self._answered.clear()
             answer = await self.client.deliver("logs", body)
             self._active_at = time.monotonic()
-            self._inflight = None
+            entries, self._inflight = self._inflight, None
+            self._answered.set()
             size = sum(map(len, batch))
             if answer.ok:
                 self.sent_chars += size
             else:
                 self._drop(size, f"the ingest did not take it ({answer.detail or answer.status})")
-            for ticket in tickets:
-                ticket.release()
+            for _, ticket, piece in entries:
+                if ticket is not None:
+                    ticket.release()
+                if piece is not None and answer.ok:
+                    piece.acked = True
 
-    def _take(self) -> tuple[list[str], list[Ticket]]:
-        batch: list[str] = []
-        tickets: list[Ticket] = []
+    def _take(self) -> list[tuple[str, Ticket | None, Piece | None]]:
+        batch: list[tuple[str, Ticket | None, Piece | None]] = []
         size = 0
         while self._chunks and (not batch or size + len(self._chunks[0][0])
                                 <= self.max_request_chars):
-            chunk, ticket = self._chunks.popleft()
-            batch.append(chunk)
-            if ticket is not None:
-                tickets.append(ticket)
-            size += len(chunk)
+            entry = self._chunks.popleft()
+            batch.append(entry)
+            size += len(entry[0])
         self._buffered -= size
-        return batch, tickets
+        return batch
 
     def _drop(self, chars: int, why: str) -> None:
         if chars <= 0:  # nothing lost: no count, and no "dropped 0 characters"

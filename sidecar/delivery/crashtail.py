@@ -1,0 +1,149 @@
+"""The crash tail (CONTRACT 4, /logs): what the ingest has not acknowledged of the last 64 KiB of
+each stream when the command exits, journaled and delivered at least once before the end event.
+
+While the command runs, /logs stays best-effort; each stream only remembers its recent pieces of
+text (`StreamTail`) and which of them the ingest acknowledged. At the exit the unacknowledged
+ones, in the order they were put, become one /logs body (with the failure summary after them) in
+a journal of the state dir (journal.py's framing and durable acknowledged count), delivered with
+retries within the output's share of the drain. What is left there goes with the next start or
+`sidecar replay`, before the lifecycle events left with it, and never twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.delivery.client import IngestClient, Verdict, json_body
+from sidecar.delivery.journal import Journal, append_dead_letter
+from sidecar.log import log, state_write_failed
+
+TAIL_BYTES = 64 << 10  # CONTRACT 4: of each stream, what the crash tail may hold
+JOURNAL_NAME = "logs-tail.journal"
+ROUTE = "logs/tail"  # /logs, delivered strictly
+
+
+@dataclass(eq=False)
+class Piece:
+    """One piece of a stream's text as it was put to /logs."""
+
+    order: int  # across streams: the order the pieces were put in
+    text: str
+    acked: bool = False
+
+
+@dataclass
+class StreamTail:
+    """A stream's recent pieces: at least TAIL_BYTES characters (so at least as many bytes)."""
+
+    orders: Iterator[int]  # shared by the streams of one run
+    _pieces: deque[Piece] = field(default_factory=deque)
+    _chars: int = 0
+
+    def add(self, text: str) -> Piece:
+        piece = Piece(next(self.orders), text)
+        self._pieces.append(piece)
+        self._chars += len(text)
+        while len(self._pieces) > 1 and self._chars - len(self._pieces[0].text) >= TAIL_BYTES:
+            self._chars -= len(self._pieces.popleft().text)
+        return piece
+
+    def unacked(self) -> list[Piece]:
+        """The pieces of the stream's last TAIL_BYTES (UTF-8) not acknowledged, oldest first;
+        the oldest may be cut to its end."""
+        kept: list[Piece] = []
+        room = TAIL_BYTES
+        for piece in reversed(self._pieces):
+            size = len(piece.text.encode("utf-8", "surrogatepass"))
+            if not piece.acked:
+                text = piece.text
+                if size > room:
+                    text = piece.text.encode("utf-8", "surrogatepass")[-room:].decode(
+                        "utf-8", "ignore")
+                kept.append(Piece(piece.order, text) if text is not piece.text else piece)
+            room -= size
+            if room <= 0:
+                break
+        kept.reverse()
+        return kept
+
+
+def tail_pieces(tails: Sequence[StreamTail]) -> list[Piece]:
+    """Every stream's unacknowledged tail, merged in the order the pieces were put."""
+    return sorted((p for tail in tails for p in tail.unacked()), key=lambda p: p.order)
+
+
+def new_tails(count: int) -> list[StreamTail]:
+    orders = itertools.count()
+    return [StreamTail(orders) for _ in range(count)]
+
+
+@dataclass
+class CrashTail:
+    """The journal of crash tails in the run's folder and their strict, ordered delivery."""
+
+    run_dir: Path
+    run_id: str
+    client: IngestClient
+    _journal: Journal | None = None
+    _pending: list[tuple[bytes, bool]] = field(default_factory=list)  # bodies not yet
+    #                                               acknowledged, and whether in the journal
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def open(self) -> int:
+        """Load what an earlier sidecar left undelivered; returns how many bodies."""
+        self._journal = Journal(self.run_dir / JOURNAL_NAME)
+        self._pending = [(body, True) for body in await asyncio.to_thread(self._journal.open)]
+        if self._pending:
+            log.info("delivering the crash tail an earlier start left undelivered, before its "
+                     "lifecycle events")
+        return len(self._pending)
+
+    async def add(self, chunks: list[str]) -> None:
+        """Journal one body of `chunks` (durably, before its first attempt) for delivery."""
+        if not chunks:
+            return
+        body = json_body({"run_id": self.run_id, "chunks": chunks, "eof": False})
+        assert self._journal is not None, "open() first"
+        try:
+            await asyncio.to_thread(self._journal.append, body)
+            self._pending.append((body, True))
+        except OSError as exc:  # a full disk: still delivered from memory during this drain
+            state_write_failed(self._journal.path, exc)
+            self._pending.append((body, False))
+
+    async def deliver(self, deadline: float | None = None) -> bool:
+        """Deliver the bodies in order until none is left (True) or `deadline` passes."""
+        delay = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay), self._lock:
+                while self._pending:
+                    await self._deliver_first()
+        return not self._pending
+
+    async def _deliver_first(self) -> None:
+        body, journaled = self._pending[0]
+        answer = await self.client.deliver(ROUTE, body)
+        if answer.verdict is Verdict.REJECTED:
+            log.error("/logs: HTTP %s: the ingest refused the crash tail for good; kept in %s",
+                      answer.status, append_dead_letter(self.run_dir, "logs", answer.status, body))
+        self._pending.pop(0)
+        journal = self._journal
+        if journal is None or not journaled:
+            return
+        try:
+            await asyncio.to_thread(journal.ack)
+            if not journal.pending:
+                await asyncio.to_thread(journal.clear)
+        except OSError as exc:
+            state_write_failed(journal.path, exc)

@@ -1,0 +1,117 @@
+"""The crash tail: the traceback that explains a crash reaches /logs exactly once, before the end
+event, through an ingest blip at the moment of the crash and through a SIGKILL of the sidecar."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from sidecar.commands.receive import Fault
+from sidecar.delivery.crashtail import JOURNAL_NAME
+from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest, wait_until
+
+TRACEBACK = """Traceback (most recent call last):
+  File "/work/train.py", line 88, in <module>
+    loss.backward()
+  File "/venv/lib/python3.11/site-packages/torch/_tensor.py", line 525, in backward
+    torch.autograd.backward(
+  File "/venv/lib/python3.11/site-packages/torch/autograd/__init__.py", line 267, in backward
+    _engine_run_backward(
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total \
+capacity of 79.10 GiB of which 1.06 GiB is free.
+"""
+
+# 10,000 lines, then (once the test has armed the fault) the traceback, and exit 1.
+CRASHING = f"""
+import os, sys, time
+for i in range(10000):
+    print(f"step {{i:05d}} loss 0.4132")
+sys.stdout.flush()
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+sys.stderr.write({TRACEBACK!r})
+sys.exit(1)
+"""
+
+
+def log_lines(records: list[dict[str, object]]) -> list[str]:
+    return "".join(c for r in records for c in r["chunks"]).splitlines()  # type: ignore[attr-defined]
+
+
+def logs_before_end_event(ingest: RunningIngest) -> list[dict[str, object]]:
+    """The /logs bodies the ingest accepted before the end event."""
+    arrivals = ingest.stats.arrivals
+    lifecycle = [i for i, route in enumerate(arrivals) if route == "lifecycle"]
+    events = [r["event"] for r in ingest.records("lifecycle")]
+    end = lifecycle[events.index("failed")]
+    return ingest.records("logs")[:arrivals[:end].count("logs")]
+
+
+def assert_tail_once_before_the_end_event(ingest: RunningIngest) -> None:
+    everything = log_lines(ingest.records("logs"))
+    for line in TRACEBACK.splitlines():
+        assert everything.count(line) == 1, line
+    before = log_lines(logs_before_end_event(ingest))
+    assert before[-len(TRACEBACK.splitlines()) - 1:-1] == TRACEBACK.splitlines()
+    assert before[-1].startswith("[sidecar] run failed: exit status 1 after ")
+    assert "likely cause: CUDA out of memory" in before[-1]
+    assert all(everything.count(f"step {i:05d} loss 0.4132") <= 1 for i in range(0, 10000, 97))
+
+
+def start_crashing(ingest: RunningIngest, tmp_path: Path, drain_timeout: str) -> tuple[Sidecar,
+                                                                                      Path]:
+    """The crashing child under `sidecar run`, its 10,000 lines delivered, and the go file."""
+    go = tmp_path / "go"
+    env = platform_env(ingest, tmp_path / "state")
+    proc = Sidecar(["run", "--hardware-interval", "0", "--drain-timeout", drain_timeout, "--",
+                    *python_child(CRASHING), str(go)], env, tmp_path / "sc")
+    wait_until(lambda: "step 09999 loss 0.4132" in log_lines(ingest.records("logs")), 30,
+               "the 10,000 lines arrived")
+    return proc, go
+
+
+def test_a_503_from_the_traceback_on_for_5_s(ingest: RunningIngest, tmp_path: Path) -> None:
+    proc, go = start_crashing(ingest, tmp_path, "20")
+    ingest.add_fault(Fault(route="logs", status=503))
+    heal = threading.Timer(5.0, ingest.clear_faults)  # the blip's length, not a wait
+    heal.start()
+    try:
+        go.touch()
+        done = proc.wait(60)
+    finally:
+        heal.cancel()
+    assert done.status == 1
+    assert ingest.stats.routes["logs"].rejected  # the blip really hit the traceback
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running", "failed"]
+    assert_tail_once_before_the_end_event(ingest)
+    assert not (tmp_path / "state" / RUN_ID / JOURNAL_NAME).exists()  # delivered: forgotten
+
+
+@pytest.mark.parametrize("then", ["replay", "next start"])
+def test_sigkilled_during_the_drain(ingest: RunningIngest, tmp_path: Path, then: str) -> None:
+    proc, go = start_crashing(ingest, tmp_path, "60")
+    ingest.add_fault(Fault(route="logs", status=503))
+    go.touch()
+    journal = tmp_path / "state" / RUN_ID / JOURNAL_NAME
+    wait_until(journal.exists, 30, "the crash tail is journaled")
+    proc.proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running"]
+    ingest.clear_faults()
+    env = platform_env(ingest, tmp_path / "state")
+    if then == "replay":
+        assert sidecar(["replay"], env, tmp_path / "replay").status == 0
+        expected = ["starting", "running", "failed"]
+    else:
+        assert sidecar(["run", "--hardware-interval", "0", "--", "true"], env,
+                       tmp_path / "next").status == 0
+        expected = ["starting", "running", "failed", "starting", "running", "succeeded"]
+    assert [r["event"] for r in ingest.records("lifecycle")] == expected
+    assert_tail_once_before_the_end_event(ingest)
+    delivered = len(ingest.records("logs"))
+    assert sidecar(["replay"], env, tmp_path / "again").status == 0  # never twice
+    assert len(ingest.records("logs")) == delivered
