@@ -37,8 +37,8 @@ class _Formatter(argparse.HelpFormatter):
     kept as written."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "\n".join(line if line.startswith(" ") or not line
-                         else super(_Formatter, self)._fill_text(line, width, indent)
+        fill = super()._fill_text
+        return "\n".join(line if line.startswith(" ") or not line else fill(line, width, indent)
                          for line in text.splitlines())
 
 

@@ -179,29 +179,27 @@ def _configuration(args: argparse.Namespace, environ: Mapping[str, str],
 def _sources(cfg: Config, report: _Report) -> bool:
     """What each source option matches now, as `watch` would expand it; False when one is
     unusable (an --hparams file that cannot be read)."""
-    for option, pattern in [*(("log", p) for p in cfg.log), *(("jsonl", p) for p in cfg.jsonl),
-                            *(("tensorboard", p) for p in cfg.tensorboard)]:
-        wanted = (f"{pattern.rstrip('/')}/**/{TENSORBOARD_FILES}" if option == "tensorboard"
-                  else pattern)
+    searches = [*(("log", p, p) for p in cfg.log), *(("jsonl", p, p) for p in cfg.jsonl),
+                *(("tensorboard", d, f"{d.rstrip('/')}/**/{TENSORBOARD_FILES}")
+                  for d in cfg.tensorboard)]
+    for option, given, wanted in searches:
         files = sorted(p for p in glob.glob(wanted, recursive=True) if os.path.isfile(p))
-        what = f"--{option} {pattern}"
+        what = f"--{option} {given}"
         if files:
             more = f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
             report.add(option, "ok", f"{what}: {len(files)} file{'s' if len(files) > 1 else ''} "
-                       f"({', '.join(files[:SHOWN_FILES])}{more})", pattern=pattern,
+                       f"({', '.join(files[:SHOWN_FILES])}{more})", pattern=given,
                        files=files[:MAX_LISTED_FILES], matched=len(files))
-            continue
-        folder = _fixed_folder(pattern if option != "tensorboard" else pattern + "/x")
-        if not folder.is_dir():
-            report.add(option, "warn", f"{what}: the folder {folder} does not exist (yet); in a "
-                       "pod, check the volume's mountPath, the same in both containers",
-                       pattern=pattern, matched=0)
-            continue
-        nothing = (f"no {TENSORBOARD_FILES} file under it yet" if option == "tensorboard"
-                   else "nothing matches yet")
-        report.add(option, "warn", f"{what}: {nothing}; files that appear later are followed, "
-                   "but check the name (and quote a pattern, so that the shell leaves it to "
-                   "the sidecar)", pattern=pattern, matched=0)
+        elif not _fixed_folder(wanted).is_dir():
+            report.add(option, "warn", f"{what}: the folder {_fixed_folder(wanted)} does not "
+                       "exist (yet); in a pod, check the volume's mountPath, the same in both "
+                       "containers", pattern=given, matched=0)
+        else:
+            nothing = ("nothing matches yet" if wanted == given
+                       else f"no {TENSORBOARD_FILES} file under it yet")
+            report.add(option, "warn", f"{what}: {nothing}; files that appear later are "
+                       "followed, but check the name (and quote a pattern, so that the shell "
+                       "leaves it to the sidecar)", pattern=given, matched=0)
     if cfg.hparams is not None:
         from sidecar.sources.hparams import load_hparams
 
@@ -216,7 +214,7 @@ def _sources(cfg: Config, report: _Report) -> bool:
 
 
 def _fixed_folder(pattern: str) -> Path:
-    """The folder of a pattern that holds no wildcard."""
+    """The deepest folder of a pattern that holds no wildcard."""
     folder = Path(pattern).parent
     while glob.has_magic(str(folder)):
         folder = folder.parent
