@@ -22,6 +22,15 @@ settings.load_profile("sidecar")
 RUN_ID = "run-4f2a91"
 TOKEN = "tok-SECRET-0123456789abcdef"
 SIDECAR = (sys.executable, "-m", "sidecar")
+# `sidecar` with the --hardware-interval floor (1 s) lowered, for a test that needs many samples
+# quickly: the `fast_sampling` fixture makes every Sidecar of the test start this way.
+FAST_SAMPLING = (sys.executable, "-c", "import sys; import sidecar.config as c; "
+                 "c.MIN_HARDWARE_INTERVAL_S = 0.01; from sidecar.cli import main; sys.exit(main())")
+
+
+@pytest.fixture
+def fast_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tests.conftest.SIDECAR", FAST_SAMPLING)
 
 
 @pytest.fixture

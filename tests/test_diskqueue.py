@@ -77,8 +77,8 @@ def test_cap_and_corrupt_cursor(tmp_path: Path) -> None:
     assert again.peek(10) == payloads(5)
 
 
-def test_hardware_spooled_during_an_outage_is_replayed(ingest: RunningIngest,
-                                                       tmp_path: Path) -> None:
+def test_hardware_spooled_during_an_outage_is_replayed(ingest: RunningIngest, tmp_path: Path,
+                                                       fast_sampling: None) -> None:
     ingest.stop_listening()
     env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0.1",
                        SIDECAR_DRAIN_TIMEOUT="1")

@@ -651,8 +651,8 @@ def kill_abruptly(run: Sidecar) -> None:
 
 
 def test_sigkill_at_random_moments_with_a_torn_spool_tail(ingest: RunningIngest,
-                                                          tmp_path: Path,
-                                                          baseline: Baseline) -> None:
+                                                          tmp_path: Path, baseline: Baseline,
+                                                          fast_sampling: None) -> None:
     """Ten SIGKILLs under load (2,000 points a second), each once 0 to 3,000 more points
     reached the ingest; every start follows the same file with the same state dir. /hardware
     is refused (503) meanwhile and sampled every 50 ms, so its spool fills; every third restart

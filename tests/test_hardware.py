@@ -556,7 +556,8 @@ async def test_a_big_sample_is_split_into_requests(tmp_path: Path) -> None:
 # ---- two nodes end to end -------------------------------------------------------------------
 
 
-def test_two_nodes_against_one_ingest(ingest: RunningIngest, tmp_path: Path) -> None:
+def test_two_nodes_against_one_ingest(ingest: RunningIngest, tmp_path: Path,
+                                      fast_sampling: None) -> None:
     child = python_child("import time; time.sleep(1.5)")
     sidecars = [
         Sidecar(["run", "--hardware-interval", "0.2", "--nodes", "2", "--", *child],
