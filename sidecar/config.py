@@ -81,6 +81,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("log-ansi", "str", "strip", "escape sequences in forwarded text: cursor movement is "
            "applied as a terminal would; strip drops every other one, keep keeps colours",
            choices=("strip", "keep")),
+    Option("tty", "bool", False, "run the command on a pseudo-terminal, so that it behaves as at "
+           "a terminal (colours, live displays); its stdout and stderr then share it and both "
+           "reach the sidecar's stdout", only="run"),
     Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
            choices=("plain", "cri", "auto")),
     Option("log-rate", "float", 5.0, "run only: MB a second of the command's output forwarded "
@@ -171,6 +174,7 @@ class Config:
     running_when: str = "spawn"
     log_prefix: str = ""
     log_ansi: str = "strip"
+    tty: bool = False
     log_format: str = "auto"
     log_rate: float = 5.0
     file_watch: str = "auto"

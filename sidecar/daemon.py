@@ -130,7 +130,7 @@ class _Budget:
 class _Stream:
     """One of the child's output streams on its way to /logs; the pump's Gate."""
 
-    name: str  # stdout or stderr
+    name: str  # stdout or stderr, or terminal (--tty)
     assembler: LineAssembler
     shipper: LogShipper | None  # None when reporting is off
     budget: _Budget
@@ -224,10 +224,11 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     #                       the first output until the pipeline, imported after the spawn, is up
     scanner = Scanner()
     keep_sgr = cfg.log_ansi == "keep"
+    names = ("terminal",) if cfg.tty else ("stdout", "stderr")  # --tty: both share one
     streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
                        scanner, tail)
-               for name, tail in zip(("stdout", "stderr"), new_tails(2), strict=True)]
-    child = Child(argv, child_env)
+               for name, tail in zip(names, new_tails(len(names)), strict=True)]
+    child = Child(argv, child_env, tty=cfg.tty)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
     oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet
     running_at = time.time()  # stamped before the spawn, journaled right after it: the fsync
@@ -248,8 +249,9 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     interrupted = asyncio.Event()
     for signum in FORWARDED_SIGNALS:
         loop.add_signal_handler(signum, _on_signal, child, signum, interrupted)
-    for name, fd, sink, stream in zip(("stdout", "stderr"), fds, (1, 2), streams, strict=True):
-        Pump(name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set, loop).start()
+    for fd, sink, stream in zip(fds, (1, 2)[:len(fds)], streams, strict=True):
+        Pump(stream.name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set,
+             loop).start()
     if cfg.running_when == "spawn":
         await lifecycle.record("running", running_at)
 

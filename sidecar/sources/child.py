@@ -1,6 +1,9 @@
 """The wrapped command: spawn, pipes, signals, exit status (CONTRACT 1-2, `sidecar run`).
 
-The child runs in its own process group with stdout and stderr on pipes. Each pipe has a pump
+The child runs in its own process group with stdout and stderr on pipes, or with both on one
+pseudo-terminal (`--tty`). When the sidecar's stdin is the terminal it runs in the foreground of,
+the child's group gets the terminal's foreground for as long as it runs, as a shell gives it to a
+job, so that it can read its input (input(), pdb) and Ctrl-C reaches it. Each pipe has a pump
 thread that copies the bytes to the sidecar's own stdout/stderr unchanged (as `tee` would) and
 then offers them to the event loop. The offer never waits: if the loop falls behind by more than
 a bounded amount, the block is dropped for `/logs` (and counted), so the child can only ever be
@@ -18,7 +21,9 @@ import fcntl
 import os
 import select
 import signal
+import struct
 import subprocess
+import termios
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +36,7 @@ READ_BYTES = 1 << 20
 PIPE_BYTES = 1 << 20  # a larger pipe means fewer, larger reads
 MAX_PENDING_BYTES = 32 << 20  # output offered to the loop but not yet taken
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
 
 
 class SpawnError(Exception):
@@ -93,7 +99,8 @@ class Pump:
                     break
                 self.loop.call_soon_threadsafe(self.on_skip, moved, why)
         except OSError as exc:
-            log.warning("reading the command's %s failed: %s", self.name, exc)
+            if exc.errno != errno.EIO:  # EIO: a terminal whose last writer closed it, the end
+                log.warning("reading the command's %s failed: %s", self.name, exc)
         finally:
             os.close(self.source_fd)
             self.loop.call_soon_threadsafe(self.on_eof)
@@ -106,6 +113,8 @@ class Pump:
         try:
             return os.splice(self.source_fd, self.sink_fd, READ_BYTES)
         except OSError as exc:
+            if exc.errno == errno.EIO and os.isatty(self.source_fd):
+                return 0  # --tty: the child's terminal closed by its last writer, the end
             if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EBADF):
                 self._can_splice = False
             else:
@@ -157,24 +166,35 @@ class Child:
 
     argv: Sequence[str]
     env: Mapping[str, str]
+    tty: bool = False  # stdout and stderr on one pseudo-terminal instead of two pipes
     pid: int = 0
     reap_orphans: bool = field(default_factory=lambda: os.getpid() == 1)
     _proc: subprocess.Popen[bytes] | None = None
     _exit: asyncio.Future[int] | None = None
+    _foreground: _Foreground | None = None
 
-    def spawn(self) -> tuple[int, int]:
-        """Start the command; returns the read ends of its stdout and stderr pipes."""
+    def spawn(self) -> tuple[int, ...]:
+        """Start the command; returns what to read its output from: the read ends of its stdout
+        and stderr pipes, or the one pseudo-terminal both share."""
         loop = asyncio.get_running_loop()
         self._exit = loop.create_future()
         loop.add_signal_handler(signal.SIGCHLD, self._reap)
+        terminal = _open_terminal() if self.tty else None
+        output = terminal[1] if terminal is not None else subprocess.PIPE
         try:
-            self._proc = subprocess.Popen(
-                list(self.argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=dict(self.env), process_group=0, close_fds=True)
+            self._proc = subprocess.Popen(list(self.argv), stdout=output, stderr=output,
+                                          env=dict(self.env), process_group=0, close_fds=True)
         except OSError as exc:
             loop.remove_signal_handler(signal.SIGCHLD)
             raise SpawnError(f"cannot start {self.argv[0]!r}: {exc.strerror}") from None
+        finally:
+            if terminal is not None:
+                os.close(terminal[1])  # the child holds it now: its exit ends the reads (EIO)
         self.pid = self._proc.pid
+        self._foreground = _Foreground.give(self.pid)
+        if terminal is not None:
+            self._reap()
+            return (terminal[0],)
         assert self._proc.stdout is not None and self._proc.stderr is not None
         fds = (os.dup(self._proc.stdout.fileno()), os.dup(self._proc.stderr.fileno()))
         self._proc.stdout.close()  # the pumps own the duplicates and close them at EOF
@@ -217,6 +237,9 @@ class Child:
                     return
 
     def _finish(self, status: int) -> None:
+        if self._foreground is not None:
+            self._foreground.take_back()
+            self._foreground = None
         code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code
         if self._proc is not None:
@@ -231,3 +254,52 @@ def _enlarge_pipe(fd: int) -> None:
     # capped by /proc/sys/fs/pipe-max-size: the default size still works
     with contextlib.suppress(OSError):
         fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+
+
+@dataclass
+class _Foreground:
+    """The terminal's foreground, lent to the child's process group while it runs."""
+
+    fd: int
+    own_group: int
+
+    @classmethod
+    def give(cls, child_group: int) -> _Foreground | None:
+        """Lend the foreground of the terminal on our stdin to `child_group`, when we hold it."""
+        try:
+            if not os.isatty(0) or os.tcgetpgrp(0) != os.getpgrp():
+                return None  # no terminal, or we run in the background: nothing to lend
+            # In the background from now on: our own writes to the terminal must not stop us.
+            signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+            os.tcsetpgrp(0, child_group)
+        except OSError:
+            return None
+        # It may have read its terminal before it was given it, and been stopped for that.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child_group, signal.SIGCONT)
+        return cls(0, os.getpgrp())
+
+    def take_back(self) -> None:
+        """The child exited: the foreground comes back to us, as a shell takes it back."""
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(self.fd, self.own_group)
+        signal.signal(signal.SIGTTOU, signal.SIG_DFL)
+
+
+def _open_terminal() -> tuple[int, int]:
+    """A pseudo-terminal (controller, then the child's end), as large as ours or 80x24, that
+    passes the child's bytes unchanged (no output processing: \\n stays \\n)."""
+    controller, child_end = os.openpty()
+    rows, columns = DEFAULT_WINDOW
+    for fd in (1, 2, 0):
+        with contextlib.suppress(OSError):
+            rows, columns = struct.unpack("HHHH", fcntl.ioctl(fd, termios.TIOCGWINSZ, bytes(8)))[:2]
+            if rows and columns:
+                break
+            rows, columns = DEFAULT_WINDOW
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    attributes = termios.tcgetattr(child_end)
+    attributes[1] &= ~termios.OPOST
+    termios.tcsetattr(child_end, termios.TCSANOW, attributes)
+    os.set_inheritable(child_end, False)
+    return controller, child_end

@@ -1,0 +1,113 @@
+"""`sidecar run` and terminals: `--tty` gives the command a pseudo-terminal; at a terminal, the
+command gets its foreground (input(), pdb, Ctrl-C), as under a shell."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from tests.conftest import SIDECAR, Sidecar, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest
+from tests.test_terminal import arrived, assert_in_order, screen_lines
+
+REPORT_TERMINAL = """
+import json, os, sys
+print(json.dumps({"isatty": [sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty()],
+                  "size": list(os.get_terminal_size(1))}), flush=True)
+print("on stderr", file=sys.stderr, flush=True)
+code = int(sys.argv[1])
+if code < 0:
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+RICH_LIVE = """
+import time
+from rich.console import Console
+from rich.progress import Progress
+console = Console()  # no force_terminal: rich decides from isatty
+print("color" if console.is_terminal else "no terminal", flush=True)
+with Progress(console=console, refresh_per_second=50) as progress:
+    task = progress.add_task("epoch", total=30)
+    for _ in range(30):
+        progress.update(task, advance=1)
+        time.sleep(0.01)
+console.print("[bold]finished[/bold]")
+"""
+
+
+@pytest.mark.parametrize(("code", "status"), [(0, 0), (3, 3), (-signal.SIGKILL, 137)])
+def test_tty_child_sees_a_terminal_and_its_status_is_kept(ingest: RunningIngest, tmp_path: Path,
+                                                          code: int, status: int) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--tty", "--", *python_child(REPORT_TERMINAL), str(code)], env,
+                   tmp_path / "sc")
+    assert done.status == status, done.stderr
+    first, second = done.stdout.splitlines()[:2]  # stdout and stderr share the terminal
+    report = json.loads(first)
+    assert report["isatty"][1:] == [True, True]
+    assert report["size"] == [80, 24]  # the sidecar has no terminal here
+    assert second == b"on stderr"
+    assert b"\r\n" not in done.stdout  # the child's bytes, unchanged
+    text = arrived(ingest)
+    assert '"isatty": [false, true, true]' in text and "on stderr\n" in text
+
+
+def test_tty_lets_rich_draw_and_what_arrives_is_what_it_shows(ingest: RunningIngest,
+                                                              tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--tty", "--", *python_child(RICH_LIVE)], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert done.stdout.startswith(b"color\n")
+    assert b"\x1b[" in done.stdout  # rich drew: colours, its live display
+    text = arrived(ingest)
+    assert_in_order(screen_lines(done.stdout), text)
+    assert "\x1b" not in text and "finished\n" in text
+
+
+def test_tty_forwards_sigterm_to_the_command(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    code = "import time; print('up', flush=True); time.sleep(60)"
+    run = Sidecar(["run", "--tty", "--", *python_child(code)], env, tmp_path / "sc")
+    ingest.wait_for(lambda: "up" in arrived(ingest), what="the command started")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait().status == 128 + signal.SIGTERM
+
+
+# --- at a terminal: the command in the foreground ---------------------------------------------
+
+
+def at_terminal(ingest: RunningIngest, tmp_path: Path, code: str) -> pexpect.spawn:
+    """`sidecar run` on a terminal of its own, as a user at a shell starts it."""
+    env = platform_env(ingest, tmp_path / "state")
+    (tmp_path / "sc").mkdir()
+    return pexpect.spawn(SIDECAR[0], [*SIDECAR[1:], "run", "--", sys.executable, "-c", code],
+                         env=env, cwd=str(tmp_path / "sc"), timeout=20, encoding="utf-8")
+
+
+def test_command_reads_its_terminal(ingest: RunningIngest, tmp_path: Path) -> None:
+    """input() under `sidecar run` at a terminal gets the typed line (it was stopped for good
+    by SIGTTIN, from a process group in the terminal's background)."""
+    child = at_terminal(ingest, tmp_path, "print('got', repr(input('name? ')))")
+    child.expect_exact("name? ")
+    child.sendline("ada")
+    child.expect_exact("got 'ada'")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_at_the_terminal_ends_a_command_waiting_for_input(ingest: RunningIngest,
+                                                                 tmp_path: Path) -> None:
+    child = at_terminal(ingest, tmp_path, "input('ready> ')")
+    child.expect_exact("ready> ")
+    child.sendintr()
+    child.expect_exact("KeyboardInterrupt")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 128 + signal.SIGINT
