@@ -31,7 +31,7 @@ from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.checkpoints import Checkpoints
 from sidecar.sources.environment import post_environment
-from sidecar.sources.follow import Follower, Sink, SourceSpec
+from sidecar.sources.follow import EVENT_FILES, Follower, Sink, SourceSpec
 from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
 from sidecar.sources.jsonl import JsonlParser
 from sidecar.sources.logfile import LogFileParser
@@ -63,15 +63,15 @@ def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
     if cfg.log:
         specs.append(SourceSpec("log", cfg.log, lambda path, state: LogFileParser.resume(
             state, log_format=cfg.log_format, secrets=secrets, prefix=prefix,
-            keep_sgr=cfg.log_ansi == "keep")))
+            keep_sgr=cfg.log_ansi == "keep"), option="--log"))
     if cfg.jsonl:
         specs.append(SourceSpec("jsonl", cfg.jsonl,
                                 lambda path, state: JsonlParser.resume(state),
-                                parse_bytes=JSONL_PARSE_BYTES))
+                                parse_bytes=JSONL_PARSE_BYTES, option="--jsonl"))
     for folder in cfg.tensorboard:
-        specs.append(SourceSpec("tensorboard", (f"{folder}/**/events.out.tfevents.*",),
-                                _tensorboard_parser(Path(folder)),
-                                parse_bytes=TENSORBOARD_PARSE_BYTES))
+        specs.append(SourceSpec("tensorboard", (folder,), _tensorboard_parser(Path(folder)),
+                                parse_bytes=TENSORBOARD_PARSE_BYTES, option="--tensorboard",
+                                tree=EVENT_FILES))
     return specs
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,12 +69,13 @@ class Sidecar:
     """A real `sidecar` process started by a test, its output kept in files."""
 
     def __init__(self, args: Sequence[str], env: Mapping[str, str], workdir: Path,
-                 stdin: int | None = subprocess.DEVNULL) -> None:
+                 stdin: int | None = subprocess.DEVNULL,
+                 preexec_fn: Callable[[], object] | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self._out = open(workdir / "stdout", "w+b")  # noqa: SIM115 (closed in wait)
         self._err = open(workdir / "stderr", "w+b")  # noqa: SIM115
         self.proc = subprocess.Popen([*SIDECAR, *args], env=dict(env), stdout=self._out,
-                                     stderr=self._err, stdin=stdin)
+                                     stderr=self._err, stdin=stdin, preexec_fn=preexec_fn)
 
     def wait(self, timeout: float = 60.0) -> Finished:
         status = self.proc.wait(timeout)

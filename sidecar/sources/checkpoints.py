@@ -1,15 +1,24 @@
 """Per-file offsets in the state dir, advanced only after the ingest acknowledged (CONTRACT 4).
 
-One JSON document, `offsets.json`, replaced atomically. A file is known by device, inode and a
-fingerprint of its first bytes, so a new file on a reused inode starts from its beginning. A
-corrupt or unreadable document is reported once and set aside as `offsets.json.corrupt`: every
-file is then read from its start (the ingest may see repeats, nothing is lost), never a crash
-loop.
+One JSON document, `offsets.json`, replaced atomically:
+
+    {"version": 2, "files": {"<dev>:<ino>": {"path": str, "dev": int, "ino": int,
+        "fingerprint": str, "head_bytes": int, "offset": int, "state": {...}}}}
+
+A file is known by device, inode and a fingerprint: the hex BLAKE2b-64 checksum of its first
+`head_bytes` bytes (up to FINGERPRINT_BYTES; fewer while the file is shorter, and the fingerprint
+grows with it), so a new file on a reused inode starts from its beginning. `offset` is where
+reading resumes; `state` is the file parser's own (a JSONL line number, CRI pieces of a line
+still waiting for its end). Version 1 stored the first bytes themselves as hex in `fingerprint`
+and had no `head_bytes`; it is converted on load. A corrupt or unreadable document is reported
+once and set aside as `offsets.json.corrupt`: every file is then read from its start (the ingest
+may see repeats, nothing is lost), never a crash loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +30,13 @@ from sidecar.statefile import write_atomic
 from sidecar.supervise import fault_point, supervise
 
 SAVE_RETRY_S = 1.0
+FINGERPRINT_BYTES = 256  # a file is known by a checksum of this many first bytes (Vector's)
+VERSION = 2
+
+
+def fingerprint(head: bytes) -> str:
+    """The checksum a file's first bytes are known by."""
+    return hashlib.blake2b(head, digest_size=8).hexdigest()
 
 
 @dataclass
@@ -30,9 +46,20 @@ class Mark:
     path: str
     dev: int
     ino: int
-    fingerprint: str  # hex of the file's first bytes (up to FINGERPRINT_BYTES)
+    fingerprint: str  # fingerprint() of the file's first `head_bytes` bytes
     offset: int
     state: dict[str, Any] = field(default_factory=dict)  # the parser's own (line numbers...)
+    head_bytes: int = 0
+
+    def matches(self, head: bytes) -> bool:
+        """Whether a file beginning with `head` is the file this mark was taken of."""
+        return len(head) >= self.head_bytes and fingerprint(
+            head[:self.head_bytes]) == self.fingerprint
+
+    @classmethod
+    def of_version_1(cls, fields: dict[str, Any]) -> Mark:
+        head = bytes.fromhex(fields.pop("fingerprint"))
+        return cls(fingerprint=fingerprint(head), head_bytes=len(head), **fields)
 
 
 @dataclass
@@ -48,10 +75,11 @@ class Checkpoints:
     def load(self) -> None:
         try:
             raw = json.loads(self.path.read_text(encoding="utf-8"))
-            self.marks = {key: Mark(**value) for key, value in raw["files"].items()}
+            make = Mark.of_version_1 if raw.get("version") == 1 else (lambda v: Mark(**v))
+            self.marks = {key: make(dict(value)) for key, value in raw["files"].items()}
         except FileNotFoundError:
             self.marks = {}
-        except (ValueError, TypeError, KeyError, OSError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
             aside = self.path.with_name(self.path.name + ".corrupt")
             self.path.replace(aside)
             log.error("%s is unreadable (%s): moved to %s; every file is read from its start, "
@@ -85,7 +113,7 @@ class Checkpoints:
         if not self._dirty:
             return True
         self._dirty = False
-        doc = {"version": 1, "files": {k: vars(m) for k, m in self.marks.items()}}
+        doc = {"version": VERSION, "files": {k: vars(m) for k, m in self.marks.items()}}
         data = json.dumps(doc, separators=(",", ":")).encode()
         try:
             await asyncio.to_thread(write_atomic, self.path, data)

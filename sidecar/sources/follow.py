@@ -1,9 +1,19 @@
-"""Following files as they grow: discovery, rotation, truncation, offsets (issue: file sources).
+"""Following files as they grow: discovery, content identity, rotation, truncation, offsets
+(issue: file sources).
 
-Every matching file is followed on its own through an open descriptor, so a renamed or deleted
-file is still read to its end while its successor is read from its start. Files are known by
-device, inode and a fingerprint of their first bytes; the offset of a file advances in the
-checkpoint only once everything before it was acknowledged by the ingest.
+A followed file is known by device and inode, and by its content: a fingerprint of its first
+bytes (checkpoints.fingerprint). A file that holds the same content as one followed in the same
+folder under a related name (copytruncate's rotated copy, a move across filesystems) is the same
+content, so it is read only past what was already read of its original, never again from its
+start; its offset is checkpointed like any file's, so a restart does not read it again either.
+A renamed file that still matches a pattern stays followed under its new name; one renamed out of
+every pattern, or deleted, is read to its end through its open descriptor. Offsets advance in the
+checkpoint only once everything before them was acknowledged by the ingest.
+
+Descriptors are bounded (`descriptor_budget`: a share of RLIMIT_NOFILE, the rest left to the
+ingest client, the spool and the child's pipes): a file read to its end gives its descriptor back
+after a quiet while, or at once when another file needs one, and is reopened when it changes,
+after checking that it is still the same file (device, inode and fingerprint).
 
 Changes are noticed through inotify read by the event loop (no thread, nothing spent while idle),
 with a slow safety poll; folders on NFS, SMB, FUSE and the like, where events never arrive, are
@@ -14,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
+import logging
 import os
+import re
+import resource
 import stat
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,17 +39,35 @@ from typing import Any
 from sidecar.aio import wait_set
 from sidecar.log import log
 from sidecar.records import Ticket
+from sidecar.sources import discover
 from sidecar.sources.base import Parsed, Parser
-from sidecar.sources.checkpoints import Checkpoints, Mark
+from sidecar.sources.checkpoints import FINGERPRINT_BYTES, Checkpoints, Mark, fingerprint
 from sidecar.sources.inotify import Inotify, filesystem_of, is_remote
 from sidecar.supervise import fault_point
 
-FINGERPRINT_BYTES = 256
 READ_BYTES = 1 << 20
+END_CHECK_BYTES = 64  # a copy taken for a file's content must hold its last bytes read
 POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
+IDLE_CLOSE_S = 10.0  # a file read to its end and quiet this long gives its descriptor back
+DESCRIPTOR_SHARE = 4  # files may hold 1/4 of RLIMIT_NOFILE: sockets, spool and pipes need theirs
+MAX_OPEN_FILES = 1024
+MIN_OPEN_FILES = 4
+NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING
+EVENT_FILES = "events.out.tfevents.*"
+
+_Id = tuple[int, int]  # device, inode
+_ROTATION_SUFFIX = re.compile(r"(?:[.\-_]\d+|\.(?:gz|bz2|xz|zst))+$")  # what logrotate appends
+
+
+def descriptor_budget() -> int:
+    """How many files may be open at once, from the soft RLIMIT_NOFILE."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_FILES
+    return max(MIN_OPEN_FILES, min(MAX_OPEN_FILES, soft // DESCRIPTOR_SHARE))
 
 
 @dataclass(frozen=True)
@@ -45,10 +75,12 @@ class SourceSpec:
     """A kind of file to follow: which paths, and how to make a parser for one file."""
 
     kind: str  # "log", "jsonl", "tensorboard"
-    patterns: tuple[str, ...]
+    patterns: tuple[str, ...]  # paths and globs; with `tree`, folders searched at any depth
     make_parser: Callable[[Path, dict[str, Any]], Parser]  # (path, saved state) -> parser
     parse_bytes: int = READ_BYTES  # bytes handed to the parser at once: the granularity of
     #                                acknowledgement, so of what a crash can repeat
+    option: str = ""  # the option that named the patterns, for messages: "--log"
+    tree: str = ""  # a file-name glob: each pattern is a folder holding such files at any depth
 
 
 @dataclass
@@ -65,6 +97,31 @@ class SourceStats:
     truncations: int = 0
 
 
+@dataclass(frozen=True)
+class FileState:
+    """One followed file at one moment, for the status endpoint."""
+
+    path: str
+    kind: str
+    offset: int  # bytes read
+    size: int  # as last seen
+    committed: int  # acknowledged and checkpointed
+    last_read: float | None  # epoch seconds of the last read that found data
+
+    @property
+    def lag_bytes(self) -> int:
+        return max(self.size - self.offset, 0)
+
+
+@dataclass(frozen=True)
+class MatchState:
+    """What one pattern of one source names, for the status endpoint."""
+
+    source: str  # the option and the pattern: "--jsonl out/*.jsonl"
+    files: int
+    note: str  # why there are none ("the folder out does not exist yet"), or ""
+
+
 class Sink:
     """Where parsed output goes; implemented by the daemon's pipeline."""
 
@@ -75,28 +132,40 @@ class Sink:
         raise NotImplementedError
 
 
-@dataclass
+@dataclass(eq=False)
 class _Tail:
     """One file being followed."""
 
     spec: SourceSpec
     path: Path
-    fd: int
     dev: int
     ino: int
-    fingerprint: bytes
+    head: bytes  # the file's first bytes (up to FINGERPRINT_BYTES; grows with a short file)
     parser: Parser
     read_offset: int
     committed: int
+    fd: int = -1  # -1 while closed: idle, or no descriptor to spare
+    size: int = 0  # as last seen
+    end: bytes = b""  # the last END_CHECK_BYTES read
     buffer: bytes = b""
     pending: deque[list[Any]] = field(default_factory=deque)  # [end offset, done, state]
+    copies: list[Mark] = field(default_factory=list)  # copies to checkpoint once committed past
     last_data: float = field(default_factory=time.monotonic)
+    last_read: float | None = None
     retired: bool = False
     closed: bool = False
 
     @property
+    def id(self) -> _Id:
+        return self.dev, self.ino
+
+    @property
     def consumed(self) -> int:
         return self.read_offset - len(self.buffer)
+
+    def mark(self, offset: int, state: dict[str, Any]) -> Mark:
+        return Mark(str(self.path), self.dev, self.ino, fingerprint(self.head), offset, state,
+                    len(self.head))
 
 
 @dataclass
@@ -107,25 +176,37 @@ class Follower:
     sink: Sink
     checkpoints: Checkpoints
     mode: str = "auto"  # auto (events + safety poll), poll
+    budget: int = field(default_factory=descriptor_budget)  # files open at once, at most
     stats: dict[str, SourceStats] = field(default_factory=dict)
     _tails: dict[str, _Tail] = field(default_factory=dict)  # active, by path
+    _ids: dict[_Id, _Tail] = field(default_factory=dict)  # active and retired, by identity
     _retired: list[_Tail] = field(default_factory=list)
+    _copies: dict[_Id, _Tail] = field(default_factory=dict)  # files holding a tail's content
+    _caught_up: dict[_Tail, None] = field(default_factory=dict)  # open, read to the end: LRU
+    _open: int = 0
+    _waiting: list[tuple[SourceSpec, str]] = field(default_factory=list)  # new, no descriptor
+    _by_folder: dict[str, list[_Tail]] = field(default_factory=dict)  # live tails, this look
+    _matches: dict[str, MatchState] = field(default_factory=dict)
+    _warned: set[str] = field(default_factory=set)
+    _started: float = field(default_factory=time.monotonic)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _events: Inotify | None = None
 
-    async def run(self) -> None:
-        """Follow until cancelled."""
+    def __post_init__(self) -> None:
         for spec in self.specs:
             self.stats.setdefault(spec.kind, SourceStats())
+
+    async def run(self) -> None:
+        """Follow until cancelled."""
         self._events = self._start_events() if self.mode == "auto" else None
         interval = SAFETY_POLL_S if self._events is not None else POLL_S
         try:
             while True:
                 fault_point()
+                self._wake.clear()  # before the look: a change during it means another look
                 await self.step()
                 if self._events is not None:
                     self._events.watch(_watch_folders(self.specs))
-                self._wake.clear()
                 await wait_set(self._wake, interval)
         finally:
             if self._events is not None:
@@ -133,7 +214,7 @@ class Follower:
 
     def _start_events(self) -> Inotify | None:
         """inotify, unless a followed folder is on a filesystem where it sees nothing."""
-        for root in sorted(_watch_roots(spec.patterns for spec in self.specs)):
+        for root in sorted(set().union(*(_roots(spec) for spec in self.specs))):
             fstype = filesystem_of(Path(root))
             if is_remote(fstype):
                 log.info("%s is on %s, where file events do not arrive: polling every %.2f s",
@@ -150,117 +231,235 @@ class Follower:
         self._wake.set()
 
     async def step(self) -> None:
-        """One look at every file: discover, detect rotation, read what is new."""
+        """One look at every file: discover, detect rotation, read what is new. New files
+        waiting for a descriptor get those of files read to their end, round after round."""
         self._discover()
-        for tail in [*self._tails.values(), *self._retired]:
-            await self._read(tail)
+        while True:
+            for tail in [*self._tails.values(), *self._retired]:
+                await self._read(tail)
+            if not (self._waiting and self._caught_up):
+                break
+            waiting, self._waiting = self._waiting, []
+            for spec, name in waiting:
+                self._open_new(spec, name)
         self._close_finished()
 
     async def drain(self) -> bool:
         """Read every file towards its end (shutdown), partial lines offered as quiet; True
         once nothing is left unread (call again while False: the sink was full)."""
         self._discover()
-        done = True
         for tail in [*self._tails.values(), *self._retired]:
             await self._read(tail, final=True)
-            with contextlib.suppress(OSError):
-                done = done and tail.read_offset >= os.fstat(tail.fd).st_size
-        return done
+        return all(tail.read_offset >= tail.size or tail.closed
+                   for tail in [*self._tails.values(), *self._retired])
 
     def close(self) -> None:
         for tail in [*self._tails.values(), *self._retired]:
-            self._close(tail)
+            self._release(tail)
+
+    def files(self) -> list[FileState]:
+        """Every file followed now, for the status endpoint."""
+        return [FileState(str(t.path), t.spec.kind, t.read_offset, t.size, t.committed,
+                          t.last_read) for t in self._tails.values()]
+
+    def matches(self) -> list[MatchState]:
+        """What each pattern of each source names, for the status endpoint."""
+        return list(self._matches.values())
 
     # -- discovery and rotation --------------------------------------------------------------
 
     def _discover(self) -> None:
-        seen: set[str] = set()
+        found: dict[str, tuple[SourceSpec, os.stat_result]] = {}
         for spec in self.specs:
-            for name in _expand(spec.patterns):
-                if name in seen:
-                    continue
-                seen.add(name)
-                try:
-                    st = os.stat(name)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    self._look_at(spec, name, st)
-        for name in [n for n in self._tails if n not in seen]:
-            self._retire(self._tails.pop(name), "it was deleted or renamed")
+            for pattern in spec.patterns:
+                names, note = discover.match(pattern, spec.option, spec.kind, spec.tree)
+                files = 0
+                for name in names:
+                    try:
+                        st = os.stat(name)
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        files += 1
+                        found.setdefault(name, (spec, st))
+                self._report(spec, pattern, files, note)
+        ids = {(st.st_dev, st.st_ino) for _, st in found.values()}
+        self._waiting.clear()
+        self._by_folder.clear()
+        for tail in [*self._tails.values(), *self._retired]:
+            self._by_folder.setdefault(os.path.dirname(tail.path), []).append(tail)
+        detached = [self._tails.pop(name) for name in list(self._tails) if name not in found]
+        # Files followed already are placed first: a copy is known for one only once its
+        # original is in place.
+        for name, (spec, st) in sorted(found.items(),
+                                       key=lambda item: _id(item[1][1]) not in self._ids):
+            detached += self._place(spec, name, st)
+        for key in [key for key in self._copies if key not in ids]:
+            self.checkpoints.forget(*key)
+            del self._copies[key]
+        for tail in detached:
+            if self._tails.get(str(tail.path)) is not tail and not tail.retired:
+                self._retire(tail, "it was renamed, replaced or deleted")
 
-    def _look_at(self, spec: SourceSpec, name: str, st: os.stat_result) -> None:
-        tail = self._tails.get(name)
-        if tail is not None and (tail.dev, tail.ino) == (st.st_dev, st.st_ino):
-            if st.st_size < tail.read_offset or not self._same_start(tail):
-                self._truncated(tail)
-            return
-        if tail is not None:
-            self._retire(tail, "a new file took its name")
+    def _report(self, spec: SourceSpec, pattern: str, files: int, note: str) -> None:
+        """Say what a pattern names when that changes; WARNING once if it still names nothing
+        a while after the start."""
+        source = f"{spec.option} {pattern}".strip()
+        now = MatchState(source, files, note)
+        if self._matches.get(source) != now:
+            self._matches[source] = now
+            if files:
+                log.info("%s: %d file%s", source, files, "" if files == 1 else "s")
+            else:
+                level = logging.WARNING if note.startswith("is a") else logging.INFO
+                log.log(level, "%s: %s", source, note)
+        waited = time.monotonic() - self._started
+        if not files and source not in self._warned and waited >= NOTHING_MATCHED_WARN_S:
+            self._warned.add(source)
+            log.warning("%s: still nothing to read after %.0f s (%s)", source,
+                        NOTHING_MATCHED_WARN_S, note)
+
+    def _place(self, spec: SourceSpec, name: str, st: os.stat_result) -> list[_Tail]:
+        """Follow the file now at `name`; returns the tails that lost their name to it."""
+        key = _id(st)
+        here = self._tails.get(name)
+        tail = here if here is not None and here.id == key else self._ids.get(key)
+        detached = []
+        if here is not None and here is not tail:  # another file took this name (a rotation)
+            del self._tails[name]
+            detached.append(here)
             self.stats[spec.kind].rotations += 1
-        moved = next((t for t in self._retired if (t.dev, t.ino) == (st.st_dev, st.st_ino)
-                      and not t.closed), None)
-        if moved is not None:  # a rotated file that still matches a pattern: keep its place
-            self._retired.remove(moved)
-            moved.retired, moved.path = False, Path(name)
-            self._tails[name] = moved
-            return
-        self._open(spec, name)
+        if tail is None:
+            if key not in self._copies:
+                self._open_new(spec, name)
+            return detached
+        if tail is not here:  # a followed file under a new name: keep its place
+            if self._tails.get(str(tail.path)) is tail:
+                del self._tails[str(tail.path)]
+            if tail.retired:
+                self._retired.remove(tail)
+                tail.retired = False
+            tail.path = Path(name)
+            self._tails[name] = tail
+        tail.size = st.st_size
+        if st.st_size < tail.read_offset or (tail.fd >= 0 and not self._same_start(tail)):
+            self._truncated(tail)
+        return detached
 
-    def _open(self, spec: SourceSpec, name: str, fd: int | None = None) -> None:
+    def _open_new(self, spec: SourceSpec, name: str, fd: int | None = None) -> None:
+        """Start following the file at `name`: from its checkpoint, past what was read of the
+        content it is a copy of (then only its checkpoint is kept), or from its start."""
+        if fd is None:
+            fd = self._open_fd(name)
+            if fd is None:
+                self._waiting.append((spec, name))
+                return
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
             st = os.fstat(fd)
             head = os.pread(fd, FINGERPRINT_BYTES, 0)
-        except OSError as exc:
-            log.warning("cannot open %s: %s", name, exc.strerror)
+        except OSError:
+            self._close_fd(fd)
             return
-        mark = self.checkpoints.find(st.st_dev, st.st_ino)
+        key = _id(st)
+        original = self._original_of(name, head, fd, st.st_size) if key not in self._ids \
+            else None
+        if original is not None or key in self._ids:
+            if original is not None:
+                log.info("%s holds the content of %s: read only past what was read of it", name,
+                         original.path)
+                self._copies[key] = original
+                original.copies.append(Mark(name, *key, fingerprint(head), st.st_size, {},
+                                            len(head)))
+                self._commit(original)
+            self._close_fd(fd)
+            return
+        mark = self.checkpoints.find(*key)
         offset, state = 0, {}
-        if mark is not None and head.startswith(bytes.fromhex(mark.fingerprint)) and \
-                mark.offset <= st.st_size:
+        if mark is not None and mark.matches(head) and mark.offset <= st.st_size:
             offset, state = mark.offset, mark.state
-        tail = _Tail(spec, Path(name), fd, st.st_dev, st.st_ino, head,
-                     spec.make_parser(Path(name), state), offset, offset)
-        self._tails[name] = tail
+        log.debug("following %s (%d:%d) from offset %d", name, *key, offset)
+        tail = _Tail(spec, Path(name), *key, head, spec.make_parser(Path(name), state), offset,
+                     offset, fd=fd, size=st.st_size,
+                     end=_pread(fd, min(offset, END_CHECK_BYTES), offset - END_CHECK_BYTES))
+        self._tails[name] = self._ids[key] = tail
+        self._by_folder.setdefault(os.path.dirname(name), []).append(tail)
         self.stats[spec.kind].files += 1
+
+    def _original_of(self, name: str, head: bytes, fd: int, size: int) -> _Tail | None:
+        """The followed file whose content the file at `name` (open as `fd`, `size` bytes
+        long, beginning `head`) holds: the same start, and the same bytes just before where
+        the shorter of the two was read to. When that cannot be checked it is not a copy: better
+        a repeat than a loss."""
+        for tail in self._by_folder.get(os.path.dirname(name), ()):
+            if not _same_content(tail, name, head):
+                continue
+            upto = min(size, tail.read_offset)
+            expected = tail.end if upto == tail.read_offset else \
+                _pread(tail.fd, END_CHECK_BYTES, upto - END_CHECK_BYTES) if tail.fd >= 0 else b""
+            if expected and _pread(fd, len(expected), upto - len(expected)) == expected:
+                return tail
+        return None
 
     def _same_start(self, tail: _Tail) -> bool:
         """Whether the file still begins with the bytes it began with (copytruncate, reuse)."""
-        try:
-            head = os.pread(tail.fd, FINGERPRINT_BYTES, 0)
-        except OSError:
-            return False
-        if len(head) > len(tail.fingerprint) and head.startswith(tail.fingerprint):
-            tail.fingerprint = head
-        return head.startswith(tail.fingerprint)
+        head = _pread(tail.fd, FINGERPRINT_BYTES, 0)
+        if len(head) > len(tail.head) and head.startswith(tail.head):
+            tail.head = head
+        return head.startswith(tail.head) and bool(head or not tail.head)
 
     def _truncated(self, tail: _Tail) -> None:
-        """Truncated (copytruncate, or by hand): read what we missed from a rotated copy if one
-        holds it, then follow the file again from its start."""
+        """Truncated (copytruncate, or by hand): read what we missed from a copy of its content
+        if one holds it, then follow the file again from its start."""
         self.stats[tail.spec.kind].truncations += 1
-        copy = _rotated_copy(tail)
+        name = str(tail.path)
+        del self._tails[name]
+        del self._ids[tail.id]
+        self.checkpoints.forget(*tail.id)
+        fd, tail.fd = tail.fd, -1
+        if fd >= 0:
+            self._caught_up.pop(tail, None)
+        copy = self._copy_holding(tail)
+        tail.retired = True
+        self._retired.append(tail)
         if copy is not None:
-            log.info("%s was truncated; reading its end from the rotated copy %s",
-                     tail.path, copy)
+            log.info("%s was truncated; reading its end from the rotated copy %s", name, copy)
+            fd_of_copy = self._open_fd(str(copy))
+            tail.fd, tail.path = -1 if fd_of_copy is None else fd_of_copy, copy
+            with contextlib.suppress(OSError):
+                st = os.fstat(tail.fd)
+                tail.dev, tail.ino, tail.size = st.st_dev, st.st_ino, st.st_size
+                self._ids[tail.id] = tail
+                self._copies.pop(tail.id, None)
+                tail.copies = [m for m in tail.copies if (m.dev, m.ino) != tail.id]
         else:
-            log.info("%s was truncated; following it from its start", tail.path)
-        self._retire(tail, "", copy)
-        del self._tails[str(tail.path)]
-        self.checkpoints.forget(tail.dev, tail.ino)
-        self._open(tail.spec, str(tail.path), os.dup(tail.fd) if copy is None else None)
+            log.info("%s was truncated; following it from its start", name)
+            tail.size = tail.read_offset  # nothing more is read of this generation
+        self._open_new(tail.spec, name, fd if fd >= 0 else None)
 
-    def _retire(self, tail: _Tail, why: str, replacement: Path | None = None) -> None:
-        """Stop looking the file up by name; read it (or its copy) to the end, then close it."""
-        if why:
-            log.info("%s: %s; reading the old file to its end", tail.path, why)
+    def _copy_holding(self, tail: _Tail) -> Path | None:
+        """A file in the same folder with the tail's content, holding all that was read of it
+        (copytruncate's rotated copy)."""
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(tail.path.parent):
+                if entry.path == str(tail.path) or not entry.is_file():
+                    continue
+                if entry.stat().st_size < tail.read_offset or not _related(str(tail.path),
+                                                                           entry.path):
+                    continue
+                with contextlib.suppress(OSError), open(entry.path, "rb") as fh:
+                    head = fh.read(FINGERPRINT_BYTES)
+                    fh.seek(tail.read_offset - len(tail.end))
+                    if _same_content(tail, entry.path, head) and \
+                            fh.read(len(tail.end)) == tail.end:
+                        return Path(entry.path)
+        return None
+
+    def _retire(self, tail: _Tail, why: str) -> None:
+        """Stop looking the file up by name; read it to its end, then close it."""
+        log.info("%s: %s; reading the old file to its end", tail.path, why)
         tail.retired = True
         tail.last_data = time.monotonic()
-        if replacement is not None:
-            with contextlib.suppress(OSError):
-                fd = os.open(replacement, os.O_RDONLY | os.O_CLOEXEC)
-                os.close(tail.fd)
-                tail.fd = fd
+        self._caught_up.pop(tail, None)
         self._retired.append(tail)
 
     def _close_finished(self) -> None:
@@ -268,37 +467,91 @@ class Follower:
         for tail in list(self._retired):
             if not tail.buffer and not tail.pending and now - tail.last_data > RETIRED_GRACE_S:
                 self._retired.remove(tail)
-                self._close(tail)
-                self.checkpoints.forget(tail.dev, tail.ino)
+                self._release(tail)
+                tail.closed = True
+                if self._ids.get(tail.id) is tail:
+                    del self._ids[tail.id]
+                    self.checkpoints.forget(*tail.id)
+        for tail in list(self._caught_up):
+            if now - tail.last_data > IDLE_CLOSE_S:
+                self._release(tail)
 
-    def _close(self, tail: _Tail) -> None:
-        if not tail.closed:
-            tail.closed = True
-            with contextlib.suppress(OSError):
-                os.close(tail.fd)
+    # -- descriptors ---------------------------------------------------------------------------
+
+    def _open_fd(self, name: str) -> int | None:
+        """A descriptor for `name` within the budget (an idle file gives its own back), or None
+        (the file waits for the next look)."""
+        while self._open >= self.budget and self._caught_up:
+            self._release(next(iter(self._caught_up)))
+        if self._open >= self.budget:
+            return None
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("cannot open %s: %s", name, exc.strerror)
+            return None
+        self._open += 1
+        return fd
+
+    def _close_fd(self, fd: int) -> None:
+        self._open -= 1
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    def _release(self, tail: _Tail) -> None:
+        """Close the tail's descriptor; it is reopened when the file changes."""
+        self._caught_up.pop(tail, None)
+        if tail.fd >= 0:
+            self._close_fd(tail.fd)
+            tail.fd = -1
+
+    def _reopen(self, tail: _Tail) -> bool:
+        """Reopen a tail closed while idle, if its name still holds the same file."""
+        fd = self._open_fd(str(tail.path))
+        if fd is None:
+            return False
+        try:
+            same = _id(os.fstat(fd)) == tail.id
+        except OSError:
+            same = False
+        if not same:  # another file has its name now: the next look sorts that out
+            self._close_fd(fd)
+            return False
+        tail.fd = fd
+        if not self._same_start(tail):
+            self._truncated(tail)
+            return False
+        return True
 
     # -- reading -------------------------------------------------------------------------------
 
     async def _read(self, tail: _Tail, final: bool = False) -> None:
         """Read what is new in `tail` while the sink has room; hand it to the parser."""
-        while self.sink.has_room() and not tail.closed:
+        if tail.fd < 0 and tail.size > tail.read_offset and not tail.closed \
+                and self.sink.has_room() and not self._reopen(tail):
+            return
+        while tail.fd >= 0 and self.sink.has_room():
             try:
-                size = os.fstat(tail.fd).st_size
+                tail.size = os.fstat(tail.fd).st_size
             except OSError:
                 return
-            want = min(size - tail.read_offset, READ_BYTES)
+            want = min(tail.size - tail.read_offset, READ_BYTES)
             if want <= 0:
                 break
             data = await asyncio.to_thread(os.pread, tail.fd, want, tail.read_offset)
             if not data:
                 break
+            self._caught_up.pop(tail, None)
             tail.read_offset += len(data)
-            tail.last_data = time.monotonic()
+            tail.end = (tail.end + data)[-END_CHECK_BYTES:]
+            tail.last_data, tail.last_read = time.monotonic(), time.time()
             self.stats[tail.spec.kind].bytes_read += len(data)
             tail.buffer += data
-            self._parse_buffer(tail, whole=tail.read_offset >= size)
+            self._parse_buffer(tail, whole=tail.read_offset >= tail.size)
         if self.sink.has_room():
             self._parse_buffer(tail, whole=True)
+        if tail.fd >= 0 and not tail.retired and tail.read_offset >= tail.size:
+            self._caught_up[tail] = None
         quiet = final or tail.retired or time.monotonic() - tail.last_data >= QUIET_S
         if tail.buffer and quiet and self.sink.has_room():
             self._parse(tail, tail.parser.quiet(tail.buffer, time.time()))
@@ -338,68 +591,67 @@ class Follower:
         ticket.seal()
 
     def _commit(self, tail: _Tail) -> None:
-        """Advance the checkpoint over the acknowledged prefix of what was read. A retired file
-        keeps no checkpoint: its name now belongs to another file, or to none."""
+        """Advance the checkpoint over the acknowledged prefix of what was read, and over the
+        copies of what was read. A retired file keeps no checkpoint: its name now belongs to
+        another file, or to none."""
         while tail.pending and tail.pending[0][1]:
             tail.committed, _, state = tail.pending.popleft()
             if not tail.retired:
-                self.checkpoints.set(Mark(str(tail.path), tail.dev, tail.ino,
-                                          tail.fingerprint.hex(), tail.committed, state))
-
-    # -- events ----------------------------------------------------------------------------------
-
-
-def _expand(patterns: Iterable[str]) -> list[str]:
-    names: list[str] = []
-    for pattern in patterns:
-        if glob.has_magic(pattern):
-            names.extend(sorted(glob.glob(pattern, recursive=True)))
-        else:
-            names.append(pattern)
-    return names
+                self.checkpoints.set(tail.mark(tail.committed, state))
+        for copy in [c for c in tail.copies if c.offset <= tail.committed]:
+            tail.copies.remove(copy)
+            if (copy.dev, copy.ino) in self._copies:
+                self.checkpoints.set(copy)
 
 
-def _watch_roots(pattern_groups: Iterable[Iterable[str]]) -> set[str]:
-    """The folders to watch: each pattern's fixed folder, or its parent while it does not exist
-    yet (never higher: a recursive watch of a large tree costs more than polling)."""
-    roots: set[str] = set()
-    for patterns in pattern_groups:
-        for pattern in patterns:
-            fixed = Path(pattern).parent
-            while glob.has_magic(str(fixed)):
-                fixed = fixed.parent
-            for candidate in (fixed, fixed.parent):
-                if candidate.is_dir() and candidate != candidate.parent:
-                    roots.add(str(candidate))
-                    break
-    return roots
+def _id(st: os.stat_result) -> _Id:
+    return st.st_dev, st.st_ino
+
+
+def _pread(fd: int, size: int, offset: int) -> bytes:
+    try:
+        return os.pread(fd, size, max(offset, 0)) if size > 0 else b""
+    except OSError:
+        return b""
+
+
+def _related(one: str, other: str) -> bool:
+    """Whether one file may be a rotated copy of the other: the same folder, and the same name
+    but for rotation suffixes (app.log, app.log.1, app.log.2.gz, app.log-20261201)."""
+    (folder, name), (other_folder, other_name) = os.path.split(one), os.path.split(other)
+    return folder == other_folder and _unrotated(name) == _unrotated(other_name)
+
+
+def _unrotated(name: str) -> str:
+    return _ROTATION_SUFFIX.sub("", name) or name
+
+
+def _same_content(tail: _Tail, path: str, head: bytes) -> bool:
+    """Whether a file at `path` beginning with `head` holds the tail's content: a related name,
+    and first bytes of which the shorter is the start of the longer (a file shorter than the
+    fingerprint may have grown since it was copied, or since it was read)."""
+    own = str(tail.path)
+    if not head or not tail.head or own == path or not _related(own, path):
+        return False
+    return head.startswith(tail.head) if len(head) >= len(tail.head) else \
+        tail.head.startswith(head)
+
+
+def _roots(spec: SourceSpec) -> set[str]:
+    if spec.tree:
+        return discover.watch_roots(str(Path(folder) / spec.tree) for folder in spec.patterns)
+    return discover.watch_roots(spec.patterns)
 
 
 def _watch_folders(specs: Sequence[SourceSpec]) -> list[str]:
     """The folders to watch: each pattern's roots, and every folder below a root whose pattern
     recurses (`**`, TensorBoard run folders), so new files anywhere in them are noticed."""
-    folders = []
+    folders: list[str] = []
     for spec in specs:
-        for root in sorted(_watch_roots([spec.patterns])):
-            folders.append(root)
-            if any("**" in pattern for pattern in spec.patterns):
-                folders.extend(dirpath for dirpath, _, _ in os.walk(root) if dirpath != root)
+        recursive = bool(spec.tree) or any("**" in pattern for pattern in spec.patterns)
+        for root in sorted(_roots(spec)):
+            if recursive:
+                folders.extend(str(folder) for folder in discover.folders(Path(root)))
+            else:
+                folders.append(root)
     return folders
-
-
-def _rotated_copy(tail: _Tail) -> Path | None:
-    """A sibling that starts like `tail` did and holds at least what was read (copytruncate)."""
-    parent = tail.path.parent
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(parent):
-            if not entry.name.startswith(tail.path.name) or entry.path == str(tail.path):
-                continue
-            try:
-                if entry.stat().st_size < tail.read_offset:
-                    continue
-                with open(entry.path, "rb") as fh:
-                    if fh.read(len(tail.fingerprint)) == tail.fingerprint:
-                        return Path(entry.path)
-            except OSError:
-                continue
-    return None

@@ -1,7 +1,10 @@
 """`--log` files -> /logs text: plain text, or Kubernetes CRI container logs (CONTRACT 5).
 
 A CRI line is `<RFC3339Nano> <stdout|stderr> <P|F> <text>`: `P` pieces are joined up to the
-`F` that ends the line, and only the text is forwarded. `auto` decides on the first whole line.
+`F` that ends the line, and only the text is forwarded; pieces still waiting for their `F` are
+part of the parser's state, checkpointed with the offset past them, so a restart between `P` and
+`F` loses nothing (past MAX_LINE_CHARS they are forwarded as a split line, which bounds that
+state). `auto` decides on the first whole line.
 Either way the text then takes the same path as a wrapped command's output (LineAssembler).
 """
 
@@ -38,10 +41,19 @@ class LogFileParser:
         parser = cls(**kwargs)
         if state.get("format") in ("plain", "cri"):
             parser.log_format = state["format"]
+        partial = state.get("partial")
+        if isinstance(partial, dict):
+            parser._partial = {stream.encode("latin-1"): [text.encode("latin-1")]
+                               for stream, text in partial.items()
+                               if isinstance(stream, str) and isinstance(text, str)}
         return parser
 
     def state(self) -> dict[str, Any]:
-        return {"format": self.log_format}
+        state: dict[str, Any] = {"format": self.log_format}
+        if self._partial:  # bytes kept as latin-1 text: one character a byte, JSON-safe
+            state["partial"] = {stream.decode("latin-1"): b"".join(pieces).decode("latin-1")
+                                for stream, pieces in self._partial.items()}
+        return state
 
     def parse(self, data: bytes, now: float) -> Parsed:
         end = data.rfind(b"\n") + 1
@@ -72,11 +84,12 @@ class LogFileParser:
                 out.skipped += 1
                 continue
             _, stream, tag, text = match.groups(b"")
-            if tag == b"P":
-                self._partial.setdefault(stream, []).append(text)
+            waiting = self._partial.setdefault(stream, [])
+            waiting.append(text)
+            if tag == b"P" and sum(map(len, waiting)) <= MAX_LINE_CHARS:
                 continue
-            pieces.extend(self._partial.pop(stream, ()))
-            pieces.append(text + b"\n")
+            pieces.extend(self._partial.pop(stream))
+            pieces.append(b"\n")
             out.records += 1
         if pieces:
             out.text = self._assembler.feed(b"".join(pieces), now)

@@ -1,0 +1,132 @@
+"""Which files a source's patterns name right now, and, when none, why (issue: file sources).
+
+A pattern is a path, a glob (`*`, `?`, `[...]`; `**` for any depth of folders), or for a
+TensorBoard source a folder searched at any depth for event files. Folders are searched following
+symbolic links, each folder once by device and inode: a link back up the tree (`loop/self ->
+..`) is not followed again, so no file is found twice under a longer name.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+_FILE_HINT = {"log": "*.log", "jsonl": "*.jsonl"}  # what to glob for in a folder named by mistake
+
+
+def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[str], str]:
+    """The paths `pattern` names (sorted), and when there are none a short note saying why.
+    `tree`: a name glob; then `pattern` is a folder whose files of that name are wanted."""
+    path = Path(pattern)
+    if tree:
+        if path.is_dir():
+            names = sorted(str(p) for p in walk(path, tree))
+            return names, "" if names else f"no {tree} file in it yet"
+        if path.exists():
+            return [], (f"is a file; {option} takes the folder the event files are written to "
+                        f"(here {path.parent})")
+        return [], _missing(path)
+    if glob.has_magic(pattern):
+        names = _glob(pattern)
+        if names:
+            return names, ""
+        fixed = fixed_folder(pattern)
+        return [], "no file matches yet" if fixed.is_dir() else _missing(fixed / "x")
+    if path.is_dir():
+        return [], (f"is a folder; {option} takes files (a glob such as "
+                    f"{path / _FILE_HINT.get(kind, '*')})")
+    if path.exists():
+        return [pattern], ""
+    return [], _missing(path)
+
+
+def _missing(path: Path) -> str:
+    folder = path.parent
+    if folder.is_dir():
+        return "no such file yet"
+    while not folder.parent.is_dir() and folder.parent != folder:
+        folder = folder.parent
+    return f"the folder {folder} does not exist yet"
+
+
+def fixed_folder(pattern: str) -> Path:
+    """The deepest folder of `pattern` without a wildcard in it."""
+    fixed = Path(pattern).parent
+    while glob.has_magic(str(fixed)):
+        fixed = fixed.parent
+    return fixed
+
+
+def _glob(pattern: str) -> list[str]:
+    if "**" not in pattern:
+        return sorted(glob.glob(pattern))
+    root = fixed_folder(pattern)
+    parts = Path(pattern).relative_to(root).parts
+    return sorted(str(p) for p in walk(root, "*")
+                  if _match_parts(p.relative_to(root).parts, parts))
+
+
+def _match_parts(names: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether a relative path matches glob components, `**` standing for any folders."""
+    if not parts:
+        return not names
+    if parts[0] == "**":
+        return any(_match_parts(names[i:], parts[1:]) for i in range(len(names) + 1))
+    return bool(names) and fnmatch.fnmatchcase(names[0], parts[0]) and _match_parts(
+        names[1:], parts[1:])
+
+
+def folders(root: Path) -> Iterator[Path]:
+    """`root` and every folder below it, symbolic links followed, each folder once."""
+    seen: set[tuple[int, int]] = set()
+
+    def first_visit(path: str) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+    if not first_visit(str(root)):
+        return
+    for dirpath, dirnames, _ in os.walk(root, followlinks=True):
+        dirnames[:] = [name for name in dirnames if first_visit(os.path.join(dirpath, name))]
+        yield Path(dirpath)
+
+
+def walk(root: Path, name_glob: str) -> Iterator[Path]:
+    """The files named like `name_glob` in `root` and every folder below it (see folders)."""
+    for folder in folders(root):
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            if fnmatch.fnmatchcase(entry.name, name_glob) and not _is_dir(entry):
+                yield folder / entry.name
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def watch_roots(patterns: Iterable[str]) -> set[str]:
+    """The folders to watch for `patterns`: each one's fixed folder, or its parent while it does
+    not exist yet (never higher: a recursive watch of a large tree costs more than polling)."""
+    roots: set[str] = set()
+    for pattern in patterns:
+        for candidate in (fixed_folder(pattern), fixed_folder(pattern).parent):
+            if candidate.is_dir() and candidate != candidate.parent:
+                roots.add(str(candidate))
+                break
+    return roots

@@ -1,0 +1,348 @@
+"""Every file read once: content identity across copies and rotation storms, bounded
+descriptors, symlink loops, restarts mid-line, and sources that say what they matched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import logging.handlers
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.records import Ticket
+from sidecar.sources import follow
+from sidecar.sources.base import Parsed
+from sidecar.sources.checkpoints import Checkpoints
+from sidecar.sources.follow import Follower, Sink, SourceSpec
+from sidecar.sources.jsonl import JsonlParser
+from tests.conftest import RUN_ID, SIDECAR
+from tests.ingest_server import RunningIngest, wait_until
+from tests.test_status import warnings_of_sidecar
+from tests.test_watch import LOGROTATE, Watch, Writer, log_lines, points
+
+CRI_TS = "2026-11-30T10:00:00.123456789Z"
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    path = tmp_path / "shared"
+    path.mkdir()
+    return path
+
+
+def repeats_and_losses(written: list[str], received: list[str]) -> tuple[int, int]:
+    """(lines received more than once, counted once per extra copy; lines never received)."""
+    counts = Counter(received)
+    return sum(n - 1 for n in counts.values() if n > 1), len(set(written) - set(counts))
+
+
+def report(case: str, written: list[str], received: list[str]) -> tuple[int, int]:
+    repeated, lost = repeats_and_losses(written, received)
+    print(f"{case}: {len(written)} lines written, {len(received)} received, {repeated} repeated, "
+          f"{lost} lost")
+    return repeated, lost
+
+
+# -- content identity ----------------------------------------------------------------------------
+
+
+def test_copytruncate_with_a_glob_matching_the_copy(ingest: RunningIngest, tmp_path: Path,
+                                                    folder: Path) -> None:
+    log = folder / "app.log"
+    watch = Watch(ingest, tmp_path, "--log", str(folder / "app.log*")).start()
+    writer = Writer()
+    with open(log, "a") as fh:
+        writer.write(fh, 1000, "a")
+        ingest.wait_for(lambda: len(log_lines(ingest)) >= 1000, 15, "the first 1,000 lines")
+        shutil.copyfile(log, folder / "app.log.1")
+        fh.truncate(0)
+        fh.seek(0)
+        writer.write(fh, 500, "b")
+    ingest.wait_for(lambda: len(set(log_lines(ingest))) >= 1500, 15)
+    assert watch.stop().status == 0
+    assert report("copytruncate + glob", writer.written, log_lines(ingest)) == (0, 0)
+
+
+def test_logrotate_alternating_create_and_copytruncate(ingest: RunningIngest, tmp_path: Path,
+                                                       folder: Path) -> None:
+    if not os.path.exists(LOGROTATE):
+        pytest.skip("logrotate is not installed (.ci/run installs Debian's)")
+    log = folder / "app.log"
+    confs = []
+    for mode in ("create", "copytruncate"):
+        conf = tmp_path / f"{mode}.conf"
+        conf.write_text(f"{log} {{\n  rotate 20\n  {mode}\n  missingok\n  nocompress\n}}\n")
+        confs.append(conf)
+    watch = Watch(ingest, tmp_path, "--log", str(folder / "app.log*")).start()
+    handler = logging.handlers.WatchedFileHandler(log)
+    writer = logging.getLogger(f"trainer.{tmp_path.name}")
+    writer.propagate = False
+    writer.addHandler(handler)
+    writer.setLevel(logging.INFO)
+    written = []
+    try:
+        for generation in range(20):
+            for i in range(200):
+                written.append(f"g{generation:02d}-{i:04d}")
+                writer.info(written[-1])
+            if generation % 5 == 0:  # now and then the sidecar is seen to keep up
+                ingest.wait_for(lambda: written[-1] in log_lines(ingest), 15)
+            subprocess.run([LOGROTATE, "--force", "--state", str(tmp_path / "lr.state"),
+                            str(confs[generation % 2])], check=True)
+        writer.info("the end")
+        written.append("the end")
+    finally:
+        writer.removeHandler(handler)
+        handler.close()
+    ingest.wait_for(lambda: set(written) <= set(log_lines(ingest)), 20)
+    assert watch.stop().status == 0
+    repeated, lost = report("logrotate create/copytruncate", written, log_lines(ingest))
+    assert lost == 0
+    assert repeated <= len(written) // 100
+
+
+def test_rotation_every_20_ms_loses_no_generation(ingest: RunningIngest, tmp_path: Path,
+                                                  folder: Path) -> None:
+    log = folder / "app.log"
+    watch = Watch(ingest, tmp_path, "--log", str(folder / "app.log*")).start()
+    line_bytes = len("g000-00\n")
+    handler = logging.handlers.RotatingFileHandler(log, maxBytes=20 * line_bytes,
+                                                   backupCount=200)
+    writer = logging.getLogger(f"storm.{tmp_path.name}")
+    writer.propagate = False
+    writer.addHandler(handler)
+    writer.setLevel(logging.INFO)
+    written = []
+    try:
+        for generation in range(100):
+            for i in range(20):
+                written.append(f"g{generation:03d}-{i:02d}")
+                writer.info(written[-1])
+            time.sleep(0.02)  # pacing the writer: one rotation every 20 ms
+    finally:
+        writer.removeHandler(handler)
+        handler.close()
+    ingest.wait_for(lambda: set(written) <= set(log_lines(ingest)), 20)
+    assert watch.stop().status == 0
+    received = log_lines(ingest)
+    generations = {line.split("-")[0] for line in written} - {
+        line.split("-")[0] for line in received}
+    print(f"rotation every 20 ms: {len(generations)} of 100 generations lost")
+    assert report("rotation every 20 ms", written, received) == (0, 0)
+
+
+# -- descriptors and folders ---------------------------------------------------------------------
+
+
+def event_file_bytes(tmp_path: Path, steps: int) -> bytes:
+    tensorboardx = pytest.importorskip("tensorboardX")
+    logdir = tmp_path / "template"
+    with tensorboardx.SummaryWriter(str(logdir)) as writer:
+        for step in range(steps):
+            writer.add_scalar("loss", 1.0 / (step + 1), step)
+    (path,) = logdir.glob("events.out.tfevents.*")
+    return path.read_bytes()
+
+
+def open_descriptors(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def test_3000_event_files_under_a_256_descriptor_limit(ingest: RunningIngest, tmp_path: Path,
+                                                       folder: Path) -> None:
+    template = event_file_bytes(tmp_path, 3)
+    logdir = folder / "tb"
+    for i in range(3000):
+        run = logdir / f"r{i:04d}"
+        run.mkdir(parents=True)
+        (run / f"events.out.tfevents.{1790000000 + i}.node").write_bytes(template)
+    watch = Watch(ingest, tmp_path, "--tensorboard", str(logdir))
+    watch.preexec_fn = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    watch.start()
+    assert watch.proc is not None
+    pid, most = watch.proc.proc.pid, 0
+
+    def all_points() -> bool:
+        nonlocal most
+        most = max(most, open_descriptors(pid))
+        return len(points(ingest)) >= 9000
+
+    wait_until(all_points, 60, "every point of 3,000 event files", lambda: str(most))
+    done = watch.stop()
+    print(f"3,000 event files under ulimit -n 256: {len(points(ingest))} points of 9000, "
+          f"at most {most} descriptors open")
+    assert done.status == 0, done.stderr[-2000:]
+    assert b"Too many open files" not in done.stderr
+    found = Counter((p["key"], p["step"]) for p in points(ingest))
+    assert len(found) == 9000 and max(found.values()) == 1
+    assert most <= 256 // 2
+
+
+def test_a_symlink_loop_is_followed_once(ingest: RunningIngest, tmp_path: Path,
+                                         folder: Path) -> None:
+    tensorboardx = pytest.importorskip("tensorboardX")
+    logdir = folder / "tb"
+    with tensorboardx.SummaryWriter(str(logdir)) as writer:
+        for step in range(15):
+            writer.add_scalar("loss", step / 15, step)
+    (logdir / "loop").mkdir()
+    (logdir / "loop" / "self").symlink_to("..")
+    watch = Watch(ingest, tmp_path, "--tensorboard", str(logdir)).start()
+    ingest.wait_for(lambda: len(points(ingest)) >= 15, 15)
+    assert watch.stop().status == 0
+    keys = Counter(str(p["key"]) for p in points(ingest))
+    print(f"symlink loop: {sum(keys.values())} points for 15, keys {sorted(keys)[:3]}")
+    assert keys == {"loss": 15}
+
+
+# -- restarts ------------------------------------------------------------------------------------
+
+
+def committed_offsets(tmp_path: Path) -> list[int]:
+    try:
+        doc = json.loads((tmp_path / "state" / RUN_ID / "offsets.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [mark["offset"] for mark in doc["files"].values()]
+
+
+def test_a_cri_line_cut_by_sigkill_between_p_and_f(ingest: RunningIngest, tmp_path: Path,
+                                                   folder: Path) -> None:
+    log = folder / "0.log"
+    log.write_text(f"{CRI_TS} stdout F before\n{CRI_TS} stdout P first half, \n")
+    watch = Watch(ingest, tmp_path, "--log", str(log)).start()
+    ingest.wait_for(lambda: log_lines(ingest) == ["before"], 10)
+    wait_until(lambda: log.stat().st_size in committed_offsets(tmp_path), 10,
+               "the P piece committed")
+    watch.stop(signal.SIGKILL)
+    with log.open("a") as fh:
+        fh.write(f"{CRI_TS} stdout F second half\n")
+    watch.start()
+    ingest.wait_for(lambda: len(log_lines(ingest)) >= 2, 10)
+    assert watch.stop().status == 0
+    assert log_lines(ingest) == ["before", "first half, second half"]
+
+
+def test_a_40_byte_file_is_read_once_across_restarts(ingest: RunningIngest, tmp_path: Path,
+                                                     folder: Path) -> None:
+    log = folder / "job.log"
+    first = "job done: loss 0.0123 after 3 s, exit 0\n"
+    assert len(first) == 40
+    log.write_text(first)
+    watch = Watch(ingest, tmp_path, "--log", str(log)).start()
+    ingest.wait_for(lambda: log_lines(ingest) == [first.strip()], 10)
+    wait_until(lambda: 40 in committed_offsets(tmp_path), 10, "the short file committed")
+    watch.stop(signal.SIGKILL)
+    watch.start()
+    with log.open("a") as fh:  # grows past the fingerprint's length while read
+        fh.write("x" * 300 + "\n")
+    ingest.wait_for(lambda: len(log_lines(ingest)) >= 2, 10)
+    assert watch.stop().status == 0
+    watch.start()
+    with log.open("a") as fh:
+        fh.write("last\n")
+    ingest.wait_for(lambda: len(log_lines(ingest)) >= 3, 10)
+    assert watch.stop().status == 0
+    assert log_lines(ingest) == [first.strip(), "x" * 300, "last"]
+
+
+# -- what each source matched ----------------------------------------------------------------------
+
+
+def get_status(address: str) -> dict[str, Any]:
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with direct.open(f"http://{address}/status", timeout=5) as response:
+        doc: dict[str, Any] = json.loads(response.read())
+    return doc
+
+
+def test_each_source_says_what_it_matches(ingest: RunningIngest, tmp_path: Path,
+                                          folder: Path) -> None:
+    out = folder / "out"
+    out.mkdir()
+    for name in ("a", "b"):
+        (out / f"{name}.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    (folder / "empty").mkdir()
+    tb_file = folder / "events.out.tfevents.1.node"
+    tb_file.write_bytes(b"")
+    watch = Watch(ingest, tmp_path, "--jsonl", str(out / "*.jsonl"),
+                  "--log", "/nonexistent/dir/train.log", "--log", str(folder / "empty" / "*.log"),
+                  "--log", str(folder / "empty"), "--tensorboard", str(tb_file),
+                  SIDECAR_STATUS_ADDR="127.0.0.1:0").start()
+    addr_file = tmp_path / "state" / RUN_ID / "status-addr"
+    wait_until(addr_file.exists, 20, "the status address")
+    address = addr_file.read_text().strip()
+    ingest.wait_for(lambda: len(points(ingest)) >= 2, 10)
+    (out / "c.jsonl").write_text('{"step": 1, "acc": 0.5}\n' * 3)
+    ingest.wait_for(lambda: len(points(ingest)) >= 5, 10)
+
+    def listed() -> dict[str, dict[str, Any]]:
+        return {f["path"]: f for f in get_status(address)["files"]}
+
+    wait_until(lambda: listed().get(str(out / "c.jsonl"), {}).get("lag_bytes") == 0, 10)
+    files = listed()
+    assert set(files) == {str(out / f"{n}.jsonl") for n in "abc"}
+    c = files[str(out / "c.jsonl")]
+    assert c["kind"] == "jsonl" and c["offset"] == c["size"] == 3 * 24 and c["lag_bytes"] == 0
+    assert time.time() - 30 < c["last_read"] <= time.time()
+    sources = {s["source"]: s for s in get_status(address)["matches"]}
+    assert sources[f"--jsonl {out}/*.jsonl"]["files"] == 3
+    assert sources["--log /nonexistent/dir/train.log"]["files"] == 0
+    shown = subprocess.run([*SIDECAR, "status", "--once", "--status-addr", address],
+                           capture_output=True, text=True, timeout=30, check=False)
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines() if line.strip()}
+    assert rows[str(out / "c.jsonl")][1:4] == ["jsonl", "72", "72"]
+    assert f"--jsonl {out}/*.jsonl" in shown.stdout and "3 files" in shown.stdout
+    done = watch.stop()
+    assert done.status == 0
+    err = done.stderr.decode()
+    assert f"INFO --jsonl {out}/*.jsonl: 2 files" in err
+    assert f"INFO --jsonl {out}/*.jsonl: 3 files" in err
+    assert "--log /nonexistent/dir/train.log: the folder /nonexistent/dir does not exist" in err
+    assert f"--log {folder}/empty/*.log: no file matches" in err
+    assert f"--log {folder}/empty: is a folder" in err
+    assert f"--tensorboard {tb_file}: is a file" in err
+
+
+class _Collect(Sink):
+    def __init__(self) -> None:
+        self.parsed: list[Parsed] = []
+
+    def has_room(self) -> bool:
+        return True
+
+    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
+        self.parsed.append(parsed)
+        ticket.seal()
+
+
+async def test_a_source_matching_nothing_warns_once(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(follow, "NOTHING_MATCHED_WARN_S", 0.0)
+    pattern = str(tmp_path / "out" / "*.jsonl")
+    spec = SourceSpec("jsonl", (pattern,), lambda path, state: JsonlParser.resume(state),
+                      option="--jsonl")
+    follower = Follower([spec], _Collect(), Checkpoints(tmp_path / "offsets.json"), mode="poll")
+    with warnings_of_sidecar() as warned:
+        for _ in range(3):
+            await follower.step()
+            await asyncio.sleep(0)
+    said = [r.getMessage() for r in warned]
+    assert said == [f"--jsonl {pattern}: still no file matches after 0 s; nothing is read "
+                    "from it until one does"]
+    follower.close()
