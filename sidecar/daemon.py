@@ -482,6 +482,8 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
                         report: _Report) -> StatusServer | None:
     """The local status endpoint (--status-addr), reading the live objects at request time."""
     from sidecar.observe.endpoint import (
+        FileSnapshot,
+        MatchSnapshot,
         RouteSnapshot,
         SourceSnapshot,
         StatusSnapshot,
@@ -497,13 +499,18 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
         sources = tuple(
             SourceSnapshot(kind, kind, s.bytes_read, s.records, s.points, s.invalid, s.skipped)
             for kind, s in (pipeline.follower.stats.items() if pipeline is not None else ()))
+        follower = pipeline.follower if pipeline is not None else None
+        files = tuple(FileSnapshot(f.path, f.kind, f.offset, f.size, f.lag_bytes, f.committed,
+                                   f.last_read) for f in (follower.files() if follower else ()))
+        matches = tuple(MatchSnapshot(m.source, m.files, m.note)
+                        for m in (follower.matches() if follower else ()))
         sampler = pipeline.sampler if pipeline is not None else None
         return StatusSnapshot(
             run_id=cfg.platform.run_id, node=node.name, mode=mode, offline=client is None,
             started_at=started_at,
             routes=tuple(RouteSnapshot.of(route, stats, queue_depth=queued.get(route, 0))
                          for route, stats in (client.stats.items() if client else ())),
-            sources=sources,
+            sources=sources, files=files, matches=matches,
             sampler_duration_s=sampler.stats.last_sample_s if sampler is not None else None,
             lifecycle_recorded=tuple(lifecycle.recorded) if lifecycle is not None else (),
             lifecycle_pending=tuple(lifecycle.pending) if lifecycle is not None else (),

@@ -30,8 +30,9 @@ from sidecar.node import Node
 from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.checkpoints import Checkpoints
+from sidecar.sources.discover import EVENT_FILES
 from sidecar.sources.environment import post_environment
-from sidecar.sources.follow import EVENT_FILES, Follower, Sink, SourceSpec
+from sidecar.sources.follow import Follower, Sink, SourceSpec
 from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
 from sidecar.sources.jsonl import JsonlParser
 from sidecar.sources.logfile import LogFileParser

@@ -15,6 +15,8 @@ import subprocess
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,20 @@ def report(case: str, written: list[str], received: list[str]) -> tuple[int, int
     return repeated, lost
 
 
+@contextmanager
+def logger_to(handler: logging.Handler) -> Iterator[logging.Logger]:
+    """A logger of the 'trainer' writing through `handler` alone, its messages as they are."""
+    writer = logging.getLogger(f"trainer.{id(handler)}")
+    writer.propagate = False
+    writer.addHandler(handler)
+    writer.setLevel(logging.INFO)
+    try:
+        yield writer
+    finally:
+        writer.removeHandler(handler)
+        handler.close()
+
+
 # -- content identity ----------------------------------------------------------------------------
 
 
@@ -85,13 +101,8 @@ def test_logrotate_alternating_create_and_copytruncate(ingest: RunningIngest, tm
         conf.write_text(f"{log} {{\n  rotate 20\n  {mode}\n  missingok\n  nocompress\n}}\n")
         confs.append(conf)
     watch = Watch(ingest, tmp_path, "--log", str(folder / "app.log*")).start()
-    handler = logging.handlers.WatchedFileHandler(log)
-    writer = logging.getLogger(f"trainer.{tmp_path.name}")
-    writer.propagate = False
-    writer.addHandler(handler)
-    writer.setLevel(logging.INFO)
     written = []
-    try:
+    with logger_to(logging.handlers.WatchedFileHandler(log)) as writer:
         for generation in range(20):
             for i in range(200):
                 written.append(f"g{generation:02d}-{i:04d}")
@@ -102,9 +113,6 @@ def test_logrotate_alternating_create_and_copytruncate(ingest: RunningIngest, tm
                             str(confs[generation % 2])], check=True)
         writer.info("the end")
         written.append("the end")
-    finally:
-        writer.removeHandler(handler)
-        handler.close()
     ingest.wait_for(lambda: set(written) <= set(log_lines(ingest)), 20)
     assert watch.stop().status == 0
     repeated, lost = report("logrotate create/copytruncate", written, log_lines(ingest))
@@ -117,22 +125,14 @@ def test_rotation_every_20_ms_loses_no_generation(ingest: RunningIngest, tmp_pat
     log = folder / "app.log"
     watch = Watch(ingest, tmp_path, "--log", str(folder / "app.log*")).start()
     line_bytes = len("g000-00\n")
-    handler = logging.handlers.RotatingFileHandler(log, maxBytes=20 * line_bytes,
-                                                   backupCount=200)
-    writer = logging.getLogger(f"storm.{tmp_path.name}")
-    writer.propagate = False
-    writer.addHandler(handler)
-    writer.setLevel(logging.INFO)
     written = []
-    try:
+    with logger_to(logging.handlers.RotatingFileHandler(log, maxBytes=20 * line_bytes,
+                                                        backupCount=200)) as writer:
         for generation in range(100):
             for i in range(20):
                 written.append(f"g{generation:03d}-{i:02d}")
                 writer.info(written[-1])
             time.sleep(0.02)  # pacing the writer: one rotation every 20 ms
-    finally:
-        writer.removeHandler(handler)
-        handler.close()
     ingest.wait_for(lambda: set(written) <= set(log_lines(ingest)), 20)
     assert watch.stop().status == 0
     received = log_lines(ingest)
@@ -303,7 +303,8 @@ def test_each_source_says_what_it_matches(ingest: RunningIngest, tmp_path: Path,
     assert sources[f"--jsonl {out}/*.jsonl"]["files"] == 3
     assert sources["--log /nonexistent/dir/train.log"]["files"] == 0
     shown = subprocess.run([*SIDECAR, "status", "--once", "--status-addr", address],
-                           capture_output=True, text=True, timeout=30, check=False)
+                           capture_output=True, text=True, timeout=30, check=False,
+                           env={**os.environ, "COLUMNS": "400"})
     assert shown.returncode == 0, shown.stderr
     rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines() if line.strip()}
     assert rows[str(out / "c.jsonl")][1:4] == ["jsonl", "72", "72"]
@@ -314,7 +315,7 @@ def test_each_source_says_what_it_matches(ingest: RunningIngest, tmp_path: Path,
     assert f"INFO --jsonl {out}/*.jsonl: 2 files" in err
     assert f"INFO --jsonl {out}/*.jsonl: 3 files" in err
     assert "--log /nonexistent/dir/train.log: the folder /nonexistent/dir does not exist" in err
-    assert f"--log {folder}/empty/*.log: no file matches" in err
+    assert f"--log {folder}/empty/*.log: nothing matches yet" in err
     assert f"--log {folder}/empty: is a folder" in err
     assert f"--tensorboard {tb_file}: is a file" in err
 
@@ -343,6 +344,6 @@ async def test_a_source_matching_nothing_warns_once(tmp_path: Path,
             await follower.step()
             await asyncio.sleep(0)
     said = [r.getMessage() for r in warned]
-    assert said == [f"--jsonl {pattern}: still no file matches after 0 s; nothing is read "
-                    "from it until one does"]
+    assert said == [f"--jsonl {pattern}: still nothing to read after 0 s (the folder "
+                    f"{tmp_path / 'out'} does not exist yet)"]
     follower.close()

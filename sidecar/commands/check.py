@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import glob
 import ipaddress
 import json
 import os
@@ -30,6 +29,7 @@ from sidecar.commands import say
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve
 from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import add_secret, log, mask
+from sidecar.sources.discover import EVENT_FILES, match
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -51,7 +51,6 @@ _LOCAL_MEANING = {
                   "link (169.254.169.254 is a cloud's metadata service, not the platform)",
     "unspecified": "{address} is no destination, it stands for this {place} itself",
 }
-TENSORBOARD_FILES = "events.out.tfevents.*"
 SHOWN_FILES = 3  # files named in a source's line; --json lists up to MAX_LISTED_FILES
 MAX_LISTED_FILES = 100
 _NETWORK_STEPS = frozenset({"dns", "tcp", "tls", "probe"})  # where a proxy may be the cause
@@ -179,27 +178,23 @@ def _configuration(args: argparse.Namespace, environ: Mapping[str, str],
 def _sources(cfg: Config, report: _Report) -> bool:
     """What each source option matches now, as `watch` would expand it; False when one is
     unusable (an --hparams file that cannot be read)."""
-    searches = [*(("log", p, p) for p in cfg.log), *(("jsonl", p, p) for p in cfg.jsonl),
-                *(("tensorboard", d, f"{d.rstrip('/')}/**/{TENSORBOARD_FILES}")
-                  for d in cfg.tensorboard)]
-    for option, given, wanted in searches:
-        files = sorted(p for p in glob.glob(wanted, recursive=True) if os.path.isfile(p))
-        what = f"--{option} {given}"
+    for option, pattern in [*(("log", p) for p in cfg.log), *(("jsonl", p) for p in cfg.jsonl),
+                            *(("tensorboard", p) for p in cfg.tensorboard)]:
+        names, note = match(pattern, f"--{option}", option,
+                            EVENT_FILES if option == "tensorboard" else "")
+        files = [p for p in names if os.path.isfile(p)]
+        what = f"--{option} {pattern}"
         if files:
             more = f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
             report.add(option, "ok", f"{what}: {len(files)} file{'s' if len(files) > 1 else ''} "
-                       f"({', '.join(files[:SHOWN_FILES])}{more})", pattern=given,
+                       f"({', '.join(files[:SHOWN_FILES])}{more})", pattern=pattern,
                        files=files[:MAX_LISTED_FILES], matched=len(files))
-        elif not _fixed_folder(wanted).is_dir():
-            report.add(option, "warn", f"{what}: the folder {_fixed_folder(wanted)} does not "
-                       "exist (yet); in a pod, check the volume's mountPath, the same in both "
-                       "containers", pattern=given, matched=0)
-        else:
-            nothing = ("nothing matches yet" if wanted == given
-                       else f"no {TENSORBOARD_FILES} file under it yet")
-            report.add(option, "warn", f"{what}: {nothing}; files that appear later are "
-                       "followed, but check the name (and quote a pattern, so that the shell "
-                       "leaves it to the sidecar)", pattern=given, matched=0)
+            continue
+        hint = ("in a pod, check the volume's mountPath, the same in both containers"
+                if "does not exist" in note else "files that appear later are followed, but "
+                "check the name (and quote a pattern, so that the shell leaves it to the sidecar)")
+        report.add(option, "warn", f"{what}: {note or 'nothing matches yet'}; {hint}",
+                   pattern=pattern, matched=0)
     if cfg.hparams is not None:
         from sidecar.sources.hparams import load_hparams
 
@@ -211,14 +206,6 @@ def _sources(cfg: Config, report: _Report) -> bool:
         report.add("hparams", "ok", f"--hparams {cfg.hparams}: {len(params)} parameters",
                    path=str(cfg.hparams), parameters=len(params))
     return True
-
-
-def _fixed_folder(pattern: str) -> Path:
-    """The deepest folder of a pattern that holds no wildcard."""
-    folder = Path(pattern).parent
-    while glob.has_magic(str(folder)):
-        folder = folder.parent
-    return folder
 
 
 async def _check_endpoint(cfg: Config, environ: Mapping[str, str], report: _Report,

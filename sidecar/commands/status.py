@@ -34,7 +34,12 @@ from sidecar.config import (
 )
 
 if TYPE_CHECKING:  # the status server's module pulls in aiohttp.web: only once it is needed
-    from sidecar.observe.endpoint import RouteSnapshot, SourceSnapshot, StatusSnapshot
+    from sidecar.observe.endpoint import (
+        FileSnapshot,
+        RouteSnapshot,
+        SourceSnapshot,
+        StatusSnapshot,
+    )
 
 
 EXIT_OK = 0
@@ -211,6 +216,15 @@ def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str,
          "INVALID", "SKIPPED"),
         [_source_row(source, sources.get((source.name, source.kind)), elapsed)
          for source in snap.sources], "no source yet", left=(0, 1), width=width)
+    if snap.matches:
+        lines += ["", "MATCHED", *(wrapped for match in snap.matches for wrapped in textwrap.wrap(
+            f"{match.source}: {_files(match.files)}" + (f" ({match.note})" if match.note else ""),
+            width, initial_indent="  ", subsequent_indent="      "))]
+    if snap.files:
+        lines.append("")
+        lines += _table(("FILE", "KIND", "OFFSET", "SIZE", "LAG", "LAST READ"),
+                        [_file_row(file, snap.taken_at) for file in snap.files], "",
+                        left=(0, 1), width=width)
     return lines
 
 
@@ -241,6 +255,15 @@ def _source_row(source: SourceSnapshot, before: SourceSnapshot | None,
             byte_rate if byte_rate == "-" else byte_rate + "/s", str(source.lines_read),
             _rate(source, before, "lines_read", elapsed), str(source.points),
             _rate(source, before, "points", elapsed), str(source.invalid), str(source.skipped)]
+
+
+def _file_row(file: FileSnapshot, now: float) -> list[str]:
+    last = "-" if file.last_read is None else f"{_duration(now - file.last_read)} ago"
+    return [file.path, file.kind, str(file.offset), str(file.size), _bytes(file.lag_bytes), last]
+
+
+def _files(count: int) -> str:
+    return f"{count} file" if count == 1 else f"{count} files"
 
 
 def _rate(now: object, before: object | None, attr: str, elapsed: float,

@@ -70,6 +70,28 @@ class SourceSnapshot:
 
 
 @dataclass(frozen=True)
+class FileSnapshot:
+    """One followed file at one moment."""
+
+    path: str
+    kind: str  # "log", "jsonl", "tensorboard"
+    offset: int  # bytes read
+    size: int  # bytes in the file, as last seen
+    lag_bytes: int  # size - offset: what is still to read
+    committed: int  # the offset acknowledged by the ingest and checkpointed
+    last_read: float | None = None  # epoch seconds of the last read that found data
+
+
+@dataclass(frozen=True)
+class MatchSnapshot:
+    """What one pattern of one source option names now ("--jsonl out/*.jsonl": 2 files)."""
+
+    source: str
+    files: int
+    note: str = ""  # why it names nothing ("the folder out does not exist yet"), else ""
+
+
+@dataclass(frozen=True)
 class StatusSnapshot:
     """Everything the status endpoint shows, taken from the daemon's live objects."""
 
@@ -80,6 +102,8 @@ class StatusSnapshot:
     started_at: float  # epoch seconds
     routes: tuple[RouteSnapshot, ...] = ()
     sources: tuple[SourceSnapshot, ...] = ()
+    files: tuple[FileSnapshot, ...] = ()
+    matches: tuple[MatchSnapshot, ...] = ()
     sampler_duration_s: float | None = None  # how long the last hardware sample took
     lifecycle_recorded: tuple[str, ...] = ()  # events recorded, in order
     lifecycle_pending: tuple[str, ...] = ()  # events not yet acknowledged
@@ -109,6 +133,8 @@ class StatusSnapshot:
                 offline=bool(doc["offline"]), started_at=float(doc["started_at"]),
                 routes=tuple(RouteSnapshot(**r) for r in doc.get("routes", ())),
                 sources=tuple(SourceSnapshot(**s) for s in doc.get("sources", ())),
+                files=tuple(FileSnapshot(**f) for f in doc.get("files", ())),
+                matches=tuple(MatchSnapshot(**m) for m in doc.get("matches", ())),
                 sampler_duration_s=doc.get("sampler_duration_s"),
                 lifecycle_recorded=tuple(doc.get("lifecycle_recorded", ())),
                 lifecycle_pending=tuple(doc.get("lifecycle_pending", ())),

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+EVENT_FILES = "events.out.tfevents.*"  # TensorBoard's event file names (CONTRACT 5)
 _FILE_HINT = {"log": "*.log", "jsonl": "*.jsonl"}  # what to glob for in a folder named by mistake
 
 
@@ -24,7 +25,7 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
     if tree:
         if path.is_dir():
             names = sorted(str(p) for p in walk(path, tree))
-            return names, "" if names else f"no {tree} file in it yet"
+            return names, "" if names else f"no {tree} file under it yet"
         if path.exists():
             return [], (f"is a file; {option} takes the folder the event files are written to "
                         f"(here {path.parent})")
@@ -34,7 +35,7 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
         if names:
             return names, ""
         fixed = fixed_folder(pattern)
-        return [], "no file matches yet" if fixed.is_dir() else _missing(fixed / "x")
+        return [], "nothing matches yet" if fixed.is_dir() else _missing(fixed / "x")
     if path.is_dir():
         return [], (f"is a folder; {option} takes files (a glob such as "
                     f"{path / _FILE_HINT.get(kind, '*')})")
@@ -44,12 +45,8 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
 
 
 def _missing(path: Path) -> str:
-    folder = path.parent
-    if folder.is_dir():
-        return "no such file yet"
-    while not folder.parent.is_dir() and folder.parent != folder:
-        folder = folder.parent
-    return f"the folder {folder} does not exist yet"
+    return "no such file yet" if path.parent.is_dir() else \
+        f"the folder {path.parent} does not exist yet"
 
 
 def fixed_folder(pattern: str) -> Path:

@@ -56,7 +56,6 @@ DESCRIPTOR_SHARE = 4  # files may hold 1/4 of RLIMIT_NOFILE: sockets, spool and 
 MAX_OPEN_FILES = 1024
 MIN_OPEN_FILES = 4
 NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING
-EVENT_FILES = "events.out.tfevents.*"
 
 _Id = tuple[int, int]  # device, inode
 _ROTATION_SUFFIX = re.compile(r"(?:[.\-_]\d+|\.(?:gz|bz2|xz|zst))+$")  # what logrotate appends
@@ -361,16 +360,17 @@ class Follower:
             self._close_fd(fd)
             return
         key = _id(st)
-        original = self._original_of(name, head, fd, st.st_size) if key not in self._ids \
-            else None
-        if original is not None or key in self._ids:
-            if original is not None:
-                log.info("%s holds the content of %s: read only past what was read of it", name,
-                         original.path)
-                self._copies[key] = original
-                original.copies.append(Mark(name, *key, fingerprint(head), st.st_size, {},
-                                            len(head)))
-                self._commit(original)
+        if key in self._ids or not head:  # an empty file may be a copy about to be written:
+            self._close_fd(fd)            # the next look tells
+            return
+        original = self._original_of(name, head, fd, st.st_size)
+        if original is not None:
+            log.info("%s holds the content of %s: read only past what was read of it", name,
+                     original.path)
+            self._copies[key] = original
+            original.copies.append(Mark(name, *key, fingerprint(head), st.st_size, {},
+                                        len(head)))
+            self._commit(original)
             self._close_fd(fd)
             return
         mark = self.checkpoints.find(*key)
