@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -125,9 +126,47 @@ def state_write_failed(path: object, exc: OSError) -> None:
               path, exc.strerror or exc, more)
 
 
+class _OpenLine:
+    """Whether the command's output, passed through to the terminal our messages go to, ends in
+    the middle of a line (a progress bar, a prompt): then our next message starts a new one."""
+
+    def __init__(self) -> None:
+        self._open: set[int] = set()  # the output streams whose last byte was not a newline
+
+    def shares_our_terminal(self, fd: int) -> bool:
+        """Whether output written to `fd` lands on the terminal of our stderr."""
+        try:
+            return (os.isatty(fd) and os.isatty(2)
+                    and os.fstat(fd).st_rdev == os.fstat(2).st_rdev)
+        except OSError:
+            return False
+
+    def written(self, fd: int, block: bytes) -> None:
+        """The command's output `block` was written to `fd`, a terminal it shares with us."""
+        if block.endswith(b"\n"):
+            self._open.discard(fd)
+        elif block:
+            self._open.add(fd)
+
+    def close(self) -> bool:
+        """Whether a line is open; our message about to be written ends it."""
+        was_open = bool(self._open)
+        self._open.clear()
+        return was_open
+
+
+open_line = _OpenLine()
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return "\n" + text if open_line.close() else text
+
+
 def setup(level: str = "info", message_format: str = "text") -> None:
     """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     handler.addFilter(_RepeatFilter())
     handler.setFormatter(_JsonFormatter() if message_format == "json" else _TextFormatter())
     log.handlers[:] = [handler]

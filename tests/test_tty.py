@@ -3,8 +3,11 @@ command gets its foreground (input(), pdb, Ctrl-C), as under a shell."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -82,12 +85,16 @@ def test_tty_forwards_sigterm_to_the_command(ingest: RunningIngest, tmp_path: Pa
 # --- at a terminal: the command in the foreground ---------------------------------------------
 
 
-def at_terminal(ingest: RunningIngest, tmp_path: Path, code: str) -> pexpect.spawn:
+def at_terminal(ingest: RunningIngest, tmp_path: Path, code: str, *args: str,
+                **variables: str) -> pexpect.spawn:
     """`sidecar run` on a terminal of its own, as a user at a shell starts it."""
-    env = platform_env(ingest, tmp_path / "state")
+    env = platform_env(ingest, tmp_path / "state", **variables)
     (tmp_path / "sc").mkdir()
-    return pexpect.spawn(SIDECAR[0], [*SIDECAR[1:], "run", "--", sys.executable, "-c", code],
-                         env=env, cwd=str(tmp_path / "sc"), timeout=20, encoding="utf-8")
+    child = pexpect.spawn(SIDECAR[0], [*SIDECAR[1:], "run", "--", sys.executable, "-c", code,
+                                       *args],
+                          env=env, cwd=str(tmp_path / "sc"), timeout=20, encoding="utf-8")
+    child.logfile_read = io.StringIO()  # everything the terminal was sent
+    return child
 
 
 def test_command_reads_its_terminal(ingest: RunningIngest, tmp_path: Path) -> None:
@@ -111,3 +118,34 @@ def test_ctrl_c_at_the_terminal_ends_a_command_waiting_for_input(ingest: Running
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 128 + signal.SIGINT
+
+
+MID_LINE_UNTIL_STATUS = """
+import socket, sys, time
+print("4/60", end="", flush=True)
+while True:  # the sidecar says where its status endpoint listens once it does
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.02)
+print(" 5/60", flush=True)
+"""
+
+
+def test_our_message_starts_a_line_of_its_own_while_a_bar_is_mid_line(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """Our message while the command's bar is mid-line starts on a new line instead of
+    continuing the bar's (it gave `4/602026-12-01T07:23:12.767Z sidecar ...`)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    child = at_terminal(ingest, tmp_path, MID_LINE_UNTIL_STATUS, str(port),
+                        SIDECAR_STATUS_ADDR=f"127.0.0.1:{port}")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    shown = child.logfile_read.getvalue()
+    assert re.search(r"4/60\r\n[0-9T:.-]+Z sidecar INFO ", shown), shown  # at least the status
+    #                                                    endpoint's came while the line was open
+    assert not re.search(r"[^\n][0-9]{4}-[0-9T:.-]+Z sidecar ", shown), shown

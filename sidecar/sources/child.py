@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sidecar.log import log
+from sidecar.log import log, open_line
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 READ_BYTES = 1 << 20
@@ -72,6 +72,7 @@ class Pump:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _sink_open: bool = True
     _can_splice: bool = True  # until splice(2) says this sink cannot take it
+    _on_our_terminal: bool = False  # the sink is the terminal our own messages go to
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name=f"pump-{self.name}", daemon=True)
@@ -79,6 +80,7 @@ class Pump:
         return thread
 
     def _run(self) -> None:
+        self._on_our_terminal = open_line.shares_our_terminal(self.sink_fd)
         ready = select.poll()
         ready.register(self.source_fd, select.POLLIN)
         try:
@@ -136,6 +138,8 @@ class Pump:
                 view = view[os.write(self.sink_fd, view):]
         except OSError as exc:
             self._sink_gone(exc)
+        if self._on_our_terminal:
+            open_line.written(self.sink_fd, block)
 
     def _sink_gone(self, exc: OSError) -> None:
         """Our own stdout went away: keep forwarding to /logs."""
