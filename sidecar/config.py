@@ -73,6 +73,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("status-addr", "str", DEFAULT_STATUS_ADDR, "local status endpoint HOST:PORT, or off",
            metavar="HOST:PORT"),
     Option("drain-timeout", "float", 20.0, "seconds shutdown may spend delivering what is left"),
+    Option("stall-after", "float", 1800.0, "seconds without output or a new metric step before "
+           "a stall is said in /logs and on the status endpoint; 0 turns it off"),
     Option("token-file", "path", None, "read the token from this file (wins over the variable)"),
     Option("running-when", "str", "spawn", "post running as the child is spawned, or on its marker",
            choices=("spawn", "marker"), only="run"),
@@ -170,6 +172,7 @@ class Config:
     state_dir: Path = Path()
     status_addr: str = DEFAULT_STATUS_ADDR
     drain_timeout: float = 20.0
+    stall_after: float = 1800.0
     token_file: Path | None = None
     running_when: str = "spawn"
     log_prefix: str = ""
@@ -510,7 +513,7 @@ def _convert(opt: Option, raw: Any) -> Any:
 
 
 def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
-    for name in ("hardware_interval", "drain_timeout", "log_rate"):
+    for name in ("hardware_interval", "drain_timeout", "log_rate", "stall_after"):
         if name not in values:
             continue
         if not math.isfinite(values[name]) or values[name] < 0:

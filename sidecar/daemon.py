@@ -38,6 +38,7 @@ from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, Sp
 from sidecar.sources.hparams import load_hparams
 from sidecar.sources.lines import LineAssembler
 from sidecar.sources.signatures import Scanner
+from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
 from sidecar.supervise import fault_point, restarts, supervise
 
@@ -136,6 +137,7 @@ class _Stream:
     budget: _Budget
     scanner: Scanner  # failure signatures, looked for beside the log path
     tail: StreamTail  # the recent text and what of it the ingest acknowledged (crash tail)
+    stall: StallWatch  # told of every block, read or skipped
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     _skipped: int = 0
 
@@ -155,6 +157,7 @@ class _Stream:
         self.budget.spend(size)
 
     def feed(self, block: bytes) -> None:
+        self.stall.activity()
         if self.shipper is None:
             return
         self.scanner.feed(self.name, block)
@@ -162,6 +165,7 @@ class _Stream:
         self._put(self.assembler.feed(block, time.monotonic()))
 
     def skip(self, size: int, why: str) -> None:
+        self.stall.activity()
         self._skipped += size
         if self.shipper is not None:
             self.shipper.count_dropped(size, why)
@@ -192,6 +196,12 @@ class _Report:
 
     scanner: Scanner | None = None
     failure: Failure | None = None
+    stall: StallWatch | None = None
+    gpus: Pipeline | None = None  # whose sampler says what the GPUs do, for a stall line
+
+    def gpu_summary(self) -> str:
+        sampler = self.gpus.sampler if self.gpus is not None else None
+        return gpu_summary(sampler.gpu_gauges) if sampler is not None else "no GPU"
 
 
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -223,10 +233,12 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     shipper = LogShipper(client, cfg.platform.run_id) if client is not None else None  # it holds
     #                       the first output until the pipeline, imported after the spawn, is up
     scanner = Scanner()
+    report = _Report(scanner)
+    stall = _stall_watch(cfg, report, shipper, prefix)
     keep_sgr = cfg.log_ansi == "keep"
     names = ("terminal",) if cfg.tty else ("stdout", "stderr")  # --tty: both share one
     streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
-                       scanner, tail)
+                       scanner, tail, stall)
                for name, tail in zip(names, new_tails(len(names)), strict=True)]
     child = Child(argv, child_env, tty=cfg.tty)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
@@ -265,9 +277,10 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         pipeline.start()
         pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,
                                  find_trainer_python=True)
-    report = _Report(scanner)
+        pipeline.on_activity = stall.activity
+        report.gpus = pipeline
     status = await _serve_status(cfg, node, "run", client, pipeline, lifecycle, report)
-    ticker = supervise("ticker", lambda: _tick(streams))
+    ticker = supervise("ticker", lambda: _tick(streams, stall))
 
     exit_status = await child.wait()
     ended_at = time.time()
@@ -328,10 +341,16 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     pipeline = Pipeline(cfg, client, node, load_hparams(cfg.hparams) if cfg.hparams else None)
     pipeline.start()
     pipeline.start_telemetry(environ, environ, (), None, find_trainer_python=False)
-    status = await _serve_status(cfg, node, "watch", client, pipeline, None, _Report())
+    report = _Report(gpus=pipeline)
+    stall = _stall_watch(cfg, report, pipeline.shipper, cfg.log_prefix.format(
+        node=node.name, rank=node.rank))
+    pipeline.on_activity = stall.activity
+    stall_ticker = supervise("stall-watch", lambda: _tick((), stall))
+    status = await _serve_status(cfg, node, "watch", client, pipeline, None, report)
     log.info("watching %d log, %d jsonl, %d tensorboard source(s)", len(cfg.log),
              len(cfg.jsonl), len(cfg.tensorboard))
     await stop.wait()
+    await cancel(stall_ticker)
     log.info("stopping: reading every file to its end, delivering for at most %.0f s",
              cfg.drain_timeout)
     for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the drain
@@ -378,12 +397,25 @@ def _on_signal(child: Child, signum: int, interrupted: asyncio.Event) -> None:
         interrupted.set()
 
 
-async def _tick(streams: Sequence[_Stream]) -> None:
+async def _tick(streams: Sequence[_Stream], stall: StallWatch) -> None:
     while True:
         fault_point()
         await asyncio.sleep(TICK_S)
         for stream in streams:
             stream.tick()
+        stall.check()
+
+
+def _stall_watch(cfg: Config, report: _Report, shipper: LogShipper | None,
+                 prefix: str) -> StallWatch:
+    """--stall-after for a run: its lines to /logs (prefixed like the output), the GPUs as the
+    sampler last saw them, its state on the status endpoint."""
+    def say(line: str) -> None:
+        if shipper is not None:
+            shipper.put(mask(prefix + line + "\n"))
+
+    report.stall = StallWatch(cfg.stall_after, say, report.gpu_summary)
+    return report.stall
 
 
 async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
@@ -516,7 +548,8 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
             lifecycle_pending=tuple(lifecycle.pending) if lifecycle is not None else (),
             task_restarts=restarts(),
             signatures=report.scanner.counts if report.scanner is not None else {},
-            failure=report.failure.to_json() if report.failure is not None else None)
+            failure=report.failure.to_json() if report.failure is not None else None,
+            stalled_s=report.stall.stalled_s if report.stall is not None else 0.0)
 
     run_dir = cfg.run_dir if client is not None else None
     return await start_status_server(cfg.status_addr, run_dir, snapshot)

@@ -22,6 +22,7 @@ from sidecar.sources.nvml import XidEvent
 from sidecar.sources.signatures import Scanner
 
 EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N is 128 + N (CONTRACT 2)
+LAST_LINE_STREAMS = ("stderr", "terminal")  # the last resort; with --tty both streams are one
 XID_AFTER = "cuda_oom"  # an XID is named after this row and before the rest of the table
 _SIGNAL_CAUSES: dict[int, str] = {
     signal.SIGSEGV: "segmentation fault (SIGSEGV)",
@@ -90,9 +91,10 @@ def _cause(exit_status: int, scanner: Scanner, oom_kills: Sequence[OomKill],
         seen = scanner.seen.get(row.name)
         if seen is not None and row.weight == "fallback":
             return row.cause.format(**seen.groups), row.name, seen.stream, seen.line
-    last = scanner.last_line("stderr")
-    if last:
-        return "the last line on stderr", "stderr", "stderr", last
+    for stream in LAST_LINE_STREAMS:
+        last = scanner.last_line(stream)
+        if last:
+            return f"the last line on {stream}", stream, stream, last
     return "unknown (nothing on stderr)", "unknown", "", ""
 
 

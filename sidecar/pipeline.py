@@ -128,6 +128,8 @@ class Pipeline(Sink):
     refused_keys: set[str] = field(default_factory=set)
     invalid: dict[str, int] = field(default_factory=dict)
     sampler: HardwareSampler | None = None
+    on_activity: Callable[[], None] | None = None  # log text, or a metric step beyond any before
+    _top_step: float = float("-inf")
     _thinned: int = 0
     _follow_task: asyncio.Task[None] | None = None
     _environment_task: asyncio.Task[None] | None = None
@@ -200,6 +202,8 @@ class Pipeline(Sink):
         return self.shipper.has_room and self.metrics.has_room and self.hparams.has_room
 
     def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
+        if self.on_activity is not None and (parsed.text or self._new_step(parsed.points)):
+            self.on_activity()
         if parsed.text:
             self.shipper.put(parsed.text, ticket)
         if parsed.points:
@@ -211,6 +215,14 @@ class Pipeline(Sink):
                 log.warning("metric %r: a NaN or infinite value is never sent; such values are "
                             "counted per key (said once per key)", key)
             self.invalid[key] = self.invalid.get(key, 0) + count
+
+    def _new_step(self, points: list[dict[str, Any]]) -> bool:
+        """Whether `points` go beyond every step seen before (--stall-after's progress)."""
+        top = max((point["step"] for point in points), default=float("-inf"))
+        if top <= self._top_step:
+            return False
+        self._top_step = top
+        return True
 
     def emit(self, route: str, payload: dict[str, Any]) -> None:
         """Hand one payload to an at-least-once document route; never blocks. Past half its

@@ -110,6 +110,7 @@ class StatusSnapshot:
     task_restarts: dict[str, int] = field(default_factory=dict)  # supervised tasks that failed
     signatures: dict[str, int] = field(default_factory=dict)  # failure signatures seen so far
     failure: dict[str, Any] | None = None  # the failed run's summary (sidecar.diagnose.Failure)
+    stalled_s: float = 0.0  # how long the trainer has been stalled (--stall-after); 0: it is not
     taken_at: float = field(default_factory=time.time)
 
     @property
@@ -141,6 +142,7 @@ class StatusSnapshot:
                 task_restarts={str(k): int(v) for k, v in doc.get("task_restarts", {}).items()},
                 signatures={str(k): int(v) for k, v in doc.get("signatures", {}).items()},
                 failure=dict(doc["failure"]) if doc.get("failure") else None,
+                stalled_s=float(doc.get("stalled_s", 0.0)),
                 taken_at=float(doc.get("taken_at", time.time())),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

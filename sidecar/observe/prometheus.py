@@ -129,6 +129,9 @@ def _diagnosis_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
     for name, count in snap.signatures.items():
         seen.add_metric([name], count)
     yield seen
+    yield GaugeMetricFamily("sidecar_trainer_stalled_seconds", "how long the command has printed "
+                            "nothing and made no new metric step, past --stall-after; 0 when it "
+                            "is not stalled", value=snap.stalled_s)
     if snap.failure is not None:
         failure = GaugeMetricFamily(
             "sidecar_run_failure_info", "the failed run's likely cause; always 1",
