@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from tests.conftest import platform_env
+from tests.ingest_server import RunningIngest
 
 # Loaded only by the commands or the moments that need them.
 NOT_FOR_A_DAEMON = (
@@ -56,3 +60,31 @@ def test_a_daemon_without_gpus_loads_no_command_or_scrape_code() -> None:
     loaded = set(found["modules"])
     assert not loaded & set(NOT_FOR_A_DAEMON), sorted(loaded & set(NOT_FOR_A_DAEMON))
     assert found["reason"] == "the NVIDIA driver library libnvidia-ml.so.1 is not installed"
+
+
+WATCH_THEN_LIST_MODULES = """
+import atexit, json, sys
+from sidecar.cli import main
+atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(sorted(sys.modules))))
+sys.exit(main(["watch", "--log", sys.argv[2]]))
+"""
+
+
+def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIngest,
+                                                              tmp_path: Path) -> None:
+    """--status-addr off: aiohttp's server side (a tenth of the start-up) is never imported."""
+    modules, log = tmp_path / "modules.json", tmp_path / "train.log"
+    log.write_text("one line\n")
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0",
+                       SIDECAR_STATUS_ADDR="off")
+    proc = subprocess.Popen([sys.executable, "-c", WATCH_THEN_LIST_MODULES, str(modules),
+                             str(log)], env=env, cwd=tmp_path, stderr=subprocess.PIPE)
+    try:
+        ingest.wait_for(lambda: ingest.records("logs"), 30)
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr.decode(errors="replace")
+    loaded = set(json.loads(modules.read_text()))
+    assert "aiohttp.client" in loaded  # the module list is the running daemon's
+    assert not {"aiohttp.web", "sidecar.observe.endpoint"} & loaded

@@ -28,7 +28,7 @@ from sidecar.sources.tensorboard import EventFileParser
 
 TAGS = [f"{group}/{name}" for group in ("train", "val", "gpu0", "gpu1")
         for name in ("loss", "accuracy", "learning_rate", "grad_norm")]
-TARGET_RATIO = 20.0
+TARGET_RATIO = 30.0  # issue 17 (issue 8: 20)
 
 
 def write_event_file(path: Path, target_bytes: int) -> None:
