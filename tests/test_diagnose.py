@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 
 from sidecar.commands.receive import Fault
-from sidecar.sources.cgroup import own_memory_cgroups
+from sidecar.diagnose import diagnose
+from sidecar.node import Node
+from sidecar.sources.cgroup import OomKill, own_memory_cgroups
+from sidecar.sources.nvml import XidEvent
+from sidecar.sources.signatures import Scanner
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest, wait_until
+from tests.test_hardware import TWO_GPUS, stub_dir  # noqa: F401 (stub_dir: a fixture)
 
 OOM_TRACEBACK = r'''
 import sys
@@ -205,3 +210,74 @@ def test_multi_node_summary_names_node_and_rank(ingest: RunningIngest, tmp_path:
     assert done.status == 1
     assert summary(ingest).startswith("[sidecar] run failed on node gpu-node-07 (rank 2): exit "
                                       "status 1 after ")
+
+
+WAITS_THEN_CUDA_ERROR = r'''
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+sys.stderr.write("RuntimeError: CUDA error: an illegal memory access was encountered\n")
+sys.exit(1)
+'''
+
+
+def test_an_xid_the_sampler_saw_is_named_before_the_cuda_error_it_caused(
+        ingest: RunningIngest, tmp_path: Path, stub_dir: Path) -> None:  # noqa: F811
+    script = tmp_path / "nvml-script.txt"
+    script.write_text("".join(f"{k} {v}\n" for k, v in TWO_GPUS.items()))
+    go = tmp_path / "go"
+    env = platform_env(ingest, tmp_path / "state", NVML_STUB_SCRIPT=str(script),
+                       LD_LIBRARY_PATH=str(stub_dir))
+    proc = Sidecar(["run", "--hardware-interval", "1", "--",
+                    *python_child(WAITS_THEN_CUDA_ERROR), str(go)], env, tmp_path / "sc")
+
+    def xid_posted() -> bool:
+        return any(p["key"] == "gpu/0/xid_code" for r in ingest.records("hardware")
+                   for p in r["points"])
+
+    wait_until(xid_posted, 30, "the sampler posted the XID")
+    go.touch()
+    assert proc.wait(60).status == 1
+    assert ('likely cause: GPU XID 79 on GPU 0 (nvml: "GPU 0 reported XID 79")'
+            in summary(ingest))
+
+
+def scanned(*lines: bytes) -> Scanner:
+    scanner = Scanner()
+    scanner.feed("stderr", b"".join(line + b"\n" for line in lines))
+    return scanner
+
+
+NODE = Node("gpu-node-07", 0)
+OOM = b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+WATCHDOG = (b"[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4187, "
+            b"OpType=ALLREDUCE) ran for 600081 milliseconds before timing out.")
+KILL = OomKill(Path("/sys/fs/cgroup/job"), 1, 64 << 30)
+
+
+@pytest.mark.parametrize(("status", "lines", "kills", "xids", "signature"), [
+    (137, (OOM,), (KILL,), (), "host_oom_kill"),  # the kernel's kill explains the SIGKILL
+    (137, (), (), (), "signal"),  # a SIGKILL with no kill counted came from outside
+    (1, (OOM,), (KILL,), (), "cuda_oom"),  # a kill elsewhere in the tree, not of this exit
+    (1, (OOM, WATCHDOG), (), (XidEvent(0, 79, 0.0),), "cuda_oom"),
+    (134, (WATCHDOG,), (), (XidEvent(0, 79, 0.0),), "xid"),  # the GPU fell off the bus first
+    (134, (WATCHDOG, b"ValueError: x"), (), (), "nccl_watchdog_timeout"),
+    (139, (b"Traceback (most recent call last):", b"ValueError: x"), (), (), "signal"),
+    (1, (b"Traceback (most recent call last):", b"ValueError: x"), (), (), "python_exception"),
+    (1, (b"loading shards", b"Killed: bad config"), (), (), "stderr"),
+    (2, (), (), (), "unknown"),
+])
+def test_the_cause_is_the_strongest_evidence(status: int, lines: tuple[bytes, ...],
+                                             kills: tuple[OomKill, ...],
+                                             xids: tuple[XidEvent, ...], signature: str) -> None:
+    failure = diagnose(status, 8000.0, scanned(*lines), NODE, kills, xids)
+    assert failure.signature == signature
+    assert failure.line().startswith(f"[sidecar] run failed: exit status {status} after 2h13m; "
+                                     "likely cause: ")
+
+
+def test_the_oom_kill_names_the_limit() -> None:
+    failure = diagnose(137, 61.0, scanned(), NODE, (KILL,))
+    assert failure.line() == ("[sidecar] run failed: exit status 137 after 1m1s; likely cause: "
+                              "host out of memory: the kernel's OOM killer (cgroup memory limit "
+                              "64.0 GiB) (cgroup: \"/sys/fs/cgroup/job: oom_kill +1\")")
