@@ -32,6 +32,7 @@ from sidecar.config import (
     parse_host_port,
     resolve,
 )
+from sidecar.statefile import Malformed, load_checked
 
 if TYPE_CHECKING:  # the status server's module pulls in aiohttp.web: only once it is needed
     from sidecar.observe.endpoint import (
@@ -378,10 +379,17 @@ def _configured(args: argparse.Namespace,
 
 
 def _read_addr(path: Path) -> str:
+    """The address a daemon wrote; "" when the file is gone or malformed (set aside)."""
+    return load_checked(path, _parse_addr) or ""
+
+
+def _parse_addr(data: bytes) -> str:
+    addr = data.decode("ascii").strip()
     try:
-        return path.read_text(encoding="utf-8").strip()
-    except OSError:
-        return ""
+        parse_host_port(addr, str(STATUS_ADDR_FILE))
+    except ConfigError:
+        raise Malformed(f"{addr!r:.40} is not HOST:PORT") from None
+    return addr
 
 
 def _mtime(path: Path) -> float:

@@ -167,7 +167,13 @@ class Batcher:
     async def _send_spilled(self) -> None:
         assert self.spill is not None
         payloads = await asyncio.to_thread(self.spill.peek, self.max_items)
-        await self._send([_Item(json.loads(payload), None) for payload in payloads])
+        items = [_Item(value, None) for value in map(_spooled, payloads) if value is not None]
+        if len(items) < len(payloads):
+            self.dead_lettered += len(payloads) - len(items)
+            log.warning("/%s: %d spooled payload(s) in %s are not JSON objects; skipped, never "
+                        "posted", self.route, len(payloads) - len(items), self.spill.folder)
+        if items:
+            await self._send(items)
         await asyncio.to_thread(self.spill.ack, len(payloads))
 
     async def _send(self, batch: list[_Item]) -> None:
@@ -192,3 +198,13 @@ class Batcher:
         log.error("/%s: HTTP %s: the ingest refused this payload for good (%s); %s; later "
                   "payloads go on", self.route, answer.status, answer.detail or "no reason given",
                   kept)
+
+
+def _spooled(payload: bytes) -> Any:
+    """A payload read back from the spool, or None when it is not the JSON object it was
+    written as (the state dir's loader rules: checked before it is trusted)."""
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -12,6 +12,7 @@ lands here only when the ingest is already failing, at the rate of a few a secon
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -19,10 +20,11 @@ from pathlib import Path
 
 from sidecar.delivery.journal import append_frames, frame
 from sidecar.log import log, state_write_failed
-from sidecar.statefile import write_atomic
+from sidecar.statefile import Malformed, load_checked, set_aside, write_atomic
 
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 4 << 20
+SEGMENT_NAME = re.compile(r"[0-9]{8}\.seg")
 MAX_SPOOL_BYTES = 256 << 20  # per route; beyond it new payloads are refused with an ERROR
 
 
@@ -45,7 +47,7 @@ class DiskQueue:
     def open(self) -> None:
         """Load what an earlier run left; drops a torn tail."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._segments = sorted(int(p.stem) for p in self.folder.glob("*.seg"))
+        self._segments = sorted(self._segment_numbers())
         self._cursor = self._read_cursor()
         self._bytes = self._records = 0
         for number in [n for n in self._segments if n < self._cursor[0]]:
@@ -140,18 +142,31 @@ class DiskQueue:
     def _path(self, number: int) -> Path:
         return self.folder / f"{number:08d}.seg"
 
+    def _segment_numbers(self) -> list[int]:
+        """The numbers of the segments here; anything else named *.seg (a stray backup.seg) is
+        set aside by the state dir's loader rules, never trusted."""
+        numbers = []
+        for path in self.folder.glob("*.seg"):
+            if SEGMENT_NAME.fullmatch(path.name):
+                numbers.append(int(path.stem))
+            else:
+                set_aside(path, "not a segment this spool writes (NNNNNNNN.seg)")
+        return numbers
+
     def _read_cursor(self) -> tuple[int, int]:
-        try:
-            segment, offset = (int(x) for x in (self.folder / "cursor").read_text().split())
-        except FileNotFoundError:
+        """Where the unacknowledged records begin; the whole spool when the cursor is absent,
+        malformed (set aside) or names a segment that is gone."""
+        cursor = load_checked(self.folder / "cursor", _parse_cursor)
+        if cursor is None or cursor[0] not in self._segments:
             return (self._segments[0], 0) if self._segments else (0, 0)
-        except (OSError, ValueError):
-            log.warning("%s/cursor is corrupt; replaying the whole spool (the ingest may see "
-                        "repeats)", self.folder)
-            return (self._segments[0], 0) if self._segments else (0, 0)
-        if segment not in self._segments:
-            return (self._segments[0], 0) if self._segments else (0, 0)
-        return segment, offset
+        return cursor
+
+
+def _parse_cursor(data: bytes) -> tuple[int, int]:
+    segment, offset = (int(x) for x in data.decode("ascii").split())
+    if segment < 0 or offset < 0:
+        raise Malformed(f"a negative position {segment} {offset}")
+    return segment, offset
 
 
 def _scan(data: bytes, pos: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.log import log
-from sidecar.statefile import write_atomic
+from sidecar.statefile import Malformed, load_checked, write_atomic
 
 _HEADER = struct.Struct("<II")
 MAX_RECORD_BYTES = 64 << 20
@@ -89,17 +89,15 @@ class Journal:
         return len(self._records) - self._acked
 
     def _read_acked(self) -> int:
-        try:
-            count = int(self._ack_path.read_text().strip() or 0)
-            if count < 0:
-                raise ValueError(count)
-            return count
-        except FileNotFoundError:
-            return 0
-        except (ValueError, OSError):
-            log.warning("%s is corrupt; replaying the whole journal (the ingest may see "
-                        "repeats)", self._ack_path)
-            return 0
+        """The acknowledged count; 0 (replay it all) when absent or malformed (set aside)."""
+        return load_checked(self._ack_path, _parse_count) or 0
+
+
+def _parse_count(data: bytes) -> int:
+    count = int(data.decode("ascii").strip() or 0)
+    if count < 0:
+        raise Malformed(f"a negative count {count}")
+    return count
 
 
 def frame(payload: bytes) -> bytes:

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery.client import IngestClient, Verdict
+from sidecar.delivery.client import Answer, IngestClient, Verdict
 from sidecar.delivery.journal import Journal, append_dead_letter
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
+from sidecar.statefile import TEXT, record
 from sidecar.supervise import fault_point, supervise
 
 EVENTS = ("starting", "running", "succeeded", "failed")
+SKIPPED = b""  # in the queue: a journal record that is no event, acknowledged unposted
 TERMINAL = ("succeeded", "failed")
 
 
@@ -47,7 +49,12 @@ class Lifecycle:
         if self.client is None:
             return
         self._journal = Journal(self.run_dir / "lifecycle.journal")
-        self._queue = [(body, True) for body in await asyncio.to_thread(self._journal.open)]
+        left = await asyncio.to_thread(self._journal.open)
+        self._queue = [(body if self._is_event(body) else SKIPPED, True) for body in left]
+        skipped = sum(body == SKIPPED for body, _ in self._queue)
+        if skipped:
+            log.warning("%s: %d record(s) are not lifecycle events of run %s; they are skipped, "
+                        "never posted", self._journal.path, skipped, self.run_id)
         if self._queue:
             log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
                      len(self._queue))
@@ -82,7 +89,7 @@ class Lifecycle:
     @property
     def pending(self) -> list[str]:
         """The events not yet acknowledged, oldest first."""
-        return [json.loads(body)["event"] for body, _ in self._queue]
+        return [json.loads(body)["event"] for body, _ in self._queue if body != SKIPPED]
 
     async def close(self) -> None:
         await cancel(self._task)
@@ -103,7 +110,8 @@ class Lifecycle:
                 continue
             await self.release.wait()
             body, journaled = self._queue[0]
-            answer = await self.client.deliver("lifecycle", body)
+            answer = (Answer(Verdict.ACCEPTED) if body == SKIPPED
+                      else await self.client.deliver("lifecycle", body))
             if answer.verdict is Verdict.REJECTED:
                 self.rejected += 1
                 self._dead_letter(body, answer.status)
@@ -113,6 +121,15 @@ class Lifecycle:
                 except OSError as exc:  # the next acknowledgement written records this one too
                     state_write_failed(self.run_dir / "lifecycle.journal.acked", exc)
             self._queue.pop(0)
+
+    def _is_event(self, body: bytes) -> bool:
+        """Whether a record read back from the journal is an event of this run, as `record`
+        writes them (the state dir's loader rules: checked before it is trusted)."""
+        try:
+            doc = record(json.loads(body), {"run_id": TEXT, "event": TEXT, "ts": TEXT})
+        except ValueError:
+            return False
+        return doc["run_id"] == self.run_id and doc["event"] in EVENTS
 
     def _dead_letter(self, body: bytes, status: int | None) -> None:
         try:

@@ -10,9 +10,10 @@ A file is known by device, inode and a fingerprint: the hex BLAKE2b-64 checksum 
 grows with it), so a new file on a reused inode starts from its beginning. `offset` is where
 reading resumes; `state` is the file parser's own (a JSONL line number, CRI pieces of a line
 still waiting for its end). Version 1 stored the first bytes themselves as hex in `fingerprint`
-and had no `head_bytes`; it is converted on load. A corrupt or unreadable document is reported
-once and set aside as `offsets.json.corrupt`: every file is then read from its start (the ingest
-may see repeats, nothing is lost), never a crash loop.
+and had no `head_bytes`; it is converted on load. The document is read back through the state
+dir's checked loader (MARK_FIELDS is its schema): a malformed one is set aside with one WARNING
+and every file is then read from its start (the ingest may see repeats, nothing is lost), never
+a crash loop.
 """
 
 from __future__ import annotations
@@ -25,8 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import cancel
-from sidecar.log import log, state_write_failed
-from sidecar.statefile import write_atomic
+from sidecar.log import state_write_failed
+from sidecar.statefile import (
+    COUNT,
+    HEX,
+    INTEGER,
+    OBJECT,
+    TEXT,
+    load_checked,
+    record,
+    write_atomic,
+)
 from sidecar.supervise import fault_point, supervise
 
 SAVE_RETRY_S = 1.0
@@ -62,6 +72,22 @@ class Mark:
         return cls(fingerprint=fingerprint(head), head_bytes=len(head), **fields)
 
 
+# The schema of offsets.json's marks (module docstring), for the state dir's checked loader.
+MARK_FIELDS = {"path": TEXT, "dev": INTEGER, "ino": INTEGER, "fingerprint": HEX, "offset": COUNT,
+               "state": OBJECT}
+MARK_FIELDS_SINCE_2 = {"head_bytes": COUNT}
+
+
+def parse_offsets(data: bytes) -> dict[str, Mark]:
+    """offsets.json's marks by "dev:ino"; Malformed (or ValueError) when it is not one."""
+    doc = record(json.loads(data), {"files": OBJECT}, {"version": INTEGER})
+    version_1 = doc.get("version") == 1
+    marks = [Mark.of_version_1(fields) if version_1 else Mark(**fields)
+             for fields in (record(value, MARK_FIELDS, {} if version_1 else MARK_FIELDS_SINCE_2)
+                            for value in doc["files"].values())]
+    return {f"{mark.dev}:{mark.ino}": mark for mark in marks}
+
+
 @dataclass
 class Checkpoints:
     """The offsets document and a background saver."""
@@ -73,18 +99,9 @@ class Checkpoints:
     _task: asyncio.Task[None] | None = None
 
     def load(self) -> None:
-        try:
-            raw = json.loads(self.path.read_text(encoding="utf-8"))
-            make = Mark.of_version_1 if raw.get("version") == 1 else (lambda v: Mark(**v))
-            self.marks = {key: make(dict(value)) for key, value in raw["files"].items()}
-        except FileNotFoundError:
-            self.marks = {}
-        except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
-            aside = self.path.with_name(self.path.name + ".corrupt")
-            self.path.replace(aside)
-            log.error("%s is unreadable (%s): moved to %s; every file is read from its start, "
-                      "so the ingest may see repeats", self.path, exc.__class__.__name__, aside)
-            self.marks = {}
+        """The offsets an earlier start left; none when the document is absent or malformed
+        (set aside by the loader: every file is then read from its start)."""
+        self.marks = load_checked(self.path, parse_offsets) or {}
 
     def find(self, dev: int, ino: int) -> Mark | None:
         return self.marks.get(f"{dev}:{ino}")

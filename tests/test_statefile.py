@@ -1,0 +1,177 @@
+"""Every file read back from the state dir is checked before it is trusted (issue 13, cause 3):
+a malformed one is moved aside with one WARNING and the run carries on as if it were absent
+(CONTRACT 4: nothing lost, repeats allowed). Never a crash, never a silent stop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sidecar.delivery.journal import frame
+from sidecar.sources.checkpoints import parse_offsets
+from sidecar.statefile import Malformed, load_checked
+from tests.conftest import RUN_ID, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest
+
+POINTS = 50
+
+
+def jsonl_file(tmp_path: Path) -> Path:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"key": "loss", "step": s, "value": s / 4}) + "\n"
+                            for s in range(POINTS)))
+    return path
+
+
+def mark_of(path: Path, **fields: object) -> dict[str, object]:
+    """offsets.json holding one mark for `path`, at its real device and inode, with `fields`."""
+    st = os.stat(path)
+    mark = {"path": str(path), "dev": st.st_dev, "ino": st.st_ino,
+            "fingerprint": path.read_bytes()[:256].hex(), "offset": 0, "state": {}, **fields}
+    return {"version": 1, "files": {f"{st.st_dev}:{st.st_ino}": mark}}
+
+
+Prepare = Callable[[Path, Path], None]  # (the run's state folder, the JSONL file)
+
+
+def offsets(doc: Callable[[Path], object]) -> Prepare:
+    return lambda run_dir, jsonl: (run_dir / "offsets.json").write_text(json.dumps(doc(jsonl)))
+
+
+def put(relative: str, data: bytes) -> Prepare:
+    def prepare(run_dir: Path, jsonl: Path) -> None:
+        path = run_dir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return prepare
+
+
+CASES: list[tuple[str, Prepare, str]] = [
+    ('offsets.json {"files": null}', offsets(lambda f: {"version": 1, "files": None}),
+     "offsets.json"),
+    ('offsets.json {"files": []}', offsets(lambda f: {"version": 1, "files": []}),
+     "offsets.json"),
+    ("a mark with a non-hex fingerprint", offsets(lambda f: mark_of(f, fingerprint="zz-not-hex")),
+     "offsets.json"),
+    ("a mark with a string offset", offsets(lambda f: mark_of(f, offset="12")), "offsets.json"),
+    ('a mark with "state": null', offsets(lambda f: mark_of(f, state=None)), "offsets.json"),
+    ("a stray backup.seg in the hardware spool", put("spool/hardware/backup.seg", b"x" * 64),
+     "backup.seg"),
+    ("a spool cursor that is not two numbers", put("spool/hardware/cursor", b"seven"), "cursor"),
+    ("a lifecycle journal count that is not a number", put("lifecycle.journal.acked", b"-x"),
+     "lifecycle.journal.acked"),
+]
+
+
+@pytest.mark.parametrize(("prepare", "named"), [(p, n) for _, p, n in CASES],
+                         ids=[c[0] for c in CASES])
+def test_a_malformed_state_file_is_set_aside_and_the_run_delivers_everything(
+        ingest: RunningIngest, tmp_path: Path, prepare: Prepare, named: str) -> None:
+    jsonl = jsonl_file(tmp_path)
+    run_dir = tmp_path / "state" / RUN_ID
+    run_dir.mkdir(parents=True)
+    prepare(run_dir, jsonl)
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--jsonl", str(jsonl), "--", *python_child("print('trained')")], env,
+                   tmp_path / "out")
+    err = done.stderr.decode()
+    assert done.status == 0 and done.stdout == b"trained\n", err
+    assert "Traceback" not in err and " ERROR " not in err, err
+    warnings = [line for line in err.splitlines() if "malformed" in line]
+    assert len(warnings) == 1 and named in warnings[0], err
+    assert list(run_dir.rglob(f"{Path(named).name}.bad-*")), sorted(run_dir.rglob("*"))
+    steps = {p["step"] for r in ingest.records("metrics") for p in r["points"]}
+    assert steps == set(range(POINTS))
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running",
+                                                                 "succeeded"]
+
+
+@pytest.mark.parametrize("record", [b"not json", b'{"event": "running"}', b"[1, 2]",
+                                    b'{"run_id": "another-run", "event": "failed", "ts": "x"}'])
+def test_a_journal_record_that_is_no_event_of_this_run_is_skipped_never_posted(
+        ingest: RunningIngest, tmp_path: Path, record: bytes) -> None:
+    run_dir = tmp_path / "state" / RUN_ID
+    run_dir.mkdir(parents=True)
+    good = json.dumps({"run_id": RUN_ID, "event": "starting",
+                       "ts": "2026-12-01T08:00:00+00:00"}).encode()
+    (run_dir / "lifecycle.journal").write_bytes(frame(record) + frame(good))
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--", *python_child("pass")], env, tmp_path / "out")
+    err = done.stderr.decode()
+    assert done.status == 0 and "Traceback" not in err, err
+    assert err.count("not lifecycle events of run") == 1, err
+    events = [(r["event"], r["ts"]) for r in ingest.records("lifecycle")]
+    assert events[0] == ("starting", "2026-12-01T08:00:00+00:00")  # the earlier start's, kept
+    assert [e for e, _ in events[1:]] == ["starting", "running", "succeeded"]
+
+
+def test_a_spooled_payload_that_is_not_json_is_skipped(ingest: RunningIngest,
+                                                       tmp_path: Path) -> None:
+    spool = tmp_path / "state" / RUN_ID / "spool" / "hardware"
+    spool.mkdir(parents=True)
+    sample = {"run_id": RUN_ID, "node": "n", "points": [
+        {"key": "cpu/utilization_percent", "value": 5.0, "ts": "2026-12-01T08:00:00+00:00"}]}
+    (spool / "00000000.seg").write_bytes(frame(b"\xff not json") + frame(json.dumps(sample)
+                                                                          .encode()))
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--", *python_child("pass")], env, tmp_path / "out")
+    err = done.stderr.decode()
+    assert done.status == 0 and "Traceback" not in err, err
+    assert "not JSON objects; skipped" in err
+    assert sample in ingest.records("hardware")
+
+
+# -- the loader itself ---------------------------------------------------------------------------
+
+def test_an_absent_file_is_none_and_nothing_is_said(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    assert load_checked(tmp_path / "offsets.json", parse_offsets) is None
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00garbage{", b"[]", b'{"files": 3}',
+                                  b'{"files": {"1:2": {"path": "p"}}}',
+                                  b'{"files": {"1:2": {"path": "p", "dev": 1, "ino": 2, '
+                                  b'"fingerprint": "ab", "offset": -1, "state": {}}}}',
+                                  b'{"files": {"1:2": {"path": "p", "dev": true, "ino": 2, '
+                                  b'"fingerprint": "ab", "offset": 0, "state": {}}}}'])
+def test_malformed_offsets_are_moved_aside_with_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, data: bytes) -> None:
+    path = tmp_path / "offsets.json"
+    path.write_bytes(data)
+    with caplog.at_level(logging.WARNING, logger="sidecar"):
+        assert load_checked(path, parse_offsets) is None
+    assert not path.exists()
+    assert [p.read_bytes() for p in tmp_path.glob("offsets.json.bad-*")] == [data]
+    assert len(caplog.records) == 1 and "malformed" in caplog.records[0].getMessage()
+
+
+def test_well_formed_offsets_load_and_unknown_fields_are_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "offsets.json"
+    path.write_text(json.dumps({"version": 2, "files": {"1:2": {
+        "path": "p", "dev": 1, "ino": 2, "fingerprint": "00ff", "offset": 7,
+        "state": {"line": 3}, "added_later": 1}}}))
+    marks = load_checked(path, parse_offsets)
+    assert marks is not None and marks["1:2"].offset == 7 and marks["1:2"].state == {"line": 3}
+
+
+def test_a_parser_refusal_names_the_field(tmp_path: Path) -> None:
+    with pytest.raises(Malformed, match="'offset' is '12', not a whole number"):
+        parse_offsets(json.dumps({"files": {"1:2": {
+            "path": "p", "dev": 1, "ino": 2, "fingerprint": "00", "offset": "12",
+            "state": {}}}}).encode())
+
+
+def test_a_malformed_status_address_file_is_set_aside(tmp_path: Path) -> None:
+    from sidecar.commands.status import find_addresses
+
+    folder = tmp_path / RUN_ID
+    folder.mkdir()
+    (folder / "status-addr").write_text("127.0.0.1:notaport\n")
+    assert find_addresses(tmp_path, "off") == ["127.0.0.1:9620"]
+    assert list(folder.glob("status-addr.bad-*"))
