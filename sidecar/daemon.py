@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # imported once the command runs: `sidecar run` spawns it bef
     from sidecar.pipeline import Pipeline
 
 TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
+STALL_LOOK_S = 60.0  # watch: the longest sleep between looks for a stall
 OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
 LOGS_DRAIN_SHARE = 0.5  # of --drain-timeout the output may take, so a hung /logs cannot starve
 #                         the end event that waits behind it
@@ -345,7 +346,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     stall = _stall_watch(cfg, report, pipeline.shipper, cfg.log_prefix.format(
         node=node.name, rank=node.rank))
     pipeline.on_activity = stall.activity
-    stall_ticker = supervise("stall-watch", lambda: _tick((), stall))
+    stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await _serve_status(cfg, node, "watch", client, pipeline, None, report)
     log.info("watching %d log, %d jsonl, %d tensorboard source(s)", len(cfg.log),
              len(cfg.jsonl), len(cfg.tensorboard))
@@ -403,6 +404,18 @@ async def _tick(streams: Sequence[_Stream], stall: StallWatch) -> None:
         await asyncio.sleep(TICK_S)
         for stream in streams:
             stream.tick()
+        stall.check()
+
+
+async def _watch_stall(stall: StallWatch) -> None:
+    """`watch` has no stream to tick: it sleeps until a stall could be due (at most
+    STALL_LOOK_S, since activity is only noted, never signalled), not four times a second: that
+    ticker was the whole of an idle sidecar's CPU."""
+    while True:
+        fault_point()
+        due_in = stall.due_in_s()
+        await asyncio.sleep(STALL_LOOK_S if due_in is None else min(max(due_in, TICK_S),
+                                                                    STALL_LOOK_S))
         stall.check()
 
 

@@ -55,6 +55,13 @@ class StallWatch:
                     line.removeprefix("[sidecar] "), self.after_s)
         self.say(line)
 
+    def due_in_s(self) -> float | None:
+        """Seconds until a stall could be said if nothing happens meanwhile (0 once due); None
+        while there is nothing to look for (off, or a stall already said)."""
+        if self.stalled or not self.after_s:
+            return None
+        return max(0.0, self._last + self.after_s - self.clock())
+
     @property
     def stalled_s(self) -> float:
         """How long the current stall has lasted; 0 when there is none."""

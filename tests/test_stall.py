@@ -99,6 +99,21 @@ def test_stall_watch_says_each_once_and_zero_turns_it_off() -> None:
     assert len(said) == 2
 
 
+def test_stall_watch_says_when_to_look_next() -> None:
+    """watch sleeps until a stall could be due instead of ticking four times a second."""
+    clock = Clock()
+    watch = StallWatch(1800, lambda line: None, lambda: "no GPU", clock)
+    clock.now += 600
+    assert watch.due_in_s() == 1200
+    watch.activity()  # activity moves the moment on
+    assert watch.due_in_s() == 1800
+    clock.now += 1800
+    assert watch.due_in_s() == 0
+    watch.check()
+    assert watch.stalled and watch.due_in_s() is None  # said once: nothing to look for
+    assert StallWatch(0, lambda line: None, lambda: "no GPU", clock).due_in_s() is None
+
+
 def test_gpu_summary_from_the_samplers_gauges() -> None:
     gauges = {f"gpu/{i}/utilization_percent": 100.0 for i in range(8)}
     gauges.update({f"gpu/{i}/sm_active_percent": 2.0 for i in range(8)})
