@@ -334,6 +334,35 @@ def test_running_when_marker(ingest: RunningIngest, tmp_path: Path) -> None:
     assert stamp(text, "refused") == 1
 
 
+FORGED = """
+import json, os, socket, subprocess, sys, time
+name = os.environ["SIDECAR_WRAPPER_SOCKET"].partition("#")[0]  # all another user can learn
+for ts in (0, float("nan")):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect("\\0" + name[1:])
+        sock.sendall(json.dumps({"event": "running", "ts": ts}).encode() + b"\\n")
+        print("forged", json.loads(sock.makefile().readline())["ok"], flush=True)
+print("setup", time.time(), flush=True)
+assert subprocess.call([sys.executable, "-m", "sidecar", "lifecycle", "running"]) == 0
+print("training", time.time(), flush=True)
+"""
+
+
+def test_only_the_wrapped_command_hands_over_running_and_at_the_wrappers_time(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """As user `nobody`, a `running` with ts 0 was posted as 1970-01-01 (the billing start), and
+    a ts of NaN recorded `running` unposted, so the real marker was then ignored."""
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--running-when", "marker", "--", *python_child(FORGED)], env,
+                   tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    text = done.stdout.decode()
+    assert text.count("forged False") == 2, text
+    assert events(ingest) == ["starting", "running", "succeeded"]
+    running = epoch(ingest.records("lifecycle")[1]["ts"])
+    assert stamp(text, "setup") < running < stamp(text, "training")
+
+
 def test_lifecycle_command_outside_a_wrapper(ingest: RunningIngest, tmp_path: Path) -> None:
     env = platform_env(ingest, tmp_path / "state")
     assert sidecar(["lifecycle", "running"], env, tmp_path / "a").status == 0

@@ -1,14 +1,18 @@
 """`sidecar lifecycle running` inside a `run --running-when marker` child hands its event here.
 
-The wrapper listens on an abstract Unix socket (no file, no path length limit, invisible outside
-the pod's network namespace) whose name it passes to the child as SIDECAR_WRAPPER_SOCKET. The
-wrapper persists the event in its own ordered journal before it answers, so the child's
-`sidecar lifecycle running` returns only once the event is durable.
+The wrapper listens on an abstract Unix socket (no file, no path length limit) and passes the
+child SIDECAR_WRAPPER_SOCKET=`<name>#<secret>`. The name can be seen by anyone in the pod's
+network namespace (/proc/net/unix), the child's environment only by its own user, so only the
+wrapped command's processes can give the secret and have an event taken. The event's time is the
+wrapper's clock when it arrives, never one the sender claims (a `ts` of 0 was posted as the
+billing start). The wrapper persists the event in its own ordered journal before it answers, so
+the child's `sidecar lifecycle running` returns only once the event is durable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import time
@@ -17,44 +21,58 @@ from collections.abc import Awaitable, Callable
 from sidecar.config import WRAPPER_SOCKET_VARIABLE
 
 ENV_VAR = WRAPPER_SOCKET_VARIABLE
-Acceptor = Callable[[str, float], Awaitable["str | None"]]
+Acceptor = Callable[[str, float], Awaitable["str | None"]]  # (event, time it arrived)
 HANDOFF_TIMEOUT_S = 10.0
+MAX_REQUEST_BYTES = 4096
 
 
 def new_address() -> str:
-    """A fresh, unguessable socket name, written with `@` for the leading NUL of the abstract
-    namespace (an environment variable cannot hold a NUL)."""
-    return f"@sidecar-{os.getpid()}-{os.urandom(8).hex()}"
+    """A fresh socket name and secret, as SIDECAR_WRAPPER_SOCKET holds them: `@` stands for the
+    leading NUL of the abstract namespace (an environment variable cannot hold a NUL)."""
+    return f"@sidecar-{os.getpid()}-{os.urandom(8).hex()}#{os.urandom(16).hex()}"
 
 
-def _socket_path(address: str) -> str:
-    return "\0" + address[1:] if address.startswith("@") else address
+def _split(address: str) -> tuple[str, str]:
+    """The socket path and the secret of an address."""
+    name, _, secret = address.partition("#")
+    return ("\0" + name[1:] if name.startswith("@") else name), secret
 
 
 async def serve(address: str, accept: Acceptor) -> asyncio.Server:
-    """Listen on `address`; `accept(event, ts)` returns None when taken, else the refusal."""
+    """Listen on `address`; `accept(event, ts)` returns None when taken, else the refusal. A
+    request without the address's secret is refused before `accept` sees it."""
+    path, secret = _split(address)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = json.loads(await asyncio.wait_for(reader.readline(), HANDOFF_TIMEOUT_S))
-            refusal = await accept(str(request["event"]), float(request["ts"]))
-        except (ValueError, KeyError, TypeError, TimeoutError) as exc:
+            async with asyncio.timeout(HANDOFF_TIMEOUT_S):
+                line = await reader.readline()
+            arrived = time.time()
+            request = json.loads(line[:MAX_REQUEST_BYTES])
+            if not hmac.compare_digest(str(request.get("secret", "")), secret):
+                refusal: str | None = ("refused: only the wrapped command's own processes may "
+                                       "hand over an event (the secret in " + ENV_VAR + ")")
+            else:
+                refusal = await accept(str(request["event"]), arrived)
+        except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as exc:
             refusal = f"malformed hand-off ({exc.__class__.__name__})"
         writer.write(json.dumps({"ok": refusal is None, "error": refusal}).encode() + b"\n")
         await writer.drain()
         writer.close()
 
-    return await asyncio.start_unix_server(handle, path=_socket_path(address))
+    return await asyncio.start_unix_server(handle, path=path, limit=MAX_REQUEST_BYTES)
 
 
 async def hand_over(address: str, event: str) -> str | None:
     """Give `event` (happening now) to the wrapper; None when it took it, else why not."""
+    path, secret = _split(address)
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(_socket_path(address)), HANDOFF_TIMEOUT_S)
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path),
+                                                HANDOFF_TIMEOUT_S)
     except (OSError, TimeoutError) as exc:
-        return f"cannot reach the wrapping `sidecar run` at {ENV_VAR}={address} ({exc})"
-    writer.write(json.dumps({"event": event, "ts": time.time()}).encode() + b"\n")
+        return (f"cannot reach the wrapping `sidecar run` at {ENV_VAR}={address.partition('#')[0]} "
+                f"({exc})")
+    writer.write(json.dumps({"event": event, "secret": secret}).encode() + b"\n")
     await writer.drain()
     try:
         reply = json.loads(await asyncio.wait_for(reader.readline(), HANDOFF_TIMEOUT_S))
