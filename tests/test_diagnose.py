@@ -187,14 +187,14 @@ def test_signature_counts_live_and_the_failure_in_status_and_metrics(
     addr_file = tmp_path / "state" / RUN_ID / "status-addr"
     wait_until(addr_file.exists, 20, "the status endpoint is up")
     address = addr_file.read_text().strip()
-    wait_until(lambda: json.loads(get(address, "/status"))["signatures"]["nccl_error"] == 3, 20,
+    wait_until(lambda: json.loads(get(address, "/status"))["signatures"]["nccl_warn"] == 3, 20,
                "three NCCL warnings counted while the command runs")
-    assert 'sidecar_signature_seen_total{signature="nccl_error"} 3.0' in get(address, "/metrics")
+    assert 'sidecar_signature_seen_total{signature="nccl_warn"} 3.0' in get(address, "/metrics")
     ingest.add_fault(Fault(route="lifecycle", status=503))  # hold the drain open at the end event
     go.touch()
     wait_until(lambda: "[sidecar] run failed" in log_text(ingest), 20, "the summary arrives")
     failure = json.loads(get(address, "/status"))["failure"]
-    assert (failure["exit_status"], failure["signature"]) == (3, "nccl_error")
+    assert (failure["exit_status"], failure["signature"]) == (3, "nccl_warn")
     metrics = get(address, "/metrics")
     assert 'sidecar_run_failure_info{cause="NCCL error"' in metrics
     assert 'exit_status="3"' in metrics

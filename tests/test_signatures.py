@@ -50,7 +50,7 @@ ROWS = [
     ("nccl_error", b"torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/"
                    b"distributed/c10d/NCCLUtils.hpp:219, unhandled system error (run with "
                    b"NCCL_DEBUG=INFO for details), NCCL version 2.19.3"),
-    ("nccl_error", b"gpu-node-07:4187:4251 [3] NCCL WARN Cuda failure 'out of memory'"),
+    ("nccl_warn", b"gpu-node-07:4187:4251 [3] NCCL WARN Cuda failure 'out of memory'"),
     ("disk_full", b"OSError: [Errno 28] No space left on device"),
     ("python_traceback", b"Traceback (most recent call last):"),
 ]
@@ -124,9 +124,9 @@ def test_a_line_cut_byte_by_byte_counts_once() -> None:
 
 def test_an_unfinished_last_line_counts_when_the_stream_ends() -> None:
     scanner = Scanner()
-    scanner.feed("stdout", WATCHDOG_LINE)
+    scanner.feed("stderr", WATCHDOG_LINE)
     assert scanner.counts["nccl_watchdog_timeout"] == 0
-    scanner.finish("stdout")
+    scanner.finish("stderr")
     assert scanner.counts["nccl_watchdog_timeout"] == 1
 
 
@@ -138,3 +138,14 @@ def test_streams_are_kept_apart() -> None:
     scanner.feed("stdout", b"last words\n\n")
     assert scanner.last_line("stdout") == "last words"
     assert scanner.last_line("stderr") == "ValueError: on the other stream"
+
+
+def test_stdout_is_searched_for_nccl_warnings_alone_and_a_terminal_for_everything() -> None:
+    """Tracebacks, glog and CUDA messages go to stderr; NCCL's WARN lines to stdout; under --tty
+    both streams are one, the terminal."""
+    lines = OOM_LINE + b"\n" + WATCHDOG_LINE + b"\ngpu-node-07:4187:4251 [3] NCCL WARN x\n"
+    for stream, expected in (("stdout", {"nccl_warn"}),
+                             ("terminal", {"cuda_oom", "nccl_watchdog_timeout", "nccl_warn"})):
+        scanner = Scanner()
+        scanner.feed(stream, lines)
+        assert {name for name, count in scanner.counts.items() if count} == expected

@@ -36,25 +36,31 @@ class Signature:
     #                        after it; "count": counted, never named
 
 
+STDERR = "stderr"  # where PyTorch, CUDA, glog and Python's tracebacks write; NCCL's own WARN
+#                   lines go to stdout. The bulk of a trainer's output, on stdout, then costs
+#                   the search for one keyword.
+
 # Ranked: when several match, the summary names the highest. Sources of the messages are cited in
 # tests/test_signatures.py, which checks every row on real lines.
 SIGNATURES: tuple[Signature, ...] = (
     Signature("cuda_oom", "CUDA out of memory", (b"CUDA",),
-              rb"CUDA out of memory|CUDA error: out of memory", keep="last"),
+              rb"CUDA out of memory|CUDA error: out of memory", STDERR, keep="last"),
     Signature("nccl_watchdog_timeout", "NCCL watchdog timeout", (b"NCCL",),
-              rb"Watchdog caught collective operation timeout"),
+              rb"Watchdog caught collective operation timeout", STDERR),
     Signature("cuda_error", "CUDA error", (b"CUDA",),
               rb"CUDA error: (?:an illegal memory access|device-side assert|misaligned address|"
-              rb"unspecified launch failure|an illegal instruction|uncorrectable ECC|[a-z])"),
+              rb"unspecified launch failure|an illegal instruction|uncorrectable ECC|[a-z])",
+              STDERR),
+    Signature("nccl_warn", "NCCL error", (b"NCCL WARN",), rb"NCCL WARN"),
     Signature("nccl_error", "NCCL error", (b"NCCL",),
-              rb"NCCL WARN|NCCL error|NCCL communicator was aborted|DistBackendError: NCCL"),
+              rb"NCCL error|NCCL communicator was aborted|DistBackendError: NCCL", STDERR),
     Signature("disk_full", "No space left on device", (b"No space left",),
-              rb"No space left on device"),
+              rb"No space left on device", STDERR),
     Signature("python_traceback", "Python traceback", (b"Traceback",),
-              rb"^Traceback \(most recent call last\):", weight="count"),
+              rb"^Traceback \(most recent call last\):", STDERR, weight="count"),
     Signature("python_exception", "Python exception {exception}", (),
               rb"^(?P<exception>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure|Warning))"
-              rb"(?::[^\n]*)?\r?$", keep="last", armed_by="python_traceback",
+              rb"(?::[^\n]*)?\r?$", STDERR, keep="last", armed_by="python_traceback",
               weight="fallback"),
 )
 
@@ -71,6 +77,7 @@ class Seen:
 
 @dataclass
 class _StreamState:
+    keywords: tuple[tuple[bytes, bytes], ...]  # (guard, keyword) of the rows that apply
     carry: bytes = b""  # the unfinished last line
     tail: bytes = b""  # the last CARRY_BYTES of the stream
     armed: dict[str, int] = field(default_factory=dict)  # a row seen that arms others, and
@@ -84,8 +91,7 @@ class Scanner:
         self.table = tuple(table)
         self.seen: dict[str, Seen] = {}
         self._rows = {row.name: row for row in self.table}
-        self._keywords = tuple(dict.fromkeys(k for row in self.table for k in row.keywords))
-        self._probe_bytes = max(map(len, self._keywords), default=1)
+        self._probe_bytes = max((len(k) for row in self.table for k in row.keywords), default=1)
         # Zero-width: a row's match never hides another row's later in the same line.
         self._regex = re.compile(b"(?=%s)" % b"|".join(
             b"(?P<%s>%s)" % (row.name.encode(), row.pattern) for row in self.table), re.MULTILINE)
@@ -102,10 +108,10 @@ class Scanner:
         """Look at the next block of `stream` (bytes as the command wrote them)."""
         state = self._streams.get(stream)
         if state is None:
-            state = self._streams[stream] = _StreamState()
+            state = self._streams[stream] = _StreamState(keywords=self._keywords_of(stream))
         carry = state.carry
         armed_before = tuple(state.armed)
-        if armed_before or self._hot(carry, block):
+        if armed_before or self._hot(state.keywords, carry, block):
             text = carry + block
             end = text.rfind(b"\n") + 1
             if end:
@@ -140,13 +146,22 @@ class Scanner:
                 return text
         return ""
 
-    def _hot(self, carry: bytes, block: bytes) -> bool:
-        if any(keyword in block for keyword in self._keywords):
+    def _keywords_of(self, stream: str) -> tuple[tuple[bytes, bytes], ...]:
+        """The keywords of the rows that apply to `stream`, each after its guard byte."""
+        keywords = dict.fromkeys(k for row in self.table if _applies(row, stream)
+                                 for k in row.keywords)
+        return tuple((_guard(keyword), keyword) for keyword in keywords)
+
+    def _hot(self, keywords: tuple[tuple[bytes, bytes], ...], carry: bytes,
+             block: bytes) -> bool:
+        """Whether a keyword is in the block or across its start; a keyword is searched for
+        only when its guard byte is there (one memchr, a tenth of a substring search)."""
+        if any(guard in block and keyword in block for guard, keyword in keywords):
             return True
         if not carry:
             return False
         probe = carry + block[:self._probe_bytes]
-        return any(keyword in probe for keyword in self._keywords)
+        return any(keyword in probe for _, keyword in keywords)
 
     def _match(self, stream: str, state: _StreamState, text: bytes, end: int) -> None:
         """Count the signatures in the complete lines of `text` (those before `end`), each row
@@ -157,7 +172,7 @@ class Scanner:
             if name is None:
                 continue
             row = self._rows[name]
-            if row.stream != "any" and row.stream != stream:
+            if not _applies(row, stream):
                 continue
             if row.armed_by and row.armed_by not in state.armed:
                 continue
@@ -185,6 +200,21 @@ class Scanner:
         seen.groups = {key: value.decode("utf-8", "replace")
                        for key, value in match.groupdict().items()
                        if value is not None and key not in self._rows}
+
+
+def _guard(keyword: bytes) -> bytes:
+    """The keyword's rarest byte in ordinary output, by a rough order of frequency: searching
+    for one byte is memchr, several times cheaper than a substring, and rarely finds one."""
+    return bytes([max(keyword, key=lambda byte: _BY_FREQUENCY.find(bytes([byte])) % 256)])
+
+
+_BY_FREQUENCY = (b" etaoinsrhldcumfpgwybvkxjqz0123456789.,:;-_/=()[]'\"ETAOINSRHLDCUMFPGWYBVKXJQZ")
+
+
+def _applies(row: Signature, stream: str) -> bool:
+    """Whether `row` is looked for on `stream`; a stream other than stdout and stderr holds
+    both (a terminal under --tty, a log file)."""
+    return row.stream in ("any", stream) or stream not in ("stdout", "stderr")
 
 
 def _text(line: bytes) -> str:
