@@ -11,8 +11,8 @@ from sidecar.commands.receive import Fault
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.logs import LogShipper
 from sidecar.log import log
-from tests.conftest import RUN_ID, TOKEN, platform_env, python_child, sidecar
-from tests.ingest_server import RunningIngest
+from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest, wait_until
 
 
 def events(ingest: RunningIngest) -> list[str]:
@@ -49,8 +49,20 @@ def test_a_marker_that_came_is_not_warned_about(ingest: RunningIngest, tmp_path:
 def test_a_rejected_token_on_logs_says_the_output_is_dropped(ingest: RunningIngest,
                                                             tmp_path: Path) -> None:
     ingest.add_fault(Fault(route="logs", status=401))
-    env = platform_env(ingest, tmp_path / "state")
-    done = sidecar(["run", "--", *python_child("print('x' * 55)")], env, tmp_path / "sc")
+    go = tmp_path / "go"
+    child = python_child(f"import os, time\nprint('x' * 55, flush=True)\n"
+                         f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n")
+    run = Sidecar(["run", "--", *child],
+                  platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="2"),
+                  tmp_path / "sc")
+    try:  # while the command runs, /logs is best-effort: its output is dropped on a 401
+        wait_until(lambda: ingest.stats.routes["logs"].rejected.get(401, 0) >= 1, 20,
+                   "the ingest refused the output")
+        wait_until(lambda: b"/logs: dropped" in (tmp_path / "sc" / "stderr").read_bytes(), 20,
+                   "the shipper said what it dropped")
+    finally:
+        go.touch()
+    done = run.wait(60)
     assert done.status == 0, done.stderr
     [rejected] = lines_with(done.stderr, "/logs: HTTP 401")
     assert "dropped and counted (/logs is best-effort)" in rejected
