@@ -101,7 +101,7 @@ class _EventFile:
                       records=len(points), skipped=decoded.corrupt_records,
                       invalid=decoded.invalid_values)
 
-    def quiet(self, data: bytes, now: float) -> Parsed:
+    def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
         return Parsed(consumed=0)  # a record still being written is waited for
 
     def state(self) -> dict[str, Any]:

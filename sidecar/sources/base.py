@@ -26,8 +26,9 @@ class Parser(Protocol):
         """Parse what is whole in `data` (bytes from the first unconsumed offset on)."""
         ...
 
-    def quiet(self, data: bytes, now: float) -> Parsed:
-        """`data` has waited unconsumed for a quiet second: take it if the format allows."""
+    def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
+        """`data` has waited unconsumed for a quiet second: take it if the format allows.
+        `final`: the file is not read again in this process (shutdown): hold nothing back."""
         ...
 
     def state(self) -> dict[str, Any]:

@@ -553,8 +553,8 @@ class Follower:
         if tail.fd >= 0 and not tail.retired and tail.read_offset >= tail.size:
             self._caught_up[tail] = None
         quiet = final or tail.retired or time.monotonic() - tail.last_data >= QUIET_S
-        if tail.buffer and quiet and self.sink.has_room():
-            self._parse(tail, tail.parser.quiet(tail.buffer, time.time()))
+        if (tail.buffer or final) and quiet and self.sink.has_room():
+            self._parse(tail, tail.parser.quiet(tail.buffer, time.time(), final))
 
     def _parse_buffer(self, tail: _Tail, whole: bool) -> None:
         """Parse the buffer a slice at a time (a slice too short for one record: all of it).
@@ -571,7 +571,7 @@ class Follower:
             self._parse(tail, parsed)
 
     def _parse(self, tail: _Tail, parsed: Parsed) -> None:
-        if parsed.consumed == 0 and not parsed.skipped:
+        if not (parsed.consumed or parsed.skipped or parsed.text):
             return
         tail.buffer = tail.buffer[parsed.consumed:]
         stats = self.stats[tail.spec.kind]

@@ -36,7 +36,7 @@ class JsonlParser:
     def state(self) -> dict[str, Any]:
         return {"line": self.line}
 
-    def quiet(self, data: bytes, now: float) -> Parsed:
+    def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
         return Parsed(consumed=0)  # never send half a line
 
     def parse(self, data: bytes, now: float) -> Parsed:

@@ -69,10 +69,11 @@ class LogFileParser:
         text = self._assembler.feed(data[:end], now)
         return Parsed(consumed=end, text=text, records=data.count(b"\n", 0, end))
 
-    def quiet(self, data: bytes, now: float) -> Parsed:
-        if self.log_format == "cri" or not data:
+    def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
+        if self.log_format == "cri" or not (data or final):  # CRI pieces wait in the state
             return Parsed(consumed=0)
-        text = self._assembler.feed(data, now) + self._assembler.tick(float("inf"))
+        text = self._assembler.feed(data, now) + (  # the end of a secret may still come: held
+            self._assembler.finish() if final else self._assembler.tick(float("inf")))
         return Parsed(consumed=len(data), text=text)
 
     def _cri(self, data: bytes, now: float) -> Parsed:
