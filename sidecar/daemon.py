@@ -5,10 +5,14 @@
     child stdout/stderr --pump thread--> own stdout/stderr (unchanged, as tee; splice(2) when
                                     |     /logs does not want the block)
                                     \\--> LineAssembler --> LogShipper --> IngestClient /logs
+                                    |    (beside it: Scanner, the failure signatures; the
+                                    |     stall clock; each stream's tail of pieces)
+    at the exit: the unacknowledged tail + the failure summary --> CrashTail (journal) --> /logs
     lifecycle events --> Lifecycle (journal in the state dir) --> IngestClient /lifecycle
 
 The ingest's acknowledgement travels back: the lifecycle journal forgets an event only once the
-ingest took it, so a crash or an outage leaves it to the next start.
+ingest took it, so a crash or an outage leaves it to the next start; the same holds for the crash
+tail, which goes before the end event.
 """
 
 from __future__ import annotations
