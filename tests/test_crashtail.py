@@ -3,6 +3,7 @@ event, through an ingest blip at the moment of the crash and through a SIGKILL o
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from sidecar.commands.receive import Fault
 from sidecar.delivery.crashtail import JOURNAL_NAME
+from sidecar.delivery.journal import Journal
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest, wait_until
 
@@ -115,3 +117,19 @@ def test_sigkilled_during_the_drain(ingest: RunningIngest, tmp_path: Path, then:
     delivered = len(ingest.records("logs"))
     assert sidecar(["replay"], env, tmp_path / "again").status == 0  # never twice
     assert len(ingest.records("logs")) == delivered
+
+
+def test_a_journal_record_that_is_no_crash_tail_is_skipped_never_posted(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    run_dir = tmp_path / "state" / RUN_ID
+    journal = Journal(run_dir / JOURNAL_NAME)
+    journal.open()
+    for body in (b"not json", json.dumps({"run_id": "another-run", "chunks": ["x\n"]}).encode(),
+                 json.dumps({"run_id": RUN_ID, "chunks": "no list"}).encode(),
+                 json.dumps({"run_id": RUN_ID, "chunks": ["the last words\n"],
+                             "eof": False}).encode()):
+        journal.append(body)
+    done = sidecar(["replay"], platform_env(ingest, tmp_path / "state"), tmp_path / "replay")
+    assert done.status == 0, done.stderr
+    assert [r["chunks"] for r in ingest.records("logs")] == [["the last words\n"]]
+    assert b"3 record(s) are not /logs bodies of run" in done.stderr

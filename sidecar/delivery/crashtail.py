@@ -14,19 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.delivery.client import IngestClient, Verdict, json_body
+from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
 from sidecar.delivery.journal import Journal, append_dead_letter
 from sidecar.log import log, state_write_failed
+from sidecar.statefile import TEXT, Kind, record
 
 TAIL_BYTES = 64 << 10  # CONTRACT 4: of each stream, what the crash tail may hold
 JOURNAL_NAME = "logs-tail.journal"
 ROUTE = "logs/tail"  # /logs, delivered strictly
+SKIPPED = b""  # in the queue: a journal record that is no crash tail, acknowledged unposted
+LIST = Kind("a list", lambda v: isinstance(v, list))
 
 
 @dataclass(eq=False)
@@ -103,8 +107,13 @@ class CrashTail:
     async def open(self) -> int:
         """Load what an earlier sidecar left undelivered; returns how many bodies."""
         self._journal = Journal(self.run_dir / JOURNAL_NAME)
-        self._pending = [(body, True) for body in await asyncio.to_thread(self._journal.open)]
-        if self._pending:
+        left = await asyncio.to_thread(self._journal.open)
+        self._pending = [(body if self._is_tail(body) else SKIPPED, True) for body in left]
+        skipped = sum(body == SKIPPED for body, _ in self._pending)
+        if skipped:
+            log.warning("%s: %d record(s) are not /logs bodies of run %s; they are skipped, "
+                        "never posted", self._journal.path, skipped, self.run_id)
+        if len(self._pending) > skipped:
             log.info("delivering the crash tail an earlier start left undelivered, before its "
                      "lifecycle events")
         return len(self._pending)
@@ -131,9 +140,19 @@ class CrashTail:
                     await self._deliver_first()
         return not self._pending
 
+    def _is_tail(self, body: bytes) -> bool:
+        """Whether a record read back from the journal is a crash tail of this run, as `add`
+        writes it (the state dir's loader rules: checked before it is trusted)."""
+        try:
+            doc = record(json.loads(body), {"run_id": TEXT, "chunks": LIST})
+        except ValueError:
+            return False
+        return doc["run_id"] == self.run_id and all(isinstance(c, str) for c in doc["chunks"])
+
     async def _deliver_first(self) -> None:
         body, journaled = self._pending[0]
-        answer = await self.client.deliver(ROUTE, body)
+        answer = (Answer(Verdict.ACCEPTED) if body == SKIPPED
+                  else await self.client.deliver(ROUTE, body))
         if answer.verdict is Verdict.REJECTED:
             log.error("/logs: HTTP %s: the ingest refused the crash tail for good; kept in %s",
                       answer.status, append_dead_letter(self.run_dir, "logs", answer.status, body))
