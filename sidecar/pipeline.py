@@ -13,6 +13,8 @@ it was acknowledged; the acknowledgement travels back as a `Ticket`.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -25,7 +27,7 @@ from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.logs import LogShipper
-from sidecar.log import log, secrets
+from sidecar.log import log, secrets, state_write_failed
 from sidecar.node import Node
 from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
@@ -36,6 +38,7 @@ from sidecar.sources.follow import Follower, Sink, SourceSpec
 from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
 from sidecar.sources.jsonl import JsonlParser
 from sidecar.sources.logfile import LogFileParser
+from sidecar.statefile import Malformed, load_checked, write_atomic
 from sidecar.supervise import supervise
 
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
@@ -47,6 +50,23 @@ DRAIN_READ_STEP_S = 0.05
 JSONL_PARSE_BYTES = 64 << 10  # about one /metrics request of points: what a crash may repeat
 TENSORBOARD_PARSE_BYTES = 256 << 10
 ENVIRONMENT_DRAIN_SHARE = 0.25  # of --drain-timeout a snapshot still being taken may have
+
+
+SOURCES_FILE = "sources.json"  # in the run's folder: the file sources it follows, for replay
+SOURCE_KINDS = ("log", "jsonl", "tensorboard")
+
+
+def recorded_sources(run_dir: Path) -> dict[str, tuple[str, ...]] | None:
+    """The file sources a run recorded in its folder (`Pipeline.start`), or None."""
+    def parse(data: bytes) -> dict[str, tuple[str, ...]]:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or not all(
+                isinstance(doc.get(kind), list) and all(isinstance(p, str) for p in doc[kind])
+                for kind in SOURCE_KINDS):
+            raise Malformed("not lists of paths by source kind")
+        return {kind: tuple(doc[kind]) for kind in SOURCE_KINDS}
+
+    return load_checked(run_dir / SOURCES_FILE, parse)
 
 
 def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher:
@@ -156,6 +176,7 @@ class Pipeline(Sink):
 
     def start(self) -> None:
         """Start delivering, load the offsets, follow the files, send --hparams."""
+        self._record_sources()
         self.shipper.start()
         for batcher in self.batchers:
             if batcher.spill is not None:
@@ -167,6 +188,16 @@ class Pipeline(Sink):
             self.hparams.push(list(self.hparams_file.items()))
         if self.follower.specs:
             self._follow_task = supervise("follow", self.follower.run)
+
+    def _record_sources(self) -> None:
+        """Say in the run's folder which files it follows, so that `sidecar replay` can read
+        what they hold past their committed offsets without being told again."""
+        cfg = self.cfg
+        doc = {kind: [os.path.abspath(p) for p in getattr(cfg, kind)] for kind in SOURCE_KINDS}
+        try:
+            write_atomic(cfg.run_dir / SOURCES_FILE, json.dumps(doc).encode())
+        except OSError as exc:
+            state_write_failed(cfg.run_dir / SOURCES_FILE, exc)
 
     def start_telemetry(self, child_env: Mapping[str, str], environ: Mapping[str, str],
                         command: Sequence[str], trainer_pid: Callable[[], int | None] | None,

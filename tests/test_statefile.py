@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.commands.receive import Fault
 from sidecar.delivery.journal import frame
 from sidecar.sources.checkpoints import parse_offsets
 from sidecar.statefile import Malformed, load_checked
@@ -175,3 +176,39 @@ def test_a_malformed_status_address_file_is_set_aside(tmp_path: Path) -> None:
     (folder / "status-addr").write_text("127.0.0.1:notaport\n")
     assert find_addresses(tmp_path, "off") == ["127.0.0.1:9620"]
     assert list(folder.glob("status-addr.bad-*"))
+
+
+# -- replay: what the run's files hold past their committed offsets ------------------------------
+
+def test_replay_delivers_the_points_a_timed_out_drain_left_in_the_files(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """Replay printed `6/6 payloads delivered`, exit 0, having sent no metric at all."""
+    jsonl = jsonl_file(tmp_path)
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0",
+                       SIDECAR_DRAIN_TIMEOUT="1")
+    ingest.add_fault(Fault(route="metrics", status=503))
+    done = sidecar(["run", "--jsonl", str(jsonl), "--", *python_child("pass")], env,
+                   tmp_path / "run")
+    assert done.status == 0, done.stderr.decode()
+    assert not ingest.records("metrics")  # the drain timed out with every point unacknowledged
+    ingest.clear_faults()
+    replayed = sidecar(["replay"], env, tmp_path / "replay")
+    err = replayed.stderr.decode()
+    assert replayed.status == 0, err
+    steps = {p["step"] for r in ingest.records("metrics") for p in r["points"]}
+    assert steps == set(range(POINTS))
+    assert f"replay: {POINTS} metric points read again" in err
+    again = sidecar(["replay"], env, tmp_path / "replay2")
+    assert again.status == 0 and "replay: 0 metric points" in again.stderr.decode()
+
+
+def test_replay_names_a_file_it_cannot_read_again(ingest: RunningIngest, tmp_path: Path) -> None:
+    jsonl = jsonl_file(tmp_path)
+    run_dir = tmp_path / "state" / RUN_ID
+    run_dir.mkdir(parents=True)
+    (run_dir / "offsets.json").write_text(json.dumps(mark_of(jsonl, offset=10)))
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    replayed = sidecar(["replay"], env, tmp_path / "replay")
+    err = replayed.stderr.decode()
+    assert replayed.status == 1, err
+    assert str(jsonl) in err and "--jsonl" in err and "Traceback" not in err

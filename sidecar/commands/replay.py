@@ -2,14 +2,19 @@
 
 A node restarted or a pod rescheduled onto the same volume leaves the crash tail and lifecycle
 events in their journals and hardware/environment payloads in the spool (the crash tail goes
-first: the end event it left closes the log); this delivers them with a progress line
-and exits 0 only when nothing is left. Metric points need no replay: `sidecar watch` reads their
-files again from the last acknowledged offsets.
+first: the end event it left closes the log), hardware/environment payloads in the spool, and
+what its files (--jsonl, --tensorboard, --log, as the run recorded them in `sources.json`) hold
+past their committed offsets: a drain that timed out leaves metric points there. This delivers
+all of it with a progress line and exits 0 only when nothing is left; what it cannot deliver, it
+names (exit 1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import glob
+import os
 import sys
 import time
 
@@ -18,7 +23,8 @@ from sidecar.daemon import claim_run_dir, make_client
 from sidecar.delivery.crashtail import CrashTail
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.log import log
-from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
+from sidecar.node import resolve_node
+from sidecar.pipeline import Pipeline, recorded_sources
 from sidecar.statefile import release
 
 PROGRESS_EVERY_S = 0.5
@@ -37,7 +43,12 @@ async def replay(cfg: Config, timeout_s: float) -> int:
     await client.start()
     crash_tail = CrashTail(cfg.run_dir, cfg.platform.run_id, client)
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
-    batchers = [document_batcher(client, route, cfg.run_dir) for route in DOCUMENT_ROUTES]
+    recorded = recorded_sources(cfg.run_dir)
+    if recorded and not (cfg.log or cfg.jsonl or cfg.tensorboard):
+        cfg = dataclasses.replace(cfg, log=recorded["log"], jsonl=recorded["jsonl"],
+                                  tensorboard=recorded["tensorboard"])
+    pipeline = Pipeline(cfg, client, resolve_node(cfg.node_name, os.environ, cfg.nodes))
+    batchers = pipeline.batchers
     try:
         await crash_tail.open()
         deadline = time.monotonic() + timeout_s
@@ -47,10 +58,7 @@ async def replay(cfg: Config, timeout_s: float) -> int:
                       timeout_s, _last_failure(client), cfg.run_dir)
             return 1
         await lifecycle.open()
-        for batcher in batchers:
-            assert batcher.spill is not None
-            batcher.spill.open()
-            batcher.start()
+        pipeline.start()
 
         def left() -> int:
             return len(lifecycle.pending) + sum(b.queued for b in batchers)
@@ -63,6 +71,16 @@ async def replay(cfg: Config, timeout_s: float) -> int:
                       file=sys.stderr, flush=True)
             await asyncio.sleep(PROGRESS_EVERY_S)
         print(f"{redraw}replay: {total - left()}/{total} payloads delivered", file=sys.stderr)
+        await pipeline.drain(deadline)  # the files, read to their end
+        points = pipeline.metrics.delivered
+        print(f"replay: {points} metric points read again from the run's files past their "
+              "committed offsets and delivered", file=sys.stderr)
+        unread = _unread(pipeline)
+        if unread:
+            log.error("replay: these files hold data past their committed offsets, but the run "
+                      "did not record them as its sources: %s; give replay the run's --jsonl, "
+                      "--tensorboard or --log options to deliver it", "; ".join(unread))
+            return 1
         if left():
             log.error("replay: %d payloads still undelivered after %.0f s (last failure: %s); "
                       "they stay in %s", left(), timeout_s, _last_failure(client), cfg.run_dir)
@@ -70,9 +88,25 @@ async def replay(cfg: Config, timeout_s: float) -> int:
         return 0
     finally:
         await lifecycle.close()
-        await asyncio.gather(*(b.stop() for b in batchers))
+        await pipeline.close()
         await client.close()
         release(held)
+
+
+def _unread(pipeline: Pipeline) -> list[str]:
+    """Files with a committed offset that are not among the followed sources, and hold more."""
+    followed = {os.path.abspath(name) for spec in pipeline.follower.specs
+                for pattern in spec.patterns for name in glob.glob(pattern, recursive=True)}
+    unread = []
+    for mark in pipeline.checkpoints.marks.values():
+        try:
+            st = os.stat(mark.path)
+        except OSError:
+            continue
+        if ((st.st_dev, st.st_ino) == (mark.dev, mark.ino) and st.st_size > mark.offset
+                and os.path.abspath(mark.path) not in followed):
+            unread.append(f"{mark.path} ({st.st_size - mark.offset} bytes)")
+    return unread
 
 
 def _last_failure(client: object) -> str:
