@@ -87,6 +87,11 @@ def test_copytruncate_with_a_glob_matching_the_copy(ingest: RunningIngest, tmp_p
         writer.write(fh, 500, "b")
     ingest.wait_for(lambda: len(set(log_lines(ingest))) >= 1500, 15)
     assert watch.stop().status == 0
+    watch.start()  # the copy, checkpointed as read, is not read again after a restart either
+    with open(log, "a") as fh:
+        writer.write(fh, 10, "c")
+    ingest.wait_for(lambda: len(set(log_lines(ingest))) >= 1510, 15)
+    assert watch.stop().status == 0
     assert report("copytruncate + glob", writer.written, log_lines(ingest)) == (0, 0)
 
 
@@ -114,6 +119,12 @@ def test_logrotate_alternating_create_and_copytruncate(ingest: RunningIngest, tm
         writer.info("the end")
         written.append("the end")
     ingest.wait_for(lambda: set(written) <= set(log_lines(ingest)), 20)
+    assert watch.stop().status == 0
+    watch.start()  # 20 rotated files, copies and renamed ones: none read again after a restart
+    with log.open("a") as fh:
+        fh.write("after the restart\n")
+    written.append("after the restart")
+    ingest.wait_for(lambda: "after the restart" in log_lines(ingest), 15)
     assert watch.stop().status == 0
     repeated, lost = report("logrotate create/copytruncate", written, log_lines(ingest))
     assert lost == 0

@@ -143,6 +143,7 @@ class _Tail:
     parser: Parser
     read_offset: int
     committed: int
+    state: dict[str, Any]  # the parser's, at `committed`
     fd: int = -1  # -1 while closed: idle, or no descriptor to spare
     size: int = 0  # as last seen
     end: bytes = b""  # the last END_CHECK_BYTES read
@@ -340,6 +341,8 @@ class Follower:
                 tail.retired = False
             tail.path = Path(name)
             self._tails[name] = tail
+            if tail.committed:  # the place of a copy it moved to is checkpointed from now on
+                self.checkpoints.set(tail.mark(tail.committed, tail.state))
         tail.size = st.st_size
         if st.st_size < tail.read_offset or (tail.fd >= 0 and not self._same_start(tail)):
             self._truncated(tail)
@@ -379,7 +382,7 @@ class Follower:
             offset, state = mark.offset, mark.state
         log.debug("following %s (%d:%d) from offset %d", name, *key, offset)
         tail = _Tail(spec, Path(name), *key, head, spec.make_parser(Path(name), state), offset,
-                     offset, fd=fd, size=st.st_size,
+                     offset, state, fd=fd, size=st.st_size,
                      end=_pread(fd, min(offset, END_CHECK_BYTES), offset - END_CHECK_BYTES))
         self._tails[name] = self._ids[key] = tail
         self._by_folder.setdefault(os.path.dirname(name), []).append(tail)
@@ -595,9 +598,9 @@ class Follower:
         copies of what was read. A retired file keeps no checkpoint: its name now belongs to
         another file, or to none."""
         while tail.pending and tail.pending[0][1]:
-            tail.committed, _, state = tail.pending.popleft()
+            tail.committed, _, tail.state = tail.pending.popleft()
             if not tail.retired:
-                self.checkpoints.set(tail.mark(tail.committed, state))
+                self.checkpoints.set(tail.mark(tail.committed, tail.state))
         for copy in [c for c in tail.copies if c.offset <= tail.committed]:
             tail.copies.remove(copy)
             if (copy.dev, copy.ino) in self._copies:
