@@ -76,8 +76,7 @@ class Supervisor:
             except Exception as exc:  # any bug: logged, counted, restarted (module docstring)
                 if loop.time() - began >= HEALTHY_S:
                     backoff_s = FIRST_BACKOFF_S
-                self.restarts[name] = self.restarts.get(name, 0) + 1
-                self._say(name, exc, backoff_s)
+                self.failed(name, exc, f"restarting it in {backoff_s:.1f} s")
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
 
@@ -86,7 +85,10 @@ class Supervisor:
             self._armed[name] = (asyncio.get_running_loop().time()
                                  + random.uniform(0, self.fault_window_s))
 
-    def _say(self, name: str, exc: Exception, backoff_s: float) -> None:
+    def failed(self, name: str, exc: Exception, then: str = "it goes on") -> None:
+        """Count a failure of `name` and say it (once a minute); for a task the supervisor
+        runs, and for work it does not (a status request, a pump thread)."""
+        self.restarts[name] = self.restarts.get(name, 0) + 1
         log.debug("task %s failed", name, exc_info=exc)
         held = self._throttle.admit(name)
         if held is None:
@@ -94,8 +96,8 @@ class Supervisor:
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         more = f"; {held} more failures of it since the last message" if held else ""
-        log.error("task %s failed (%s: %s%s); restarting it in %.1f s (%d restarts so far%s)",
-                  name, exc.__class__.__name__, exc, where, backoff_s, self.restarts[name], more)
+        log.error("task %s failed (%s: %s%s); %s (%d restarts so far%s)", name,
+                  exc.__class__.__name__, exc, where, then, self.restarts[name], more)
 
 
 def _fault_window() -> float | None:

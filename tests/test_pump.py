@@ -148,3 +148,35 @@ async def test_a_closed_sink_still_lets_wanted_output_through(pipe: tuple[int, i
     await finish(write_end, pumped)
     os.close(sink_write)
     assert b"".join(pumped.offered) == CHUNK * 2
+
+
+@dataclass
+class BrokenGate(Gate):
+    """Raises once, as a bug on the /logs side would (issue 13: never the trainer's pipe)."""
+
+    where: str = "allowance"
+    calls: int = 0
+
+    def allowance(self) -> tuple[int, str]:
+        self.calls += 1
+        if self.where == "allowance" and self.calls == 2:
+            raise RuntimeError("a bug in the gate")
+        return READ_BYTES, ""
+
+    def taken(self, size: int) -> None:
+        if self.where == "taken":
+            raise RuntimeError("a bug in the budget")
+        super().taken(size)
+
+
+@pytest.mark.parametrize("where", ["allowance", "taken"])
+async def test_a_gate_that_raises_never_closes_the_pipe_early(
+        pipe: tuple[int, int], tmp_path: Path, where: str) -> None:
+    read_end, write_end = pipe
+    sink = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    pumped = start(read_end, sink, BrokenGate(where=where))
+    written = CHUNK * 6
+    await asyncio.to_thread(write_all, write_end, written)  # EPIPE were the pipe closed early
+    await finish(write_end, pumped)
+    os.close(sink)
+    assert (tmp_path / "out").read_bytes() == written

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,33 @@ def test_restarts_are_shown_in_status_and_metrics() -> None:
     text = exposition(lambda: snap)().decode()
     assert 'sidecar_task_restarts_total{task="follow"} 2.0' in text
     assert 'sidecar_task_restarts_total{task="deliver-metrics"} 1.0' in text
+
+
+async def test_a_status_answer_that_raises_is_a_500_said_and_counted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from sidecar.observe.endpoint import start_status_server
+    from sidecar.supervise import restarts
+    from tests.test_status import get
+
+    calls = 0
+
+    def snapshot() -> StatusSnapshot:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the snapshot")
+        return StatusSnapshot(run_id="r", node="n", mode="run", offline=True, started_at=0.0)
+
+    before = restarts().get("status-server", 0)
+    server = await start_status_server("127.0.0.1:0", tmp_path, snapshot)
+    assert server is not None
+    try:
+        with caplog.at_level(logging.ERROR, logger="sidecar"):
+            failed, _ = await get(server.address, "/status")
+        again, text = await get(server.address, "/status")
+    finally:
+        await server.close()
+    assert (failed, again) == (500, 200) and '"run_id": "r"' in text
+    assert restarts()["status-server"] == before + 1
+    assert any("task status-server failed (RuntimeError" in r.getMessage()
+               for r in caplog.records)

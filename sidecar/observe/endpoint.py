@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from sidecar import __version__
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.config import parse_host_port
 from sidecar.delivery.client import RouteStats
 from sidecar.log import log, mask
+from sidecar.supervise import SUPERVISOR
 
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
 
@@ -186,12 +188,26 @@ def _make_app(snapshot: Callable[[], StatusSnapshot]) -> web.Application:
         text = mask(json.dumps(snapshot().to_json(), ensure_ascii=False))
         return web.Response(text=text, content_type="application/json")
 
-    app = web.Application()
+    app = web.Application(middlewares=[_supervised])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
     return app
+
+
+@web.middleware
+async def _supervised(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An answer that raises is a 500, said and counted as a failure of the status server
+    (sidecar.supervise), which goes on serving."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # a bug in a snapshot or its rendering: never the server's end
+        SUPERVISOR.failed("status-server", exc)
+        return web.Response(status=500, text=f"{request.path} failed: {exc.__class__.__name__}; "
+                            "the sidecar's log says more\n")
 
 
 class StatusServer:

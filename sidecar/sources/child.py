@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sidecar.log import log, open_line
+from sidecar.supervise import SUPERVISOR
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 READ_BYTES = 1 << 20
 PIPE_BYTES = 1 << 20  # a larger pipe means fewer, larger reads
+FORWARDING_FAILED = "forwarding this stream to /logs failed (said once)"
 MAX_PENDING_BYTES = 32 << 20  # output offered to the loop but not yet taken
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
@@ -72,6 +74,7 @@ class Pump:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _sink_open: bool = True
     _can_splice: bool = True  # until splice(2) says this sink cannot take it
+    _forwarding_failed: bool = False  # the /logs side raised: pass through only from then on
     _on_our_terminal: bool = False  # the sink is the terminal our own messages go to
 
     def start(self) -> threading.Thread:
@@ -86,13 +89,12 @@ class Pump:
         try:
             while True:
                 ready.poll()  # decide once output waits, not before: a wait may be long
-                wanted, why = self.gate.allowance()
+                wanted, why = self._allowance()
                 if wanted:
                     block = self._copy(min(wanted, READ_BYTES))
                     if not block:
                         break
-                    self.gate.taken(len(block))
-                    self._offer(block)
+                    self._forward(block)
                     continue
                 moved = self._splice()
                 if moved is None:
@@ -106,6 +108,31 @@ class Pump:
         finally:
             os.close(self.source_fd)
             self.loop.call_soon_threadsafe(self.on_eof)
+
+    def _allowance(self) -> tuple[int, str]:
+        """What the gate grants; nothing more once forwarding failed (`_forward`)."""
+        if self._forwarding_failed:
+            return 0, FORWARDING_FAILED
+        try:
+            return self.gate.allowance()
+        except Exception as exc:
+            self._forwarding_broke(exc)
+            return 0, FORWARDING_FAILED
+
+    def _forward(self, block: bytes) -> None:
+        """Hand a block (already passed through) on to /logs. A bug on that side is said and
+        counted once, and the rest of the stream only passes through: the command's pipe is
+        never closed early, which would kill it with SIGPIPE at its next write."""
+        try:
+            self.gate.taken(len(block))
+            self._offer(block)
+        except Exception as exc:
+            self._forwarding_broke(exc)
+
+    def _forwarding_broke(self, exc: Exception) -> None:
+        self._forwarding_failed = True
+        SUPERVISOR.failed(f"pump-{self.name}", exc, "the output still passes through; the rest "
+                          "of it is not forwarded to /logs")
 
     def _splice(self) -> int | None:
         """Move what waits in the pipe to the sink in the kernel; None when it must be read
