@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +26,8 @@ import pytest
 from sidecar.records import Ticket
 from sidecar.sources import follow
 from sidecar.sources.base import Parsed
-from sidecar.sources.checkpoints import Checkpoints
+from sidecar.sources.checkpoints import Checkpoints, Mark, fingerprint
+from sidecar.sources.discover import EVENT_FILES
 from sidecar.sources.follow import Follower, Sink, SourceSpec
 from sidecar.sources.jsonl import JsonlParser
 from tests.conftest import RUN_ID, SIDECAR
@@ -358,3 +360,20 @@ async def test_a_source_matching_nothing_warns_once(tmp_path: Path,
     assert said == [f"--jsonl {pattern}: still nothing to read after 0 s (the folder "
                     f"{tmp_path / 'out'} does not exist yet)"]
     follower.close()
+
+
+def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
+        tmp_path: Path) -> None:
+    from sidecar.commands.replay import _unread
+    from sidecar.pipeline import _tensorboard_parser
+
+    event_file = tmp_path / "tb" / "train" / "events.out.tfevents.1.node"
+    event_file.parent.mkdir(parents=True)
+    event_file.write_bytes(b"x" * 100)
+    st = event_file.stat()
+    spec = SourceSpec("tensorboard", (str(tmp_path / "tb"),), _tensorboard_parser(tmp_path / "tb"),
+                      option="--tensorboard", tree=EVENT_FILES)
+    marks = {"m": Mark(str(event_file), st.st_dev, st.st_ino, fingerprint(b"x" * 100), 10)}
+    pipeline = SimpleNamespace(follower=SimpleNamespace(specs=[spec]),
+                               checkpoints=SimpleNamespace(marks=marks))
+    assert _unread(pipeline) == []  # type: ignore[arg-type]

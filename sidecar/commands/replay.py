@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import glob
 import os
 import sys
 import time
@@ -96,7 +95,7 @@ async def replay(cfg: Config, timeout_s: float) -> int:
 def _unread(pipeline: Pipeline) -> list[str]:
     """Files with a committed offset that are not among the followed sources, and hold more."""
     followed = {os.path.abspath(name) for spec in pipeline.follower.specs
-                for pattern in spec.patterns for name in glob.glob(pattern, recursive=True)}
+                for name in spec.names()}
     unread = []
     for mark in pipeline.checkpoints.marks.values():
         try:

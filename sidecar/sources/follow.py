@@ -81,6 +81,11 @@ class SourceSpec:
     option: str = ""  # the option that named the patterns, for messages: "--log"
     tree: str = ""  # a file-name glob: each pattern is a folder holding such files at any depth
 
+    def names(self) -> list[str]:
+        """The paths the patterns name now."""
+        return [name for pattern in self.patterns
+                for name in discover.match(pattern, self.option, self.kind, self.tree)[0]]
+
 
 @dataclass
 class SourceStats:
