@@ -180,3 +180,12 @@ def test_the_lock_goes_with_a_killed_sidecar(ingest: RunningIngest, tmp_path: Pa
     assert time.monotonic() - began < 20
     wait_until(lambda: "succeeded" in [r["event"] for r in ingest.records("lifecycle")], 10,
                "the second run ended")
+
+
+@pytest.mark.parametrize("command", ["lifecycle running", "replay"])
+def test_a_negative_timeout_is_refused(ingest: RunningIngest, tmp_path: Path,
+                                       command: str) -> None:
+    done = sidecar([*command.split(), "--timeout", "-1"], _env(ingest, tmp_path),
+                   tmp_path / "out", timeout=30)
+    assert done.status == 2 and b"--timeout" in done.stderr, done.stderr
+    assert not ingest.records("lifecycle")
