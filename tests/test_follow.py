@@ -30,6 +30,7 @@ from sidecar.sources.checkpoints import Checkpoints, Mark, fingerprint
 from sidecar.sources.discover import EVENT_FILES
 from sidecar.sources.follow import Follower, Sink, SourceSpec
 from sidecar.sources.jsonl import JsonlParser
+from sidecar.sources.logfile import LogFileParser
 from tests.conftest import RUN_ID, SIDECAR
 from tests.ingest_server import RunningIngest, wait_until
 from tests.test_status import warnings_of_sidecar
@@ -377,3 +378,24 @@ def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
     pipeline = SimpleNamespace(follower=SimpleNamespace(specs=[spec]),
                                checkpoints=SimpleNamespace(marks=marks))
     assert _unread(pipeline) == []  # type: ignore[arg-type]
+
+
+async def test_a_file_closed_while_idle_and_renamed_away_is_read_to_its_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(follow, "IDLE_CLOSE_S", 0.0)
+    log = tmp_path / "app.log"
+    log.write_text("first\n")
+    spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser.resume(
+        state, log_format="plain"), option="--log")
+    sink = _Collect()
+    follower = Follower([spec], sink, Checkpoints(tmp_path / "offsets.json"), mode="poll")
+    await follower.step()
+    await follower.step()  # read to its end and idle: its descriptor is given back
+    assert not follower._caught_up and follower._open == 0
+    log.rename(tmp_path / "app.log.1")  # --log app.log does not match the rotated name
+    log.write_text("new file\n")
+    (tmp_path / "app.log.1").write_text("first\nlate\n")  # the writer has not reopened yet
+    await follower.step()
+    assert sorted("".join(p.text for p in sink.parsed).splitlines()) == [
+        "first", "late", "new file"]
+    follower.close()

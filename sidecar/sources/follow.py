@@ -469,6 +469,13 @@ class Follower:
         tail.last_data = time.monotonic()
         self._caught_up.pop(tail, None)
         self._retired.append(tail)
+        if tail.fd < 0:  # closed while idle: found again by identity if it was only renamed
+            tail.size = tail.read_offset
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(tail.path.parent):
+                    if entry.is_file() and _id(entry.stat()) == tail.id:
+                        tail.path, tail.size = Path(entry.path), entry.stat().st_size
+                        break
 
     def _close_finished(self) -> None:
         now = time.monotonic()
