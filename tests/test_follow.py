@@ -335,6 +335,8 @@ def test_each_source_says_what_it_matches(ingest: RunningIngest, tmp_path: Path,
 
 
 class _Collect(Sink):
+    """A sink that takes everything and acknowledges it at once."""
+
     def __init__(self) -> None:
         self.parsed: list[Parsed] = []
 
@@ -399,3 +401,46 @@ async def test_a_file_closed_while_idle_and_renamed_away_is_read_to_its_end(
     assert sorted("".join(p.text for p in sink.parsed).splitlines()) == [
         "first", "late", "new file"]
     follower.close()
+
+
+HAS_LOGROTATE = os.path.exists(LOGROTATE)
+ROTATIONS = ("W0", "Rc", "W1", "Rt", "W2", "Rc", "W3", "Rt", "W4")  # write, create, copytruncate
+
+
+@pytest.mark.parametrize("lines", [5, 40])  # generations shorter and longer than a fingerprint
+async def test_every_moment_of_looking_between_rotations(tmp_path: Path, lines: int) -> None:
+    """The follower looks after some of the steps (writes and logrotate runs) and not after the
+    others: whichever it sees, each line is read once."""
+    if not HAS_LOGROTATE:
+        pytest.skip("logrotate is not installed")
+    bad = []
+    for looks in range(0, 2 ** len(ROTATIONS), 11):
+        folder = tmp_path / f"looks{looks}"
+        folder.mkdir()
+        confs = {}
+        for op, mode in (("Rc", "create"), ("Rt", "copytruncate")):
+            confs[op] = folder / f"{mode}.conf"
+            confs[op].write_text(f"{folder}/app.log {{\n rotate 20\n {mode}\n nocompress\n}}\n")
+        spec = SourceSpec("log", (str(folder / "app.log*"),), lambda path, state: (
+            LogFileParser.resume(state, log_format="plain")))
+        sink = _Collect()
+        follower = Follower([spec], sink, Checkpoints(folder / "offsets.json"), mode="poll")
+        written = []
+        with logger_to(logging.handlers.WatchedFileHandler(folder / "app.log")) as writer:
+            for i, op in enumerate(ROTATIONS):
+                if op in confs:
+                    await asyncio.to_thread(subprocess.run, [
+                        LOGROTATE, "--force", "--state", str(folder / "state"), str(confs[op])],
+                        check=True)
+                for n in range(lines if op.startswith("W") else 0):
+                    written.append(f"{op}-{n:03d}")
+                    writer.info(written[-1])
+                if looks >> i & 1:
+                    await follower.step()
+            await follower.step()
+            await follower.drain()
+        follower.close()
+        received = "".join(p.text for p in sink.parsed).splitlines()
+        if repeats_and_losses(written, received) != (0, 0):
+            bad.append((f"{looks:09b}"[::-1], repeats_and_losses(written, received)))
+    assert not bad, f"(looked after step, (repeated, lost)): {bad}"
