@@ -11,7 +11,7 @@ scheduler's nanosecond account of every thread (/proc/PID/task/*/schedstat; psut
 tick-sampled user+system time is printed too, and overstates timer-driven wake-ups), and its
 resident memory (RSS, and USS: the pages only it holds) once a second; the largest is reported.
 
-Targets (issue 8): under 0.1 % of one core, under 45 MB RSS.
+Targets: under 0.1 % of one core (issue 8), at most 36 MB RSS (issue 17; issue 8: under 45).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from _harness import (
 BENCH = "idle cost"
 HARDWARE_INTERVAL_S = "10"
 TARGET_CPU_PERCENT = 0.1
-TARGET_RSS_MB = 45.0
+TARGET_RSS_MB = 36.0
 SETTLE_S = 3.0
 
 
@@ -124,7 +124,7 @@ def measure(seconds: float, profile: Path | None) -> list[Row]:
     return [
         limit_row(BENCH, f"CPU over {wall_s:.0f} s, 3 quiet sources, 10 s sampling", percent,
                   "% of a core", "<", TARGET_CPU_PERCENT),
-        limit_row(BENCH, "largest RSS", rss / 1e6, "MB", "<", TARGET_RSS_MB),
+        limit_row(BENCH, "largest RSS", rss / 1e6, "MB", "<=", TARGET_RSS_MB),
         info_row(BENCH, "largest USS (pages only it holds)", uss / 1e6, "MB"),
     ]
 
