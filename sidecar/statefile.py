@@ -4,6 +4,8 @@ half; read back through one checked loader, so that a malformed one is set aside
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sidecar.log import log
+from sidecar.log import log, state_write_failed
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -30,6 +32,7 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 LOCK_FILE = "lock"  # in a run's state folder: held (flock) by the one sidecar using it
 
 
@@ -46,23 +49,34 @@ def claim_folder(folder: Path, *, lock: bool = True) -> int | None:
     """Create `folder`, prove that files can be written in it and, with `lock`, hold it for
     this process's life (an exclusive flock on `folder/lock`, which names our PID); returns the
     lock's descriptor, closed by `release`. OSError when the folder cannot be created or
-    written; FolderBusy when another process holds it."""
+    written; FolderBusy when another process holds it. A full disk is no such fault: it is said
+    (once a minute, as every failed state write) and the run goes on without the files."""
     folder.mkdir(parents=True, exist_ok=True)
     probe = folder / f".probe.{os.getpid()}"
-    with open(probe, "wb") as fh:
-        fh.write(b"probe")
-    probe.unlink()
-    if not lock:
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"probe")
+        probe.unlink()
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644) if lock \
+            else None
+    except OSError as exc:
+        if exc.errno not in FULL_DISK:
+            raise
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        state_write_failed(folder, exc)
         return None
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if fd is None:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
         os.close(fd)
         raise FolderBusy(folder, holder) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # the PID is for the message of a second sidecar only
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
