@@ -212,3 +212,13 @@ def test_replay_names_a_file_it_cannot_read_again(ingest: RunningIngest, tmp_pat
     err = replayed.stderr.decode()
     assert replayed.status == 1, err
     assert str(jsonl) in err and "--jsonl" in err and "Traceback" not in err
+
+
+def test_sidecar_status_finds_the_address_in_a_per_node_folder(tmp_path: Path) -> None:
+    """The default state dir has a folder per run id and per node (CONTRACT 2, --state-dir)."""
+    from sidecar.commands.status import find_addresses
+
+    folder = tmp_path / RUN_ID / "gpu-node-7"
+    folder.mkdir(parents=True)
+    (folder / "status-addr").write_text("127.0.0.1:45678\n")
+    assert find_addresses(tmp_path, "off")[0] == "127.0.0.1:45678"
