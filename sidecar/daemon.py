@@ -253,10 +253,15 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
         fds = child.spawn()
     except SpawnError as exc:
         log.error("%s", exc)
+        await cancel(tail_sender)  # what it did not deliver goes first in the drain
         await lifecycle.record("failed")
         if client is not None:
             await client.start()
-        await _drain(cfg, lifecycle, None)
+        if crash_tail is not None:  # the one line that says why, before the end event
+            failure = Failure(EXIT_CANNOT_START, 0.0, str(exc), "cannot_start", node=node.name,
+                              rank=node.rank, multi_node=node.multi_node)
+            await crash_tail.add([mask(prefix + failure.line() + "\n")])
+        await _drain(cfg, lifecycle, None, crash_tail=crash_tail)
         await _close(client, lifecycle, None, marker, None)
         release(held)
         return EXIT_CANNOT_START
@@ -445,17 +450,16 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
     if pipeline is not None:
         pipeline.client.hurry()
     stop = interrupted or asyncio.Event()
+    output_deadline = started + cfg.drain_timeout * LOGS_DRAIN_SHARE
     if pipeline is not None:
-        output_deadline = started + cfg.drain_timeout * LOGS_DRAIN_SHARE
         backlog_deadline = output_deadline
         if crash_tail is not None and crash_tail.pending:
             backlog_deadline -= (output_deadline - time.monotonic()) * TAIL_DRAIN_SHARE
         await _until(_drained(pipeline, backlog_deadline), backlog_deadline, stop)
-        if crash_tail is not None and not await _until(
-                crash_tail.deliver(output_deadline), output_deadline, stop):
-            log.warning("the crash tail (the command's last output) is not yet delivered to "
-                        "/logs; kept in %s for the next start or `sidecar replay`",
-                        cfg.run_dir)
+    if crash_tail is not None and not await _until(
+            crash_tail.deliver(output_deadline), output_deadline, stop):
+        log.warning("the crash tail (the command's last output) is not yet delivered to "
+                    "/logs; kept in %s for the next start or `sidecar replay`", cfg.run_dir)
     delivered = await _until(lifecycle.drain(max(deadline - time.monotonic(), 0.0)), deadline,
                              stop)
     if not delivered and lifecycle.pending:

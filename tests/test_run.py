@@ -402,6 +402,9 @@ def test_missing_command_is_a_configuration_error(ingest: RunningIngest, tmp_pat
     missing = sidecar(["run", "--", "/nonexistent/train.sh"], env, tmp_path / "sc2")
     assert missing.status == 127
     assert events(ingest) == ["starting", "failed"]  # never running: nothing to bill
+    assert log_text(ingest) == ("[sidecar] run failed: exit status 127 after 0s; likely cause: "
+                                "cannot start '/nonexistent/train.sh': No such file or "
+                                "directory\n")
 
 
 def test_both_families_disagreeing_is_refused(ingest: RunningIngest, tmp_path: Path) -> None:
