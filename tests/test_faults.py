@@ -728,7 +728,7 @@ def test_every_supervised_task_raising_once_loses_nothing(ingest: RunningIngest,
     notices."""
     log_file = tmp_path / "train.log"
     log_file.write_text("".join(f"log line {i}\n" for i in range(200)))
-    (tmp_path / "tb").mkdir()
+    scalars = write_scalars(tmp_path / "tb" / "run1", 300)
     hparams = tmp_path / "hparams.json"
     hparams.write_text(json.dumps({"lr": 0.1, "model": {"depth": 12}}))
     plan = Plan(seconds=5)
@@ -742,8 +742,27 @@ def test_every_supervised_task_raising_once_loses_nothing(ingest: RunningIngest,
     assert len(failed) == len(set(failed))  # once each, and said once
     assert not [line for line in out.stderr.splitlines()
                 if " ERROR " in line and "InjectedFault" not in line], out.stderr[-3000:]
-    check(out, plan, baseline, max_repeats=point_batches(len(failed)))
+    from_tensorboard = {point for point in out.received if point[0].startswith("run1/")}
+    assert {(key, step) for key, step, _ in from_tensorboard} == scalars
+    check(out, plan, baseline, max_repeats=point_batches(len(failed)),
+          expected=set(out.written) | from_tensorboard)
     forwarded = "".join(chunk for r in ingest.records("logs") for chunk in r["chunks"])
     assert all(f"log line {i}\n" in forwarded for i in range(200))
     assert sum(r.get("params", {}).get("lr") == 0.1 for r in ingest.records("hparams")) >= 1
     assert ingest.records("hardware") and ingest.records("environment")
+
+
+def write_scalars(logdir: Path, steps: int) -> set[tuple[str, int]]:
+    """TensorBoard scalars written by the `tensorboard` package's own writer; the points the
+    sidecar should make of them."""
+    writer_module = pytest.importorskip("tensorboard.summary.writer.event_file_writer")
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    logdir.mkdir(parents=True)
+    writer = writer_module.EventFileWriter(str(logdir))
+    for step in range(steps):
+        writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(
+            value=[Summary.Value(tag="acc", simple_value=step / steps)])))
+    writer.close()
+    return {("run1/acc", step) for step in range(steps)}
