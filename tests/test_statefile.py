@@ -4,6 +4,7 @@ a malformed one is moved aside with one WARNING and the run carries on as if it 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import pytest
 
 from sidecar.commands.receive import Fault
 from sidecar.delivery.journal import frame
+from sidecar.sources import checkpoints
 from sidecar.sources.checkpoints import parse_offsets
 from sidecar.statefile import Malformed, load_checked
 from tests.conftest import RUN_ID, platform_env, python_child, sidecar
@@ -222,3 +224,25 @@ def test_sidecar_status_finds_the_address_in_a_per_node_folder(tmp_path: Path) -
     folder.mkdir(parents=True)
     (folder / "status-addr").write_text("127.0.0.1:45678\n")
     assert find_addresses(tmp_path, "off")[0] == "127.0.0.1:45678"
+
+
+async def test_offsets_are_written_at_most_ten_times_a_second_and_the_last_always(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file read at full speed is acknowledged every few milliseconds: each write of the
+    offsets (two fsyncs) is spaced, the latest mark still reaches the disk at stop."""
+    writes: list[bytes] = []
+    real_write = checkpoints.write_atomic
+
+    def counting(path: Path, data: bytes) -> None:
+        writes.append(data)
+        real_write(path, data)
+
+    monkeypatch.setattr(checkpoints, "write_atomic", counting)
+    marks = checkpoints.Checkpoints(tmp_path / "offsets.json")
+    marks.start()
+    for offset in range(1, 101):  # 100 acknowledgements in about half a second
+        marks.set(checkpoints.Mark("/f", 1, 2, "ab", offset))
+        await asyncio.sleep(0.005)
+    await marks.stop()
+    assert 2 <= len(writes) <= 12
+    assert json.loads(writes[-1])["files"]["1:2"]["offset"] == 100
