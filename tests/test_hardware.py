@@ -451,6 +451,20 @@ def test_the_trainer_tree_is_found_as_psutil_finds_it_and_follows_exits_and_orph
         tree.wait()
 
 
+def test_the_trainer_tree_reads_each_process_as_psutil_does() -> None:
+    """HostProbe reads a process from its stat file alone; the figures are psutil's."""
+    [reading] = HostProbe().process_tree(os.getpid()) or []
+    me = psutil.Process()
+    with me.oneshot():
+        cpu = me.cpu_times()
+        assert (reading.pid, reading.threads) == (me.pid, me.num_threads())
+        assert reading.started_s == pytest.approx(me.create_time(), abs=0.02)
+        assert reading.rss_bytes == pytest.approx(me.memory_info().rss, rel=0.05)
+        assert reading.cpu_s == pytest.approx(cpu.user + cpu.system, abs=0.05)
+        assert reading.open_files == me.num_fds()
+    assert HostProbe().process_tree(2**22 + 1) is None  # beyond pid_max: no such process
+
+
 # ---- the sampler in this process (no GPUs) --------------------------------------------------
 
 

@@ -227,16 +227,13 @@ class HostProbe:
 
     def process_tree(self, pid: int) -> list[ProcessReading] | None:
         """The process `pid` and its descendants; None once it has gone."""
-        try:
+        below = self._parents.descendants(pid)
+        if below is not None:  # Linux: each process from one read of its stat file
+            readings = [r for r in map(_proc_reading, [pid, *below]) if r is not None]
+            return readings if readings and readings[0].pid == pid else None
+        try:  # no /proc to list: psutil's own walk
             root = psutil.Process(pid)
-            below = self._parents.descendants(pid)
-            if below is None:  # no /proc to list: psutil's own walk
-                processes = [root, *root.children(recursive=True)]
-            else:
-                processes = [root]
-                for child in below:
-                    with contextlib.suppress(psutil.Error):
-                        processes.append(psutil.Process(child))
+            processes = [root, *root.children(recursive=True)]
         except psutil.Error:
             return None
         readings = []
@@ -300,6 +297,36 @@ def _parent_of(proc: Path, pid: int) -> int | None:
         return int(stat_line[stat_line.rindex(b")") + 2:].split(b" ", 2)[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _proc_reading(pid: int) -> ProcessReading | None:
+    """One process from /proc/PID/stat (times, threads, start, RSS) and its fd folder, as
+    psutil reads them but from one file: psutil's oneshot took 0.34 ms a process. None once
+    the process is gone."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stat_line = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        # after "pid (comm) ": state ppid ... utime(14) stime(15) ... num_threads(20)
+        # itrealvalue starttime(22) vsize rss(24), counted from 1 with pid as field 1
+        fields = stat_line[stat_line.rindex(b")") + 2:].split()
+        utime, stime = int(fields[11]), int(fields[12])
+        threads, started, rss_pages = int(fields[17]), int(fields[19]), int(fields[21])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        open_files: int | None = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        open_files = None
+    return ProcessReading(pid=pid, started_s=psutil.boot_time() + started / _CLOCK_TICKS,
+                          cpu_s=(utime + stime) / _CLOCK_TICKS, rss_bytes=rss_pages * _PAGE_BYTES,
+                          threads=threads, open_files=open_files)
 
 
 def _cpu_times(times: Any) -> CpuTimes:
