@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Iterable
@@ -15,32 +14,70 @@ MASK = "***"
 MIN_SECRET_CHARS = 8  # a shorter "secret" would be masked inside ordinary words
 
 
+ANCHOR_CHARS = 8  # the shortest part of a secret searched for in its place
+TUNE_SAMPLE_CHARS = 64 << 10  # a text at least this long can tell which part is fastest to find
+TUNE_EVERY = 1024  # calls between two such measurements
+
+
 class Secrets:
-    """Every secret this process has used (a token re-read after a 401 adds the new one), found
-    in one regular-expression pass: its literal search costs about the same whatever the
-    secret's letters, where str.find's skip table makes some secrets several times slower."""
+    """Every secret this process has used (a token re-read after a 401 adds the new one).
+
+    A text is searched for one part of each secret (its anchor), with str.find: the part whose
+    search measured fastest on a recent text, so that a secret whose letters suit str.find's
+    skip table badly for this output (one made masking three times slower than another) costs
+    what the best of its parts costs. Only a text holding an anchor is searched further."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
-        self._known: set[str] = set()
-        self._pattern: re.Pattern[str] | None = None
+        self._anchors: dict[str, str] = {}  # secret -> the part of it searched for
+        self._calls = 0
         self.longest = 0  # characters: a partial line keeps back one fewer, a secret's start
         for secret in secrets:
             self.add(secret)
 
     def add(self, secret: str) -> None:
         """Mask `secret` from now on (a shorter one than MIN_SECRET_CHARS is ignored)."""
-        if len(secret) < MIN_SECRET_CHARS or secret in self._known:
+        if len(secret) < MIN_SECRET_CHARS or secret in self._anchors:
             return
-        self._known.add(secret)
-        self.longest = max(self.longest, len(secret))
-        ordered = sorted(self._known, key=len, reverse=True)  # the longest wins an overlap
-        self._pattern = re.compile("|".join(map(re.escape, ordered)))
+        self._anchors[secret] = secret
+        self._anchors = dict(sorted(self._anchors.items(), key=lambda item: -len(item[0])))
+        self.longest = max(self.longest, len(secret))  # the longest goes first: it may hold
+        #                                                a shorter one
+        self._calls = 0  # measure at the next long text
 
     def mask(self, text: str) -> str:
         """`text` with every known secret replaced by ***."""
-        if self._pattern is None or self._pattern.search(text) is None:
-            return text
-        return self._pattern.sub(MASK, text)
+        if self._calls % TUNE_EVERY == 0 and len(text) >= TUNE_SAMPLE_CHARS:
+            self._tune(text[:TUNE_SAMPLE_CHARS])
+        self._calls += 1
+        for secret, anchor in self._anchors.items():
+            if anchor in text and secret in text:
+                text = text.replace(secret, MASK)
+        return text
+
+    def unfinished(self, text: str) -> int:
+        """How many characters at the end of `text` could be the start of a secret (a state
+        of a line sent while the secret is still being written must not show that start)."""
+        tail = text[-self.longest:]
+        return max((size for secret in self._anchors for size in range(len(secret) - 1, 0, -1)
+                    if tail.endswith(secret[:size])), default=0)
+
+    def _tune(self, sample: str) -> None:
+        """Pick, for each secret, the part that str.find finds (or not) fastest in `sample`."""
+        step = ANCHOR_CHARS // 2
+        for secret in self._anchors:
+            parts = [secret] + [secret[i:i + ANCHOR_CHARS]
+                                for i in range(0, len(secret) - ANCHOR_CHARS + 1, step)]
+            self._anchors[secret] = min(parts, key=lambda part: _find_seconds(sample, part))
+
+
+def _find_seconds(text: str, needle: str, tries: int = 3) -> float:
+    """The shortest of a few timings of one search (the machine may be busy meanwhile)."""
+    best = float("inf")
+    for _ in range(tries):
+        started = time.perf_counter()
+        text.find(needle)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 secrets = Secrets()

@@ -359,6 +359,15 @@ def test_every_secret_added_is_masked_and_the_longest_wins() -> None:
     assert secrets.longest == len("tok-first-000000-and-longer")
 
 
+def test_a_long_text_is_masked_whatever_part_of_the_secret_is_searched_for() -> None:
+    """Secrets searches a long text for the part of each secret that it finds fastest there."""
+    secrets = Secrets([TOKEN])
+    filler = "x" * (70 << 10)
+    assert secrets.mask(filler + TOKEN + filler) == filler + "***" + filler
+    for part in (TOKEN[:8], TOKEN[-8:], TOKEN[:-1]):
+        assert secrets.mask(filler + part + filler) == filler + part + filler
+
+
 # --- prefix ----------------------------------------------------------------------------------
 
 

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pyte
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sidecar.log import Secrets
 from sidecar.sources.lines import MAX_LINE_CHARS, LineAssembler
 from tests.conftest import platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest
@@ -254,3 +257,41 @@ def test_a_million_cursor_ups_and_a_ten_megabyte_line_take_bounded_memory() -> N
     text = "".join(out)
     assert text.startswith("top\n")
     assert all(len(part) <= MAX_LINE_CHARS for part in text.split("\n"))
+
+
+def test_token_straddling_a_wrapped_line_is_masked() -> None:
+    """A line longer than the limit wraps on the terminal as it does at the split of the fast
+    path: masking still comes first."""
+    token = "tok-SECRET-0123456789abcdef"
+    for offset in (1, 9, len(token) - 1):
+        raw = ("\r" + "a" * (40 - offset) + token + "b" * 50 + "\n").encode()
+        for cut in (len(raw) // 2, len(raw)):
+            asm = LineAssembler(secrets=Secrets([token]), max_line_chars=40)
+            out = feed_all(asm, [raw[:cut], raw[cut:]])
+            assert out.replace("\n", "") == "a" * (40 - offset) + "***" + "b" * 50, (offset, cut)
+            assert all(len(line) <= 40 for line in out.split("\n"))
+
+
+def test_a_state_sent_while_a_secret_is_being_written_does_not_show_its_start() -> None:
+    token = "tok-SECRET-0123456789abcdef"
+    asm = LineAssembler(secrets=Secrets([token]))
+    out = asm.feed(f"\rlogin with {token[:20]}".encode(), 0.0) + asm.tick(5.0)
+    assert token[:2] not in out and out.startswith("login with")
+    out += asm.feed(f"{token[20:]} ok\n".encode(), 6.0) + asm.finish()
+    assert out.endswith("login with *** ok\n") and token[:20] not in out
+
+
+_redraw = st.one_of(
+    st.text(alphabet="ab #%|0123456789", max_size=12).map(lambda s: "\r" + s),
+    st.text(alphabet="xyz 0123456789", max_size=12).map(lambda s: "\n\r" + s + "\x1b[A"),
+    st.text(alphabet="uvw", max_size=6).map(lambda s: "\n\n\r" + s + "\x1b[A\x1b[A"),
+    st.sampled_from(["\n", "\x1b[A", "\x1b[2K", "\b", "\x1b[3G", "done\n"]))
+
+
+@settings(max_examples=300)
+@given(pieces=st.lists(_redraw, max_size=60), repeat=st.integers(min_value=1, max_value=4))
+def test_skipped_redraws_change_nothing_a_terminal_shows(pieces: list[str], repeat: int) -> None:
+    """However the redraws of a flood are thinned before they are applied, every line the
+    terminal shows is sent, in order."""
+    raw = ("".join(pieces) * repeat).encode()
+    assert_in_order(screen_lines(raw), feed_all(LineAssembler(), [raw], now=0.0))

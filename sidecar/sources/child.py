@@ -25,6 +25,7 @@ import struct
 import subprocess
 import termios
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +38,9 @@ READ_BYTES = 1 << 20
 PIPE_BYTES = 1 << 20  # a larger pipe means fewer, larger reads
 FORWARDING_FAILED = "forwarding this stream to /logs failed (said once)"
 MAX_PENDING_BYTES = 32 << 20  # output offered to the loop but not yet taken
+SMALL_READ_BYTES = 16 << 10  # a read this small, right after another, waits for company:
+COALESCE_S = 0.01  # a flood of small writes (a bar's redraws) is read 100 times a second at
+#                    most, not once per write; a lone line is never delayed
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
 
@@ -76,6 +80,7 @@ class Pump:
     _can_splice: bool = True  # until splice(2) says this sink cannot take it
     _forwarding_failed: bool = False  # the /logs side raised: pass through only from then on
     _on_our_terminal: bool = False  # the sink is the terminal our own messages go to
+    _small_read_at: float = float("-inf")  # when the last read was a small one
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name=f"pump-{self.name}", daemon=True)
@@ -89,16 +94,19 @@ class Pump:
         try:
             while True:
                 ready.poll()  # decide once output waits, not before: a wait may be long
+                self._coalesce()
                 wanted, why = self._allowance()
                 if wanted:
                     block = self._copy(min(wanted, READ_BYTES))
                     if not block:
                         break
+                    self._read(len(block))
                     self._forward(block)
                     continue
                 moved = self._splice()
                 if moved is None:
                     moved = len(self._copy(READ_BYTES))
+                self._read(moved)
                 if not moved:
                     break
                 self.loop.call_soon_threadsafe(self.on_skip, moved, why)
@@ -133,6 +141,15 @@ class Pump:
         self._forwarding_failed = True
         SUPERVISOR.failed(f"pump-{self.name}", exc, "the output still passes through; the rest "
                           "of it is not forwarded to /logs")
+
+    def _coalesce(self) -> None:
+        """Right after a small read, let more output gather before the next one."""
+        wait = self._small_read_at + COALESCE_S - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+    def _read(self, size: int) -> None:
+        self._small_read_at = time.monotonic() if size < SMALL_READ_BYTES else float("-inf")
 
     def _splice(self) -> int | None:
         """Move what waits in the pipe to the sink in the kernel; None when it must be read

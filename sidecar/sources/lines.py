@@ -33,12 +33,18 @@ class Masker(Protocol):
     def mask(self, text: str) -> str:
         """`text` with every secret replaced."""
 
+    def unfinished(self, text: str) -> int:
+        """How many characters at the end of `text` could be the start of a secret."""
+
 
 class _NoSecrets:
     longest = 0
 
     def mask(self, text: str) -> str:
         return text
+
+    def unfinished(self, text: str) -> int:
+        return 0
 
 
 NO_SECRETS: Masker = _NoSecrets()
@@ -79,7 +85,7 @@ class LineAssembler:
     def tick(self, now: float) -> str:
         """Called periodically: a partial line after a quiet second, a progress bar's state."""
         if self._screen is not None:
-            return self._emit(self.secrets.mask(self._screen.tick(now)))
+            return self._lines(self._screen.tick(now))
         if not self._pending or now - self._last_feed < self.quiet_flush_s:
             return ""
         partial = self.secrets.mask(self._pending)
@@ -93,7 +99,7 @@ class LineAssembler:
         self._pending = ""
         if self._screen is not None:
             screen, self._screen = self._screen, None
-            return self._emit(self.secrets.mask(screen.finish(text)))
+            return self._lines(screen.finish(text))
         if not text:
             return ""
         return self._lines(text)
@@ -137,11 +143,11 @@ class LineAssembler:
         out = ""
         if self._screen is None:
             self._screen = Screen(self.max_line_chars, self.keep_sgr, self.progress_interval_s,
-                                  self.quiet_flush_s)
+                                  self.quiet_flush_s, unfinished=self.secrets.unfinished)
             if self._open_chars:  # the terminal draws the line whole: end the part sent
                 out = self._emit("\n")
         self._pending = ""
-        return out + self._emit(self.secrets.mask(self._screen.feed(text, now)))
+        return out + self._lines(self._screen.feed(text, now))
 
     def _emit(self, text: str) -> str:
         """Prefix every line start (of text already masked); track whether the line is open."""

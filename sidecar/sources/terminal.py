@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable
 
 MAX_ROWS = 24  # a terminal's height: the cursor cannot go further up than what it shows
 HOLD_S = 3.0  # a line the cursor left downwards is final once it did not come back this long
@@ -28,13 +29,14 @@ _TOKEN = re.compile(
 _UNFINISHED = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*|[ -/]*)")
 _CR, _LF, _BS, _CSI = 1, 2, 3, 5
 _REPEATED_MOVE = re.compile(r"(\x1b\[([0-9]{0,4})([ABCD]))\1+")
+_DOUBLED_MOVES = ("A\x1b[", "B\x1b[", "C\x1b[", "D\x1b[")  # a move, then another: maybe a run
 _CYCLE_DEPTHS = (1, 2, 3)  # a bar at tqdm's position n redraws as n x \n, \r, text, n x ESC[A
 
 
 class _Row:
     """One line of the screen: its cells (a colour sequence rides on the cell it precedes)."""
 
-    __slots__ = ("cells", "drawn", "left_at", "sent", "sent_seq")
+    __slots__ = ("cells", "drawn", "left_at", "sent", "sent_seq", "wraps")
 
     def __init__(self, cells: list[str] | None = None, sent: str | None = None,
                  sent_seq: int = -1) -> None:
@@ -43,17 +45,21 @@ class _Row:
         self.left_at = 0.0  # when the cursor last moved from it (or above it) to below it
         self.sent = sent  # the state last sent
         self.sent_seq = sent_seq  # when, in the order of everything sent
+        self.wraps = False  # it is full and continues on the next row: one line, split
 
     def text(self) -> str:
-        return "".join(self.cells).rstrip(" ")
+        joined = "".join(self.cells)
+        return joined if self.wraps else joined.rstrip(" ")
 
 
 class Screen:
     """The last lines of a terminal, fed text; returns the text ready to send, line by line."""
 
     def __init__(self, width: int, keep_sgr: bool = False, interval_s: float = 3.0,
-                 quiet_s: float = 1.0, hold_s: float = HOLD_S) -> None:
+                 quiet_s: float = 1.0, hold_s: float = HOLD_S,
+                 unfinished: Callable[[str], int] = lambda text: 0) -> None:
         self.width = width  # a longer line wraps, as at a terminal: the split of CONTRACT 5
+        self.unfinished = unfinished  # how much of a text's end could begin a secret
         self.keep_sgr = keep_sgr
         self.interval_s = interval_s
         self.quiet_s = quiet_s
@@ -143,6 +149,7 @@ class Screen:
         """Characters at the cursor, over what was there; past the width, on the next line."""
         while start < end:
             if self._x >= self.width:
+                self._rows[self._y].wraps = True
                 self._down(1)
                 self._x = 0
             piece = text[start:min(end, start + self.width - self._x)]
@@ -222,6 +229,8 @@ class Screen:
         """Send the lines at the top that are final: left downwards and not come back."""
         hold = self.hold_s if self._went_up else 0.0
         while self._y > 0 and self._now - self._rows[0].left_at >= hold:
+            if self._rows[0].wraps and self._y == 1:
+                break  # its continuation is still being written: sent together, masked whole
             self._final(self._rows.pop(0))
             self._y -= 1
 
@@ -234,15 +243,23 @@ class Screen:
         if text != row.sent or row.sent_seq < self._final_seq:
             self._seq += 1
             row.sent, row.sent_seq = text, self._seq
-            self._out.append(text + "\n")
+            self._out.append(text if row.wraps else text + "\n")  # the line goes on: the
+            #                                  split comes after masking, in LineAssembler
         self._final_seq = row.sent_seq
         self._sent.append(_Row(row.cells, row.sent, row.sent_seq))
 
     def _snapshot(self) -> None:
-        """The latest state of each line still held, where it changed since it was last sent."""
+        """The latest state of each line still held, where it changed since it was last sent
+        (not of a line longer than the width: its final state only), without what could be the
+        start of a secret still being written."""
         self._snapshot_at = self._now
+        wrapped = False
         for row in self._rows:
+            if wrapped or row.wraps:
+                wrapped = row.wraps
+                continue
             text = row.text()
+            text = text[:len(text) - self.unfinished(text)]
             if text and text != row.sent:
                 self._seq += 1
                 row.sent, row.sent_seq = text, self._seq
@@ -259,10 +276,15 @@ def _skip_redraws(text: str, width: int) -> str:
     operations, so that a flood of bar updates costs little more than its last ones: runs of
     `\rTEXT` on one line, runs of tqdm's redraw of a bar below the cursor, and runs of the
     same cursor move."""
-    if "\x1b[" in text:
+    if "\x1b[A" in text:
+        if any(move in text for move in _DOUBLED_MOVES):
+            text = _REPEATED_MOVE.sub(_one_move, text)
+        for depth in _CYCLE_DEPTHS:
+            text = _skip_covered(text, "\x1b[A" * depth + "\n" * depth + "\r", width)
+    elif "\x1b[" in text and any(move in text for move in _DOUBLED_MOVES):
         text = _REPEATED_MOVE.sub(_one_move, text)
-    for depth in _CYCLE_DEPTHS:
-        text = _skip_covered(text, "\x1b[A" * depth + "\n" * depth + "\r", width)
+    if "\n" not in text:
+        return _skip_covered(text, "\r", width)
     if text.count("\r") <= 2 * text.count("\n") + 2:
         return text
     return "\n".join(_skip_covered(line, "\r", width) for line in text.split("\n"))
@@ -280,15 +302,18 @@ def _skip_covered(text: str, separator: str, width: int) -> str:
     if before_last < 0:
         return text
     kept = text[before_last + len(separator):last]
-    pieces = text[first + len(separator):before_last].split(separator)
-    if not _plain("".join(pieces) + kept) or len(kept) < max(map(len, pieces)) \
-            or len(kept) > width:
+    middle = text[first + len(separator):before_last]
+    pieces = kept + (middle if separator == "\r" else middle.replace(separator, ""))
+    if not _plain(pieces) or (separator != "\r" and "\r" in pieces):
+        return text
+    if len(kept) > width or len(kept) < max(map(len, middle.split(separator))):
         return text
     return text[:first + len(separator)] + kept + text[last:]
 
 
 def _plain(text: str) -> bool:
-    return not ("\x1b" in text or "\r" in text or "\n" in text or "\b" in text)
+    """No control character (carriage returns are looked at by the caller)."""
+    return not ("\x1b" in text or "\n" in text or "\b" in text)
 
 
 def _one_move(run: re.Match[str]) -> str:
