@@ -30,7 +30,8 @@ class Secrets:
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self._anchors: dict[str, str] = {}  # secret -> the part of it searched for
         self._calls = 0
-        self.longest = 0  # characters: a partial line keeps back one fewer, a secret's start
+        self.longest = 0  # characters: an over-long partial keeps back one fewer (its end may
+        #                   begin a secret)
         for secret in secrets:
             self.add(secret)
 

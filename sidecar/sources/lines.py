@@ -89,7 +89,7 @@ class LineAssembler:
         if not self._pending or now - self._last_feed < self.quiet_flush_s:
             return ""
         partial = self.secrets.mask(self._pending)
-        cut = max(len(partial) - max(self.secrets.longest - 1, 0), 0)  # may begin a secret
+        cut = len(partial) - self.secrets.unfinished(partial)  # kept: may begin a secret
         self._pending = partial[cut:]
         return self._emit(partial[:cut])
 
