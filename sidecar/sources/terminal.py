@@ -277,11 +277,9 @@ def _skip_redraws(text: str, width: int) -> str:
     `\rTEXT` on one line, runs of tqdm's redraw of a bar below the cursor, and runs of the
     same cursor move."""
     if "\x1b[A" in text:
-        if any(move in text for move in _DOUBLED_MOVES):
-            text = _REPEATED_MOVE.sub(_one_move, text)
         for depth in _CYCLE_DEPTHS:
             text = _skip_covered(text, "\x1b[A" * depth + "\n" * depth + "\r", width)
-    elif "\x1b[" in text and any(move in text for move in _DOUBLED_MOVES):
+    if "\x1b[" in text and any(move in text for move in _DOUBLED_MOVES):
         text = _REPEATED_MOVE.sub(_one_move, text)
     if "\n" not in text:
         return _skip_covered(text, "\r", width)
@@ -303,9 +301,10 @@ def _skip_covered(text: str, separator: str, width: int) -> str:
         return text
     kept = text[before_last + len(separator):last]
     middle = text[first + len(separator):before_last]
-    pieces = kept + (middle if separator == "\r" else middle.replace(separator, ""))
-    if not _plain(pieces) or (separator != "\r" and "\r" in pieces):
-        return text
+    rest = middle if separator == "\r" else middle.replace(separator, "")
+    if not (_plain(kept) and _plain(rest)) or \
+            (separator != "\r" and ("\r" in kept or "\r" in rest)):
+        return text  # a redraw that moves the cursor itself: applied as it is
     if len(kept) > width or len(kept) < max(map(len, middle.split(separator))):
         return text
     return text[:first + len(separator)] + kept + text[last:]
