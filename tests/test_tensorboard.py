@@ -4,6 +4,7 @@ cut at every byte, corrupted and replaced by garbage."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import random
@@ -606,3 +607,23 @@ def test_a_tag_first_written_as_simple_value_is_a_scalar_tag(tmp_path: Path) -> 
     got = ours(path.read_bytes(), cuts=[_record_starts(path.read_bytes())[2]])
     assert got.points == oracle(path).points == [
         ("mixed", 0, 1.5, 1.0), ("mixed", 1, 1.0, 2.0), ("mixed", 2, 2.0, 2.0)]
+
+
+def test_the_cycle_collector_is_paused_only_while_records_decode() -> None:
+    """Decoding turns the collector off for the call and leaves it as it found it."""
+    seen: list[bool] = []
+
+    class Watching(EventFileParser):
+        def _records(self, data: bytes, pos: int, out: Decoded) -> int:
+            seen.append(gc.isenabled())
+            return super()._records(data, pos, out)
+
+    assert gc.isenabled()
+    Watching().parse(b"")
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        Watching().parse(b"")
+        assert not gc.isenabled()  # one who had turned it off keeps it off
+    finally:
+        gc.enable()
