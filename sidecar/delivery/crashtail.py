@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
-from sidecar.delivery.journal import Journal, append_dead_letter
+from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import TEXT, Kind, record
 
 TAIL_BYTES = 64 << 10  # CONTRACT 4: of each stream, what the crash tail may hold
 JOURNAL_NAME = "logs-tail.journal"
 ROUTE = "logs/tail"  # /logs, delivered strictly
-SKIPPED = b""  # in the queue: a journal record that is no crash tail, acknowledged unposted
 LIST = Kind("a list", lambda v: isinstance(v, list))
 
 
@@ -107,12 +106,9 @@ class CrashTail:
     async def open(self) -> int:
         """Load what an earlier sidecar left undelivered; returns how many bodies."""
         self._journal = Journal(self.run_dir / JOURNAL_NAME)
-        left = await asyncio.to_thread(self._journal.open)
-        self._pending = [(body if self._is_tail(body) else SKIPPED, True) for body in left]
+        self._pending = await asyncio.to_thread(read_back, self._journal, self._is_tail,
+                                                "/logs bodies", self.run_id)
         skipped = sum(body == SKIPPED for body, _ in self._pending)
-        if skipped:
-            log.warning("%s: %d record(s) are not /logs bodies of run %s; they are skipped, "
-                        "never posted", self._journal.path, skipped, self.run_id)
         if len(self._pending) > skipped:
             log.info("delivering the crash tail an earlier start left undelivered, before its "
                      "lifecycle events")

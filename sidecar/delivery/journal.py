@@ -13,6 +13,7 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +92,22 @@ class Journal:
     def _read_acked(self) -> int:
         """The acknowledged count; 0 (replay it all) when absent or malformed (set aside)."""
         return load_checked(self._ack_path, _parse_count) or 0
+
+
+SKIPPED = b""  # in a queue read back: a record that is not the journal's own, acked unposted
+
+
+def read_back(journal: Journal, belongs: Callable[[bytes], bool], what: str,
+              run_id: str) -> list[tuple[bytes, bool]]:
+    """Open `journal` and queue what it left undelivered, each record as (body, replayed):
+    one that is not `what` of run `run_id` becomes SKIPPED, said once in a WARNING, never
+    posted. Blocking: call it in a thread."""
+    queue = [(body if belongs(body) else SKIPPED, True) for body in journal.open()]
+    skipped = sum(body == SKIPPED for body, _ in queue)
+    if skipped:
+        log.warning("%s: %d record(s) are not %s of run %s; they are skipped, never posted",
+                    journal.path, skipped, what, run_id)
+    return queue
 
 
 def _parse_count(data: bytes) -> int:

@@ -15,14 +15,13 @@ from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import Answer, IngestClient, Verdict
-from sidecar.delivery.journal import Journal, append_dead_letter
+from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
 from sidecar.statefile import TEXT, record
 from sidecar.supervise import fault_point, supervise
 
 EVENTS = ("starting", "running", "succeeded", "failed")
-SKIPPED = b""  # in the queue: a journal record that is no event, acknowledged unposted
 TERMINAL = ("succeeded", "failed")
 
 
@@ -49,12 +48,8 @@ class Lifecycle:
         if self.client is None:
             return
         self._journal = Journal(self.run_dir / "lifecycle.journal")
-        left = await asyncio.to_thread(self._journal.open)
-        self._queue = [(body if self._is_event(body) else SKIPPED, True) for body in left]
-        skipped = sum(body == SKIPPED for body, _ in self._queue)
-        if skipped:
-            log.warning("%s: %d record(s) are not lifecycle events of run %s; they are skipped, "
-                        "never posted", self._journal.path, skipped, self.run_id)
+        self._queue = await asyncio.to_thread(read_back, self._journal, self._is_event,
+                                              "lifecycle events", self.run_id)
         if self._queue:
             log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
                      len(self._queue))
