@@ -289,14 +289,19 @@ def _parent_of(proc: Path, pid: int) -> int | None:
     """The parent pid from /proc/PID/stat (after the command name, which may hold spaces and
     parentheses: the last `)` ends it); None once the process is gone."""
     try:
-        fd = os.open(f"{proc}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            stat_line = os.read(fd, 4096)
-        finally:
-            os.close(fd)
+        stat_line = _read_stat(f"{proc}/{pid}/stat")
         return int(stat_line[stat_line.rindex(b")") + 2:].split(b" ", 2)[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _read_stat(path: str) -> bytes:
+    """A /proc/PID/stat line in one read (it is under a page), without a Python file object."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -308,11 +313,7 @@ def _proc_reading(pid: int) -> ProcessReading | None:
     psutil reads them but from one file: psutil's oneshot took 0.34 ms a process. None once
     the process is gone."""
     try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            stat_line = os.read(fd, 4096)
-        finally:
-            os.close(fd)
+        stat_line = _read_stat(f"/proc/{pid}/stat")
         # after "pid (comm) ": state ppid ... utime(14) stime(15) ... num_threads(20)
         # itrealvalue starttime(22) vsize rss(24), counted from 1 with pid as field 1
         fields = stat_line[stat_line.rindex(b")") + 2:].split()
