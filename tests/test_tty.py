@@ -7,7 +7,6 @@ import io
 import json
 import re
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pexpect
 import pytest
 
 from tests.conftest import SIDECAR, Sidecar, platform_env, python_child, sidecar
-from tests.ingest_server import RunningIngest
+from tests.ingest_server import Fault, RunningIngest
 from tests.test_terminal import arrived, assert_in_order, screen_lines
 
 REPORT_TERMINAL = """
@@ -120,15 +119,11 @@ def test_ctrl_c_at_the_terminal_ends_a_command_waiting_for_input(ingest: Running
     assert child.exitstatus == 128 + signal.SIGINT
 
 
-MID_LINE_UNTIL_STATUS = """
-import socket, sys, time
+# The command leaves its line open until it is told to go on: the sidecar's message about the
+# /logs 401 (its partial line is posted after a quiet second) comes while the line is open.
+MID_LINE_UNTIL_TOLD = """
 print("4/60", end="", flush=True)
-while True:  # the sidecar says where its status endpoint listens once it does
-    try:
-        socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1).close()
-        break
-    except OSError:
-        time.sleep(0.02)
+input()
 print(" 5/60", flush=True)
 """
 
@@ -137,15 +132,14 @@ def test_our_message_starts_a_line_of_its_own_while_a_bar_is_mid_line(
         ingest: RunningIngest, tmp_path: Path) -> None:
     """Our message while the command's bar is mid-line starts on a new line instead of
     continuing the bar's (it gave `4/602026-12-01T07:23:12.767Z sidecar ...`)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    child = at_terminal(ingest, tmp_path, MID_LINE_UNTIL_STATUS, str(port),
-                        SIDECAR_STATUS_ADDR=f"127.0.0.1:{port}")
+    ingest.add_fault(Fault(route="logs", status=401, times=1))
+    child = at_terminal(ingest, tmp_path, MID_LINE_UNTIL_TOLD)
+    child.expect_exact("4/60")
+    child.expect(r"Z sidecar (ERROR|WARNING) /logs")
+    child.sendline("")
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
     shown = child.logfile_read.getvalue()
-    assert re.search(r"4/60\r\n[0-9T:.-]+Z sidecar INFO ", shown), shown  # at least the status
-    #                                                    endpoint's came while the line was open
+    assert re.search(r"4/60\r\n[0-9T:.-]+Z sidecar [A-Z]+ ", shown), shown
     assert not re.search(r"[^\n][0-9]{4}-[0-9T:.-]+Z sidecar ", shown), shown
