@@ -320,6 +320,9 @@ def test_poison_point_is_dead_lettered_and_the_rest_flows(ingest: RunningIngest,
     assert len(dead) == 1 and "poison" in dead[0]
 
 
+MAX_HEAVY_STEPS = 400_000  # about 100 s of writing: far past any test's end
+
+
 @pytest.fixture
 def heavy_writer(folder: Path) -> Iterator[tuple[Writer, threading.Event, list[str]]]:
     """Appends log lines and JSONL points until told to stop."""
@@ -328,7 +331,9 @@ def heavy_writer(folder: Path) -> Iterator[tuple[Writer, threading.Event, list[s
     def run() -> None:
         with open(folder / "app.log", "a") as log, open(folder / "m.jsonl", "a") as jsonl:
             step = 0
-            while not stop.is_set() and step < 20_000:
+            # It writes until told to stop: a writer that ran out before the last kill left
+            # nothing new to deliver, and the wait for progress timed out. The cap is a bound.
+            while not stop.is_set() and step < MAX_HEAVY_STEPS:
                 writer.write(log, 20, "w")
                 for _ in range(20):
                     line = json.dumps({"step": step, "loss": step / 7})
