@@ -99,7 +99,10 @@ def test_sigkilled_during_the_drain(ingest: RunningIngest, tmp_path: Path, then:
     ingest.add_fault(Fault(route="logs", status=503))
     go.touch()
     journal = tmp_path / "state" / RUN_ID / JOURNAL_NAME
-    wait_until(journal.exists, 30, "the crash tail is journaled")
+    # The file is there before its record is written: wait for the record itself, whose last
+    # words are the failure summary (a kill before it is written can only lose the tail).
+    wait_until(lambda: journal.exists() and b"run failed" in journal.read_bytes(), 30,
+               "the crash tail is journaled")
     proc.proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running"]
