@@ -124,7 +124,7 @@ def test_torch_summary_writer_matches_the_loader(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     tensorboard = pytest.importorskip("torch.utils.tensorboard")
     writer = tensorboard.SummaryWriter(str(tmp_path))
-    for step in [0, 1, 2, 127, 128, 300, 16384, 2**21, 2**35, -7]:  # every varint width
+    for step in [0, 1, 2, 127, 128, 300, 16383, 16384, 2**21 - 1, 2**21, 2**35, -7]:  # each width
         writer.add_scalar("loss", 1.0 / (abs(step) + 1), step)
         writer.add_scalar("lr", torch.tensor(3e-4), step, new_style=True)
         writer.add_scalar("grad/norm", 0.1 * step, step, new_style=True, double_precision=True)

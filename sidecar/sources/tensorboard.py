@@ -237,6 +237,9 @@ class EventFileParser:
                     step, tail_start = record[10], 11
                 elif record[11] < 0x80:
                     step, tail_start = (record[10] & 0x7F) | (record[11] << 7), 12
+                elif record[12] < 0x80:  # steps 16,384 to 2,097,151: most of a long run
+                    step = (record[10] & 0x7F) | (record[11] & 0x7F) << 7 | record[12] << 14
+                    tail_start = 13
                 else:
                     step, tail_start = _read_varint(record, 10)
                 tail = record[tail_start:-5]
