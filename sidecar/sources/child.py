@@ -39,7 +39,7 @@ PIPE_BYTES = 1 << 20  # a larger pipe means fewer, larger reads
 FORWARDING_FAILED = "forwarding this stream to /logs failed (said once)"
 MAX_PENDING_BYTES = 32 << 20  # output offered to the loop but not yet taken
 SMALL_READ_BYTES = 16 << 10  # a read this small, right after another, waits for company:
-COALESCE_S = 0.01  # a flood of small writes (a bar's redraws) is read 100 times a second at
+COALESCE_S = 0.02  # a flood of small writes (a bar's redraws) is read 50 times a second at
 #                    most, not once per write; a lone line is never delayed
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
