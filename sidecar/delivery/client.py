@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -33,12 +33,10 @@ from tenacity import (
 )
 
 from sidecar.aio import wait_set
+from sidecar.delivery.transport import Transport, TransportError
 from sidecar.log import Throttle, add_secret, log
 
 MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
-
-if TYPE_CHECKING:  # aiohttp is imported when the client starts, so that `sidecar run` spawns
-    import aiohttp  # the command before paying for it
 
 
 class Guarantee(enum.Enum):
@@ -76,7 +74,7 @@ ROUTES: dict[str, RoutePolicy] = {
 CONNECT_TIMEOUT_S = 5.0
 DRAIN_BACKOFF_S = 0.5
 MAX_RETRY_AFTER_S = 300.0
-MAX_ANSWER_BYTES = 64 << 10  # CONTRACT 4: of any answer's body; the rest is never read
+MAX_CONNECTIONS = 8
 
 
 class Verdict(enum.Enum):
@@ -160,7 +158,7 @@ def refusal_reason(body: bytes, token: str) -> str:
     body, else its text; on one line, at most MAX_REASON_CHARS, the token masked."""
     text = body[:MAX_REASON_CHARS * 4].decode("utf-8", "replace")
     with contextlib.suppress(ValueError):
-        doc = json.loads(body)  # at most MAX_ANSWER_BYTES
+        doc = json.loads(body)  # at most transport.MAX_ANSWER_BYTES
         if isinstance(doc, dict):
             text = next((v for k in ("error", "message", "detail") if isinstance(
                 v := doc.get(k), str)), text)
@@ -190,42 +188,36 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 @dataclass
 class IngestClient:
-    """One aiohttp session to the ingest endpoint: auth headers, no redirects, timeouts."""
+    """The ingest endpoint's client: auth headers, no redirects, timeouts, counters."""
 
     endpoint: str
     token_headers: tuple[str, ...]
     read_token: Callable[[], str]
     ca_file: Path | None = None  # loaded when the client is made: see load_ca_file
     stats: dict[str, RouteStats] = field(default_factory=dict)
-    _session: aiohttp.ClientSession | None = None
+    _transport: Transport | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _token: str = field(default="", repr=False)
     _throttle: Throttle = field(default_factory=Throttle)
     _hurry: asyncio.Event = field(default_factory=asyncio.Event)
-    _ssl: ssl.SSLContext | bool = True
+    _ssl: ssl.SSLContext | None = None
 
     def __post_init__(self) -> None:
         if self.ca_file is not None:
             self._ssl = load_ca_file(self.ca_file)
 
     async def start(self) -> None:
-        """Open the keep-alive session; call once from the event loop."""
-        import aiohttp
-
+        """Read the token and make the keep-alive transport; call once from the event loop."""
         self._use_token(self.read_token())
-        connector = aiohttp.TCPConnector(limit=8, ssl=self._ssl)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S),
-            headers={"Content-Type": "application/json"},
-        )
+        self._transport = Transport(self.endpoint, self._ssl, max_connections=MAX_CONNECTIONS,
+                                    connect_timeout_s=CONNECT_TIMEOUT_S)
         self._ready.set()
 
     async def close(self) -> None:
-        """Close the session and its connections."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the transport's connections."""
+        if self._transport is not None:
+            await self._transport.close()
+            self._transport = None
 
     def route_stats(self, route: str) -> RouteStats:
         return self.stats.setdefault(route, RouteStats())
@@ -233,38 +225,28 @@ class IngestClient:
     async def post(self, route: str, body: bytes) -> Answer:
         """One attempt to POST `body` to `route`; never raises (but for a cancellation): a
         network or HTTP failure, or anything unexpected, is an Answer to retry."""
-        await self._ready.wait()  # a sender may be started before the session is
-        import aiohttp
-
-        assert self._session is not None
+        await self._ready.wait()  # a sender may be started before the transport is
+        assert self._transport is not None
         policy = ROUTES[route]
         stats = self.route_stats(route)
         stats.requests += 1
-        headers = {"Authorization": f"Bearer {self._token}"}
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"}
         headers.update(dict.fromkeys(self.token_headers, self._token))
         try:
-            async with self._session.post(
-                self.endpoint + policy.path,
-                data=body,
-                headers=headers,
-                allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=policy.timeout_s,
-                                              sock_connect=CONNECT_TIMEOUT_S),
-            ) as response:
-                data = await response.content.read(MAX_ANSWER_BYTES)
-                if not response.content.at_eof():
-                    response.close()  # a huge body: drop the connection rather than read it
-                answer = classify(response.status, response.headers.get("Retry-After"))
-                if not answer.ok:
-                    answer = replace(answer, reason=refusal_reason(data, self._token))
-                if answer.verdict is Verdict.REDIRECT:
-                    target = urlsplit(response.headers.get("Location", ""))
-                    answer = Answer(Verdict.REDIRECT, response.status,
-                                    detail=f"redirect to {target.scheme}://{target.netloc} "
-                                    "not followed: it would carry the token elsewhere")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            answer = Answer(Verdict.RETRY, detail=_describe(exc))
-        except Exception as exc:  # a bug here, or in aiohttp, must not end a sender
+            reply = await self._transport.post(policy.path, body, headers, policy.timeout_s)
+            answer = classify(reply.status, reply.headers.get("retry-after"))
+            if not answer.ok:
+                answer = replace(answer, reason=refusal_reason(reply.body, self._token))
+            if answer.verdict is Verdict.REDIRECT:
+                target = urlsplit(reply.headers.get("location", ""))
+                answer = Answer(Verdict.REDIRECT, reply.status,
+                                detail=f"redirect to {target.scheme}://{target.netloc} "
+                                "not followed: it would carry the token elsewhere")
+        except TransportError as exc:
+            answer = Answer(Verdict.RETRY, detail=str(exc))
+        except TimeoutError:
+            answer = Answer(Verdict.RETRY, detail="timed out")
+        except Exception as exc:  # a bug here, or in h11, must not end a sender
             answer = Answer(Verdict.RETRY, detail=f"unexpected {exc.__class__.__name__}")
             if self._throttle.admit(f"{route}:unexpected") is not None:
                 log.error("/%s: a request failed unexpectedly (%s: %s); it is retried",
@@ -395,14 +377,3 @@ def load_ca_file(path: Path) -> ssl.SSLContext:
     except ssl.SSLError as exc:
         raise ValueError(f"not a PEM CA bundle ({exc.reason or exc})") from None
     return context
-
-
-def _describe(exc: BaseException) -> str:
-    """A short reason for a failed attempt, without the URL's query or any header."""
-    import aiohttp
-
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-        return "timed out"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect ({exc.os_error.strerror or exc.os_error.__class__.__name__})"
-    return exc.__class__.__name__

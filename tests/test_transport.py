@@ -1,0 +1,257 @@
+"""The ingest client's transport over real loopback sockets, against servers that misbehave in
+the ways a proxy, a load balancer or a half-broken ingest does: closing kept-alive connections,
+answering before the body is read, garbling the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from sidecar.delivery.client import IngestClient, Verdict
+from sidecar.delivery.transport import MAX_ANSWER_BYTES, Transport, TransportError
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class RawServer:
+    """A loopback TCP server running `handler(reader, writer, connection_number)`."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> RawServer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.server.wait_closed(), 5)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/api/ingest"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self.connections)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader, *, body: bool = True) -> bytes:
+        """One request's head (and its Content-Length body, when `body`)."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        if body:
+            await reader.readexactly(length)
+        self.requests.append(head)
+        return head
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[RawServer]:
+    async with RawServer(handler) as server:
+        yield server
+
+
+async def test_a_kept_alive_connection_closed_by_the_server_is_not_a_failure() -> None:
+    """A load balancer that closes an idle connection as the next request goes out made every
+    such request a failed attempt (a WARNING, a backoff, for /logs a third of its tries)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        if n == 1:  # the next request on this connection arrives, and is not answered
+            await server.read_request(reader)
+
+    async with serving(handler) as server:
+        client = IngestClient(server.url, ("X-StarForge-Token",), lambda: "tok")
+        await client.start()
+        try:
+            first = await client.post("logs", b"{}")
+            second = await client.post("logs", b"{}")
+        finally:
+            await client.close()
+    assert first.ok and second.ok, second
+    assert server.connections == 2 and client.route_stats("logs").failures == 0
+
+
+async def test_an_idle_connection_the_server_closed_is_not_reused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        closed.set()
+
+    closed = asyncio.Event()
+    async with serving(handler) as server:
+        transport = Transport(server.url)
+        try:
+            await transport.post("/logs", b"{}", {}, 5)
+            await asyncio.wait_for(closed.wait(), 5)
+            await asyncio.sleep(0)  # the close reaches the client's protocol
+            again = await transport.post("/logs", b"{}", {}, 5)
+        finally:
+            await transport.close()
+    assert again.status == 200 and server.connections == 2
+
+
+async def test_a_413_answered_before_the_body_was_read_is_seen_as_a_413() -> None:
+    """A proxy that refuses a large body from its headers answers at once and closes."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader, body=False)
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n"
+                     b"Connection: close\r\n\r\n")
+        await writer.drain()
+
+    async with serving(handler) as server:
+        client = IngestClient(server.url, ("X-StarForge-Token",), lambda: "tok")
+        await client.start()
+        try:
+            answer = await client.post("metrics", b"{" + b" " * (4 << 20) + b"}")
+        finally:
+            await client.close()
+    assert answer.verdict is Verdict.TOO_LARGE, answer
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (b"HTTP/1.1 two hundred OK\r\n\r\n", "malformed"),
+    (b"garbage\r\n\r\n", "malformed"),
+    (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (16 * MAX_ANSWER_BYTES) + b"\r\n\r\n", "malformed"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}", "closed"),
+])
+async def test_a_garbled_answer_is_an_attempt_to_retry_and_the_next_one_works(
+        answer: bytes, said: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader)
+        writer.write(answer if n == 1 else OK)
+        await writer.drain()
+
+    async with serving(handler) as server:
+        client = IngestClient(server.url, ("X-StarForge-Token",), lambda: "tok")
+        await client.start()
+        try:
+            bad = await client.post("metrics", b"{}")
+            good = await client.post("metrics", b"{}")
+        finally:
+            await client.close()
+    assert bad.verdict is Verdict.RETRY and said in bad.detail, bad
+    assert good.ok
+
+
+async def test_a_chunked_answer_longer_than_64_kib_is_cut_there() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(1024):  # 64 MiB offered
+                writer.write(b"10000\r\n" + b"e" * 0x10000 + b"\r\n")
+                await writer.drain()
+                sent[0] += 0x10000
+
+    sent = [0]
+    async with serving(handler) as server:
+        transport = Transport(server.url)
+        try:
+            reply = await transport.post("/metrics", b"{}", {}, 10)
+        finally:
+            await transport.close()
+    assert reply.status == 400 and len(reply.body) == MAX_ANSWER_BYTES
+    assert sent[0] < 32 << 20
+
+
+async def test_the_request_carries_host_length_and_the_given_headers() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+
+    async with serving(handler) as server:
+        transport = Transport(server.url)
+        port = transport.origin.port
+        try:
+            await transport.post("/hardware", b'{"a":1}', {"Authorization": "Bearer t"}, 5)
+        finally:
+            await transport.close()
+    [head] = server.requests
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /api/ingest/hardware HTTP/1.1"
+    assert {f"host: 127.0.0.1:{port}", "content-length: 7", "authorization: bearer t"} <= {
+        line.lower() for line in lines}
+
+
+async def test_nothing_listening_is_a_short_reason() -> None:
+    with_nothing = RawServer(lambda r, w, n: asyncio.sleep(0))
+    async with with_nothing:
+        url = with_nothing.url
+    transport = Transport(url)
+    with pytest.raises(TransportError, match=r"^cannot connect \(Connect call failed|refused"):
+        await transport.post("/logs", b"{}", {}, 5)
+
+
+async def test_at_most_max_connections_are_open_at_once() -> None:
+    open_now, most = 0, 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        nonlocal open_now, most
+        open_now += 1
+        most = max(most, open_now)
+        try:
+            while True:
+                await server.read_request(reader)
+                await asyncio.sleep(0.05)
+                writer.write(OK)
+                await writer.drain()
+        finally:
+            open_now -= 1
+
+    async with serving(handler) as server:
+        transport = Transport(server.url, max_connections=3)
+        try:
+            replies = await asyncio.gather(*(transport.post("/logs", b"{}", {}, 10)
+                                             for _ in range(12)))
+        finally:
+            await transport.close()
+    assert [r.status for r in replies] == [200] * 12
+    assert most == 3 and server.connections == 3
+
+
+async def test_a_timeout_closes_the_connection_and_the_next_request_gets_a_new_one() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader)
+        if n == 1:
+            await asyncio.sleep(30)
+        writer.write(OK)
+        await writer.drain()
+
+    async with serving(handler) as server:
+        transport = Transport(server.url)
+        try:
+            with pytest.raises(TimeoutError):
+                await transport.post("/logs", b"{}", {}, 0.3)
+            again = await transport.post("/logs", b"{}", {}, 5)
+        finally:
+            await transport.close()
+    assert again.status == 200 and server.connections == 2
