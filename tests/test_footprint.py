@@ -23,6 +23,7 @@ NOT_FOR_A_DAEMON = (
     "prometheus_client",
     "importlib.metadata",
     "pynvml",  # only where libnvidia-ml.so.1 loads
+    "tenacity",  # the first failed attempt
 )
 
 DAEMON_IMPORTS = """

@@ -16,21 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC
-from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_result,
-    stop_after_attempt,
-    stop_never,
-    wait_exponential,
-    wait_random,
-)
 
 from sidecar.aio import wait_set
 from sidecar.delivery.transport import Transport, TransportError
@@ -176,6 +166,8 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     value = value.strip()
     if value.isascii() and value.isdigit():
         return min(float(value), MAX_RETRY_AFTER_S)
+    from email.utils import parsedate_to_datetime  # a date is rare: not paid for at start-up
+
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -314,6 +306,16 @@ class IngestClient:
         first = await self.post(route, body)
         if first.ok or not _retryable(policy, first) or policy.max_attempts == 1:
             return first
+        from tenacity import (  # nor is tenacity's import, most runs never retry
+            AsyncRetrying,
+            RetryCallState,
+            retry_if_result,
+            stop_after_attempt,
+            stop_never,
+            wait_exponential,
+            wait_random,
+        )
+
         stop = stop_never if policy.max_attempts is None else stop_after_attempt(
             policy.max_attempts)
         backoff = (wait_exponential(multiplier=policy.first_backoff_s, max=policy.max_backoff_s)
