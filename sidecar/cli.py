@@ -42,7 +42,10 @@ class _Formatter(argparse.HelpFormatter):
                          for line in text.splitlines())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Given `for_command`, only that command's options are added
+    (the others are listed, empty): a daemon's start-up does not pay for a hundred options it
+    never parses. A name that is no command builds them all, for the usage message."""
     parser = argparse.ArgumentParser(
         prog="sidecar", description="Forward a training job's output, metrics, telemetry and "
         "lifecycle to the platform's ingest API.", epilog=_epilog(HELP_TAILS["sidecar"]),
@@ -50,66 +53,78 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
     commands = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
+    every = for_command not in HELP_TAILS or for_command == "sidecar"
+
     def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=help, description=help, usage=usage,
                                    epilog=_epilog(HELP_TAILS[name]),
                                    formatter_class=_Formatter)
 
+    def wanted(name: str) -> bool:
+        return every or name == for_command
+
     run = command("run", "wrap a training command and report it",
                   usage="sidecar run [OPTIONS] -- COMMAND [ARG...]")
-    add_options(run, "run")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    if wanted("run"):
+        add_options(run, "run")
+        run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
     watch = command("watch", "follow log, JSONL and TensorBoard files until SIGTERM",
                     usage="sidecar watch [OPTIONS]")
-    add_options(watch, "watch")
+    if wanted("watch"):
+        add_options(watch, "watch")
 
     check = command("check", "validate the configuration, probe the endpoint from this node, "
                     "explain what is wrong; takes the options of run and watch")
-    check.add_argument("--json", action="store_true", help="print one JSON document")
-    _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
-         type=_seconds, metavar="SECONDS")
-    add_options(check, "check")
+    if wanted("check"):
+        check.add_argument("--json", action="store_true", help="print one JSON document")
+        _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
+             type=_seconds, metavar="SECONDS")
+        add_options(check, "check")
 
     status = command("status", "counters of the running daemon")
-    status.add_argument("--json", action="store_true",
-                        help="print the daemon's /status document once, as JSON")
-    status.add_argument("--once", action="store_true",
-                        help="print the table once and exit (for scripts)")
-    _add(status, "--run-id", None, "the run whose daemon to show, when several run on this "
-         "node", metavar="ID", shown="the platform's run id variable, else the only daemon")
-    _add(status, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
-         shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
-         env="SIDECAR_STATUS_ADDR")
-    add_option(status, "state-dir")
-    add_option(status, "config")
+    if wanted("status"):
+        status.add_argument("--json", action="store_true",
+                            help="print the daemon's /status document once, as JSON")
+        status.add_argument("--once", action="store_true",
+                            help="print the table once and exit (for scripts)")
+        _add(status, "--run-id", None, "the run whose daemon to show, when several run on this "
+             "node", metavar="ID", shown="the platform's run id variable, else the only daemon")
+        _add(status, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
+             shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
+             env="SIDECAR_STATUS_ADDR")
+        add_option(status, "state-dir")
+        add_option(status, "config")
 
     lifecycle = command("lifecycle", "post one lifecycle event, strictly")
-    lifecycle.add_argument("event", choices=EVENTS, help="the event to post")
-    _add(lifecycle, "--timeout", 60.0, "give up (exit 1, event kept for replay) after this "
-         "many seconds", type=_seconds, metavar="SECONDS")
-    for name in ("state-dir", "token-file", "config"):
-        add_option(lifecycle, name)
+    if wanted("lifecycle"):
+        lifecycle.add_argument("event", choices=EVENTS, help="the event to post")
+        _add(lifecycle, "--timeout", 60.0, "give up (exit 1, event kept for replay) after this "
+             "many seconds", type=_seconds, metavar="SECONDS")
+        for name in ("state-dir", "token-file", "config"):
+            add_option(lifecycle, name)
 
     replay = command("replay", "deliver what an earlier run left spooled")
-    _add(replay, "--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
-         type=_seconds, metavar="SECONDS")
-    for name in ("state-dir", "token-file", "config"):
-        add_option(replay, name)
+    if wanted("replay"):
+        _add(replay, "--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
+             type=_seconds, metavar="SECONDS")
+        for name in ("state-dir", "token-file", "config"):
+            add_option(replay, name)
 
     receive = command("receive", "a local ingest server that checks the contract and stores "
                       "what it accepts")
-    _add(receive, "--host", "127.0.0.1", "the address to listen on", metavar="HOST")
-    _add(receive, "--port", 8080, "the port to listen on; 0: any free one", type=int,
-         metavar="PORT")
-    _add(receive, "--dir", Path("received"), "folder for one JSONL file per route", type=Path,
-         metavar="DIR")
-    _add(receive, "--token", None, "accept only this token", metavar="TOKEN", shown="any")
-    _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
-    _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
-         metavar="PATH")
-    receive.add_argument("--faults", action="store_true", help=argparse.SUPPRESS)  # tests only
-    receive.add_argument("--quiet", action="store_true", help="no live summary")
+    if wanted("receive"):
+        _add(receive, "--host", "127.0.0.1", "the address to listen on", metavar="HOST")
+        _add(receive, "--port", 8080, "the port to listen on; 0: any free one", type=int,
+             metavar="PORT")
+        _add(receive, "--dir", Path("received"), "folder for one JSONL file per route", type=Path,
+             metavar="DIR")
+        _add(receive, "--token", None, "accept only this token", metavar="TOKEN", shown="any")
+        _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
+        _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
+             metavar="PATH")
+        receive.add_argument("--faults", action="store_true", help=argparse.SUPPRESS)  # tests only
+        receive.add_argument("--quiet", action="store_true", help="no live summary")
 
     command("demo", "run a bundled example trainer against a local receiver")
     return parser
@@ -183,7 +198,8 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
