@@ -150,8 +150,9 @@ def test_endpoint_down_at_start_does_not_delay_the_child(ingest: RunningIngest,
     child = python_child("import time; print('started', time.time(), flush=True)")
     started = time.time()
     run = Sidecar(["run", "--", *child], env, tmp_path / "sc")
-    wait_until(lambda: b"started" in (tmp_path / "sc" / "stdout").read_bytes(), 10,
-               "the child printed")
+    # the whole line: with PYTHONUNBUFFERED set, print() writes its pieces one by one
+    wait_until(lambda: b"\n" in (tmp_path / "sc" / "stdout").read_bytes(), 10,
+               "the child printed its line")
     child_started = stamp((tmp_path / "sc" / "stdout").read_text(), "started")
     assert child_started - started < 3.0  # interpreter start-ups only, no network wait
     back = time.time()
