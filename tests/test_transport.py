@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from sidecar.delivery.client import IngestClient, Verdict
+from sidecar.delivery.client import Answer, IngestClient, RouteStats, Verdict
 from sidecar.delivery.transport import MAX_ANSWER_BYTES, Transport, TransportError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -68,6 +68,17 @@ async def serving(handler: Handler) -> AsyncIterator[RawServer]:
         yield server
 
 
+async def posted_twice(server: RawServer, route: str) -> tuple[Answer, Answer, RouteStats]:
+    """Two posts to `route`, one after the other, through the ingest client, and its counters."""
+    client = IngestClient(server.url, ("X-StarForge-Token",), lambda: "tok")
+    await client.start()
+    try:
+        return (await client.post(route, b"{}"), await client.post(route, b"{}"),
+                client.route_stats(route))
+    finally:
+        await client.close()
+
+
 async def test_a_kept_alive_connection_closed_by_the_server_is_not_a_failure() -> None:
     """A load balancer that closes an idle connection as the next request goes out made every
     such request a failed attempt (a WARNING, a backoff, for /logs a third of its tries)."""
@@ -80,15 +91,9 @@ async def test_a_kept_alive_connection_closed_by_the_server_is_not_a_failure() -
             await server.read_request(reader)
 
     async with serving(handler) as server:
-        client = IngestClient(server.url, ("X-StarForge-Token",), lambda: "tok")
-        await client.start()
-        try:
-            first = await client.post("logs", b"{}")
-            second = await client.post("logs", b"{}")
-        finally:
-            await client.close()
+        first, second, stats = await posted_twice(server, "logs")
     assert first.ok and second.ok, second
-    assert server.connections == 2 and client.route_stats("logs").failures == 0
+    assert server.connections == 2 and stats.failures == 0
 
 
 async def test_an_idle_connection_the_server_closed_is_not_reused() -> None:
@@ -146,13 +151,7 @@ async def test_a_garbled_answer_is_an_attempt_to_retry_and_the_next_one_works(
         await writer.drain()
 
     async with serving(handler) as server:
-        client = IngestClient(server.url, ("X-StarForge-Token",), lambda: "tok")
-        await client.start()
-        try:
-            bad = await client.post("metrics", b"{}")
-            good = await client.post("metrics", b"{}")
-        finally:
-            await client.close()
+        bad, good, _ = await posted_twice(server, "metrics")
     assert bad.verdict is Verdict.RETRY and said in bad.detail, bad
     assert good.ok
 
