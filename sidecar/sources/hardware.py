@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import math
 import os
 import queue
@@ -34,7 +35,7 @@ import psutil
 
 from sidecar.log import log
 from sidecar.records import iso_ts
-from sidecar.sources import nvml
+from sidecar.sources import nvml, procfs
 from sidecar.sources.nvml import (
     GpuDevice,
     GpuFilter,
@@ -88,6 +89,12 @@ class Worker:
 
     async def call(self, fn: Callable[[], T], timeout_s: float) -> T:
         """fn() on the worker; TimeoutError after `timeout_s`, WorkerBusy while one is stuck."""
+        future = self.submit(fn)
+        async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.aio
+            return await future
+
+    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """fn() on the worker, its outcome the future's; WorkerBusy while one is stuck."""
         if self._busy:
             raise WorkerBusy(self.name)
         if self._thread is None:
@@ -96,8 +103,7 @@ class Worker:
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._busy = True
         self._jobs.put((fn, future))
-        async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.aio
-            return await future
+        return future
 
     def stop(self) -> None:
         """End the thread once its current job (if any) returns."""
@@ -186,39 +192,51 @@ class ProcessReading:
 
 
 class HostProbe:
-    """What the host collector reads, one psutil call a method; tests override it to inject."""
+    """What the host collector reads, one question a method; tests override it to inject.
+
+    Linux's /proc is read directly (procfs.py: psutil's figures at a fraction of its cost);
+    psutil answers where /proc cannot, and stays the reference the tests compare with.
+    """
 
     def __init__(self) -> None:
         self._parents = ParentTable()
+        self._disk_io = procfs.DiskIo()
+        self._net_io = procfs.NetIo()
+        self._boot_s: float | None = None  # psutil.boot_time() from the last /proc/stat read
 
     def cpu_times(self) -> tuple[CpuTimes, list[CpuTimes]]:
         """The whole machine's and each core's."""
-        return _cpu_times(psutil.cpu_times()), [_cpu_times(c) for c in psutil.cpu_times(True)]
+        try:
+            stat = procfs.cpu_ticks()
+        except OSError:
+            return _cpu_times(psutil.cpu_times()), [_cpu_times(c) for c in psutil.cpu_times(True)]
+        self._boot_s = stat.boot_s
+        return _ticks_to_seconds(stat.machine), [_ticks_to_seconds(c) for c in stat.cores]
 
     def load_average(self) -> tuple[float, float, float]:
         return psutil.getloadavg()
 
     def memory(self) -> tuple[int, int, int]:
         """Total, used and available bytes."""
-        vm = psutil.virtual_memory()
-        return vm.total, vm.used, vm.available
+        return _procfs_or(procfs.memory, _psutil_memory)
 
     def swap(self) -> tuple[int, int]:
         """Total and used bytes."""
-        sw = psutil.swap_memory()
-        return sw.total, sw.used
+        return _procfs_or(procfs.swap, _psutil_swap)
 
     def disk_io(self) -> tuple[int, int] | None:
         """Bytes read and written by all disks since boot."""
-        io = psutil.disk_io_counters()
-        return None if io is None else (io.read_bytes, io.write_bytes)
+        try:
+            return self._disk_io.read()
+        except OSError:
+            return _psutil_disk_io()
 
     def net_io(self) -> dict[str, tuple[int, int]]:
         """Bytes received and sent per interface that is up and not loopback."""
-        stats = psutil.net_if_stats()
-        counters = psutil.net_io_counters(pernic=True)
-        return {name: (c.bytes_recv, c.bytes_sent) for name, c in counters.items()
-                if name in stats and stats[name].isup and not _loopback(name, stats[name])}
+        try:
+            return self._net_io.read()
+        except OSError:
+            return _psutil_net_io()
 
     def disk_usage(self, path: str) -> tuple[int, int, int]:
         """Total, used and available bytes of the file system holding `path`."""
@@ -229,7 +247,9 @@ class HostProbe:
         """The process `pid` and its descendants; None once it has gone."""
         below = self._parents.descendants(pid)
         if below is not None:  # Linux: each process from one read of its stat file
-            readings = [r for r in map(_proc_reading, [pid, *below]) if r is not None]
+            boot_s = psutil.boot_time() if self._boot_s is None else self._boot_s
+            readings = [r for r in (_proc_reading(p, boot_s) for p in [pid, *below])
+                        if r is not None]
             return readings if readings and readings[0].pid == pid else None
         try:  # no /proc to list: psutil's own walk
             root = psutil.Process(pid)
@@ -247,33 +267,76 @@ class HostProbe:
         return readings
 
 
+def _procfs_or(read: Callable[[], T | None], fallback: Callable[[], T]) -> T:
+    """What `read()` finds in /proc, else psutil's `fallback()` where /proc cannot say."""
+    try:
+        found = read()
+    except OSError:
+        found = None
+    return fallback() if found is None else found
+
+
+def _ticks_to_seconds(ticks: procfs.CpuTicks) -> CpuTimes:
+    return CpuTimes(busy=ticks.busy / _CLOCK_TICKS, total=ticks.total / _CLOCK_TICKS)
+
+
+def _psutil_memory() -> tuple[int, int, int]:
+    vm = psutil.virtual_memory()
+    return vm.total, vm.used, vm.available
+
+
+def _psutil_swap() -> tuple[int, int]:
+    sw = psutil.swap_memory()
+    return sw.total, sw.used
+
+
+def _psutil_disk_io() -> tuple[int, int] | None:
+    io = psutil.disk_io_counters()
+    return None if io is None else (io.read_bytes, io.write_bytes)
+
+
+def _psutil_net_io() -> dict[str, tuple[int, int]]:
+    stats = psutil.net_if_stats()
+    counters = psutil.net_io_counters(pernic=True)
+    return {name: (c.bytes_recv, c.bytes_sent) for name, c in counters.items()
+            if name in stats and stats[name].isup and not _loopback(name, stats[name])}
+
+
 class ParentTable:
     """Every process's parent, kept from sample to sample, to find a process's descendants
     without reading the stat file of every process on the machine each time (psutil's
     children(recursive=True) does: 4 ms of a 10 ms sample on a machine of 170 processes).
     /proc is listed each time; a pid's parent is read when the pid first appears, and the
-    parents of the tree's own processes every time (an orphan is re-parented)."""
+    parents of the tree's own processes every time (an orphan is re-parented). Set operations
+    on the listing find what appeared and what went: Python touches only those, and builds
+    the parent-to-children map once."""
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self._proc = proc
-        self._parents: dict[int, int] = {}
-        self._tree: set[int] = set()
+        self._parents: dict[str, tuple[int, int]] = {}  # /proc entry -> (pid, its parent)
+        self._other: set[str] = set()  # /proc's entries that are not processes
+        self._tree: set[str] = set()
 
     def descendants(self, root: int) -> list[int] | None:
         """`root`'s descendants, parents before children; None where /proc cannot be listed."""
         try:
-            pids = [int(name) for name in os.listdir(self._proc) if name.isdigit()]
+            listed = set(os.listdir(self._proc))
         except OSError:
             return None
-        known, parents = self._parents, {}
+        parents = self._parents
+        for gone in parents.keys() - listed:
+            del parents[gone]
+        for name in (listed - parents.keys() - self._other) | (self._tree & listed):
+            if not name.isdigit():
+                self._other.add(name)
+                continue
+            parent = _parent_of(self._proc, name)
+            if parent is None:  # it has just exited
+                parents.pop(name, None)
+            else:
+                parents[name] = (int(name), parent)
         children: dict[int, list[int]] = collections.defaultdict(list)
-        for pid in pids:
-            parent = known.get(pid)
-            if parent is None or pid in self._tree:
-                parent = _parent_of(self._proc, pid)
-                if parent is None:  # it has just exited
-                    continue
-            parents[pid] = parent
+        for pid, parent in parents.values():
             children[parent].append(pid)
         found: list[int] = []
         stack = [root]
@@ -281,11 +344,11 @@ class ParentTable:
             below = children.get(stack.pop(), ())
             found.extend(below)
             stack.extend(below)
-        self._parents, self._tree = parents, set(found)
+        self._tree = {str(pid) for pid in found}
         return found
 
 
-def _parent_of(proc: Path, pid: int) -> int | None:
+def _parent_of(proc: Path, pid: str) -> int | None:
     """The parent pid from /proc/PID/stat (after the command name, which may hold spaces and
     parentheses: the last `)` ends it); None once the process is gone."""
     try:
@@ -308,10 +371,11 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _proc_reading(pid: int) -> ProcessReading | None:
+def _proc_reading(pid: int, boot_s: float) -> ProcessReading | None:
     """One process from /proc/PID/stat (times, threads, start, RSS) and its fd folder, as
-    psutil reads them but from one file: psutil's oneshot took 0.34 ms a process. None once
-    the process is gone."""
+    psutil reads them but from one file: psutil's oneshot took 0.34 ms a process. `boot_s` is
+    the boot time psutil adds (btime of /proc/stat), read once for the whole tree, not once a
+    process. None once the process is gone."""
     try:
         stat_line = _read_stat(f"/proc/{pid}/stat")
         # after "pid (comm) ": state ppid ... utime(14) stime(15) ... num_threads(20)
@@ -325,7 +389,7 @@ def _proc_reading(pid: int) -> ProcessReading | None:
         open_files: int | None = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         open_files = None
-    return ProcessReading(pid=pid, started_s=psutil.boot_time() + started / _CLOCK_TICKS,
+    return ProcessReading(pid=pid, started_s=boot_s + started / _CLOCK_TICKS,
                           cpu_s=(utime + stime) / _CLOCK_TICKS, rss_bytes=rss_pages * _PAGE_BYTES,
                           threads=threads, open_files=open_files)
 
@@ -444,10 +508,11 @@ class DiskUsageCollector:
     def __init__(self, probe: HostProbe, paths: Sequence[Path]) -> None:
         self.probe = probe
         self.paths = tuple(paths)
+        self._mounts: dict[Path, tuple[int, str]] = {}  # path -> (its device, mount point)
 
     def read(self) -> Readings:
         out = Readings()
-        for mount in sorted({_mount_point(p) for p in self.paths}):
+        for mount in sorted({self._mount_of(p) for p in self.paths}):
             try:
                 total, used, available = self.probe.disk_usage(mount)
             except OSError as exc:
@@ -457,6 +522,18 @@ class DiskUsageCollector:
             out.gauges.update({f"fs/{name}/total_bytes": total, f"fs/{name}/used_bytes": used,
                                f"fs/{name}/available_bytes": available})
         return out
+
+    def _mount_of(self, path: Path) -> str:
+        """The mount point of `path`, walked up to once and again only when the path moved to
+        another device (something was mounted or unmounted on the way): one stat a sample."""
+        try:
+            device = os.stat(path).st_dev
+        except OSError:  # not there (yet): its nearest existing parent's
+            return _mount_point(path)
+        known = self._mounts.get(path)
+        if known is None or known[0] != device:
+            known = self._mounts[path] = (device, _mount_point(path))
+        return known[1]
 
 
 def _mount_point(path: Path) -> str:
@@ -501,18 +578,33 @@ class InfinibandCollector:
 
     def read(self, now_s: float) -> Readings:
         out = Readings()
-        for port in sorted(self.root.glob("*/ports/*")):
-            prefix = f"ib/{port.parent.parent.name}/{port.name}"
+        for device, port, folder in self._ports():
+            prefix = f"ib/{device}/{port}"
             for filename, key, scale in IB_TRAFFIC:
-                value = _read_int(port / "counters" / filename)
+                value = _read_int(f"{folder}/counters/{filename}")
                 if value is None or self._saturated_now(f"{prefix}/{filename}", value):
                     continue
                 out.counters[f"{prefix}/{key}"] = (value * scale, now_s)
-            for folder, filename in IB_ERRORS:
-                value = _read_int(port / folder / filename)
+            for kind, filename in IB_ERRORS:
+                value = _read_int(f"{folder}/{kind}/{filename}")
                 if value is not None:
                     out.gauges[f"{prefix}/{filename.lower()}_count"] = value
         return out
+
+    def _ports(self) -> list[tuple[str, str, str]]:
+        """(device, port, folder) of every port, in name order; none without InfiniBand."""
+        try:
+            devices = sorted(os.listdir(self.root))
+        except OSError:
+            return []
+        ports = []
+        for device in devices:
+            folder = f"{self.root}/{device}/ports"
+            try:
+                ports += [(device, port, f"{folder}/{port}") for port in sorted(os.listdir(folder))]
+            except OSError:
+                continue
+        return ports
 
     def _saturated_now(self, what: str, value: int) -> bool:
         if value not in SATURATED:
@@ -524,9 +616,9 @@ class InfinibandCollector:
         return True
 
 
-def _read_int(path: Path) -> int | None:
+def _read_int(path: str) -> int | None:
     try:
-        return int(path.read_text().split()[0])
+        return int(procfs.read_file(path).split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -544,6 +636,47 @@ class SamplerStats:
     gpu_status: str = "not started"  # how many GPUs, or why there is no GPU telemetry
     skipped_reads: int = 0  # reads skipped because the worker's previous read still hangs
     disabled: dict[str, dict[str, str]] = field(default_factory=dict)  # "gpu/0": {query: why}
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One read of a sample: its name (`host`, `disk-usage`, `gpu/0`), how a message names
+    it, the read itself, and how long it may take before it counts as hung."""
+
+    name: str
+    what: str
+    read: Callable[[_Sweep], Readings]
+    timeout_s: float
+
+
+class _Sweep:
+    """One sample's reads, run one after another on one worker thread.
+
+    One hand-off to a thread and back per sample: a thread for each read cost more CPU in
+    wake-ups and GIL hand-offs than eight GPUs' reads themselves. `current` tells the loop which
+    read runs and since when, so that it tells a read that hangs from a sample that is merely
+    long; it then leaves the hung read to that thread and hands the reads after it to another.
+    """
+
+    def __init__(self, parts: Sequence[_Part]) -> None:
+        self.parts = parts
+        self.results: dict[str, Readings] = {}
+        self.errors: dict[str, Exception] = {}
+        self.trainer_pids: frozenset[int] | None = None  # the host read's, for the GPUs' reads
+        self.current = (0, time.monotonic())  # the read running, and when it began
+        self.runner: object | None = None  # the one thread that may go on reading
+
+    def run(self, start: int, runner: object) -> None:
+        """The reads from `start` on, while `runner` is still the one that may go on."""
+        for index in range(start, len(self.parts)):
+            if self.runner is not runner:  # given up on: the loop went on without this thread
+                return
+            part = self.parts[index]
+            self.current = (index, time.monotonic())
+            try:
+                self.results[part.name] = part.read(self)
+            except Exception as exc:  # one failing read never stops the others
+                self.errors[part.name] = exc
 
 
 class HardwareSampler:
@@ -572,8 +705,13 @@ class HardwareSampler:
         self._ib = InfinibandCollector(sysfs_root)
         self._rates = Rates()
         self._devices: list[GpuDevice] = []
-        self._workers: dict[str, Worker] = {}
-        self._stalled: set[str] = set()
+        self._host_part = _Part("host", "host", self._read_host, host_timeout_s)
+        self._disk_part = _Part("disk-usage", "disk usage", lambda _: self._disks.read(),
+                                host_timeout_s)
+        self._gpu_parts: dict[str, _Part] = {}
+        self._worker: Worker | None = None  # the thread sweeps run on
+        self._stuck: dict[str, Worker] = {}  # part -> the thread left behind in it
+        self._stalled: set[str] = set()  # parts said to hang, until they answer again
         self._xid: XidWatcher | None = None
         self.xids: collections.deque[XidEvent] = collections.deque(maxlen=MAX_XIDS_KEPT)
         self.gpu_gauges: dict[str, float] = {}  # the last sample's GPU gauges, for a stall line
@@ -614,13 +752,15 @@ class HardwareSampler:
         if not self.use_gpus:
             self._stats.gpu_status = "GPU sampling off"
             return
+        worker = self._sweeper()
         try:
-            devices, count = await self._worker("nvml").call(
-                lambda: nvml.discover(self.gpu_filter), self.nvml_timeout_s)
+            devices, count = await worker.call(lambda: nvml.discover(self.gpu_filter),
+                                               self.nvml_timeout_s)
         except nvml.NvmlError as exc:
             self._no_gpus(exc.reason())
             return
         except TimeoutError:
+            self._leave(worker)
             self._no_gpus(f"NVML did not answer within {self.nvml_timeout_s:g} s")
             return
         self._devices = devices
@@ -629,6 +769,7 @@ class HardwareSampler:
                           f"{self.gpu_filter.describe()} selects none of this node's "
                           f"{count} GPUs")
             return
+        self._gpu_parts = {d.key: _gpu_part(d, self.nvml_timeout_s) for d in devices}
         self._stats.gpu_status = f"{len(devices)} of {count} GPUs"
         log.info("sampling %d GPU(s): %s", len(devices),
                  ", ".join(f"{d.index} {d.name}" for d in devices))
@@ -644,87 +785,104 @@ class HardwareSampler:
         """Stop the XID watcher and the workers; a worker stuck in a call is left behind."""
         if self._xid is not None:
             self._xid.stop()
-        for worker in self._workers.values():
-            worker.stop()
+        for worker in [self._worker, *self._stuck.values()]:
+            if worker is not None:
+                worker.stop()
 
     async def sample_once(self) -> None:
         """Read everything once and emit the sample."""
         await self.start()
         began = time.perf_counter()
         wall_s = time.time()
+        gpu_parts = [self._gpu_parts[d.key] for d in self._devices]
+        in_order = [self._host_part, self._disk_part, *gpu_parts]  # the order points go out in
+        sweep = _Sweep(self._ready([self._host_part, *gpu_parts, self._disk_part]))
+        await self._run(sweep)
         readings = Readings()
-        host = await self._read("host", self._read_host, self.host_timeout_s)
-        trainer_pids = None
-        if host is not None:
-            readings.merge(host[0])
-            trainer_pids = host[1]
-        results = [await self._read("disk-usage", self._disks.read, self.host_timeout_s,
-                                    "disk usage")]
-        # One GPU after another: eight workers at once spent more CPU handing the GIL to each
-        # other (every NVML call releases it) than on their reads. A read slower than
-        # GPU_STAGGER_S (a GPU hanging) no longer holds up the next one: they overlap then.
-        reads = []
-        for device in self._devices:
-            reads.append(asyncio.ensure_future(self._read_gpu(device, trainer_pids)))
-            await asyncio.wait({reads[-1]}, timeout=GPU_STAGGER_S)
-        results += await asyncio.gather(*reads)
-        for result in results:
-            if result is not None:
-                readings.merge(result)
+        for part in in_order:
+            self._collect(part, sweep, readings)
+        self.gpu_gauges = {k: v for p in gpu_parts if p.name in sweep.results
+                           for k, v in sweep.results[p.name].gauges.items()}
         self._forget_lost()
         self._emit(self._points(readings, wall_s))
         self._stats.samples += 1
         self._stats.last_sample_s = time.perf_counter() - began
 
-    def _read_host(self) -> tuple[Readings, frozenset[int] | None]:
-        now_s = time.monotonic()
-        out, pids = self._host.read(now_s, time.time())
-        out.merge(self._ib.read(now_s))
-        return out, pids
+    def _ready(self, parts: list[_Part]) -> list[_Part]:
+        """The parts to read now: not those whose thread is still stuck in their last read."""
+        ready = []
+        for part in parts:
+            stuck = self._stuck.get(part.name)
+            if stuck is not None and stuck.busy:
+                self._stats.skipped_reads += 1
+                continue
+            self._stuck.pop(part.name, None)
+            ready.append(part)
+        return ready
 
-    async def _read_gpu(self, device: GpuDevice,
-                        trainer_pids: frozenset[int] | None) -> Readings | None:
-        return await self._read(device.key, lambda: device.read(trainer_pids),
-                                self.nvml_timeout_s, device.describe())
-
-    async def _read(self, name: str, fn: Callable[[], T], timeout_s: float,
-                    what: str = "") -> T | None:
-        """fn() on the worker `name`; None when it hangs, is still hung, or fails."""
-        what = what or name
-        try:
-            result = await self._worker(name).call(fn, timeout_s)
-        except WorkerBusy:
-            self._stats.skipped_reads += 1
-            return None
-        except TimeoutError:
-            self._stalled.add(name)
+    async def _run(self, sweep: _Sweep) -> None:
+        """The sweep's reads on the sampler's thread. A read that outlives its timeout is left
+        to that thread, said once, and the reads after it go on on a new one."""
+        start = 0
+        while start < len(sweep.parts):
+            worker = self._sweeper()
+            runner = sweep.runner = object()
+            sweep.current = (start, time.monotonic())
+            done = worker.submit(functools.partial(sweep.run, start, runner))
+            try:
+                hung = await _hung_read(sweep, done)
+            except asyncio.CancelledError:  # the thread stops after the read it is in
+                sweep.runner = None
+                self._stuck[sweep.parts[sweep.current[0]].name] = worker
+                self._leave(worker)
+                raise
+            if hung is None:
+                return
+            part = sweep.parts[hung]
+            self._stuck[part.name] = worker
+            self._leave(worker)
+            self._stalled.add(part.name)
             log.warning("%s did not answer within %g s: left out of the samples until it does",
-                        what, timeout_s)
-            return None
-        except Exception as exc:  # one failing read never stops the sampler
-            log.warning("reading %s failed: %s", what, exc)
-            return None
-        if name in self._stalled:
-            self._stalled.discard(name)
-            log.info("%s answers again", what)
-        return result
+                        part.what, part.timeout_s)
+            start = hung + 1
 
-    def _worker(self, name: str) -> Worker:
-        if name not in self._workers:
-            self._workers[name] = Worker(f"sample-{name}")
-        return self._workers[name]
+    def _collect(self, part: _Part, sweep: _Sweep, readings: Readings) -> None:
+        result = sweep.results.get(part.name)
+        if result is not None:
+            readings.merge(result)
+            if part.name in self._stalled:
+                self._stalled.discard(part.name)
+                log.info("%s answers again", part.what)
+        error = sweep.errors.get(part.name)
+        if error is not None:
+            log.warning("reading %s failed: %s", part.what, error)
+
+    def _read_host(self, sweep: _Sweep) -> Readings:
+        now_s = time.monotonic()
+        out, sweep.trainer_pids = self._host.read(now_s, time.time())
+        out.merge(self._ib.read(now_s))
+        return out
+
+    def _sweeper(self) -> Worker:
+        if self._worker is None:
+            self._worker = Worker("sample")
+        return self._worker
+
+    def _leave(self, worker: Worker) -> None:
+        """Leave `worker` to its stuck read: it ends once that returns; reads go to a new one."""
+        worker.stop()
+        if self._worker is worker:
+            self._worker = None
 
     def _forget_lost(self) -> None:
         for device in [d for d in self._devices if d.lost]:
             log.warning("%s is lost (%s): no longer sampled", device.describe(), device.lost)
             self._devices.remove(device)
-            worker = self._workers.pop(device.key, None)
-            if worker is not None:
-                worker.stop()
+            del self._gpu_parts[device.key]
 
     def _points(self, readings: Readings, wall_s: float) -> list[dict[str, Any]]:
         ts = iso_ts(wall_s)
-        values: dict[str, float] = dict(readings.gauges)
+        values: dict[str, float] = readings.gauges
         for key in readings.restarted:
             self._rates.forget(key)
         for key, (value, at_s) in readings.counters.items():
@@ -733,7 +891,6 @@ class HardwareSampler:
                 values[f"{key}_per_second"] = rate
         points = [{"key": k, "value": v, "ts": ts} for k, v in values.items()
                   if math.isfinite(v)]
-        self.gpu_gauges = {k: v for k, v in readings.gauges.items() if k.startswith("gpu/")}
         if self._xid is not None:
             xids = self._xid.drain()
             self.xids.extend(xids)
@@ -745,3 +902,23 @@ class HardwareSampler:
         for start in range(0, len(points), MAX_POINTS_PER_REQUEST):
             self.emit("hardware", {"run_id": self.run_id, "node": self.node,
                                    "points": points[start:start + MAX_POINTS_PER_REQUEST]})
+
+
+def _gpu_part(device: GpuDevice, timeout_s: float) -> _Part:
+    return _Part(device.key, device.describe(), lambda sweep: device.read(sweep.trainer_pids),
+                 timeout_s)
+
+
+async def _hung_read(sweep: _Sweep, done: asyncio.Future[None]) -> int | None:
+    """Wait for the sweep to end: None once it has, or the index of the read that outlived
+    its timeout. The loop wakes when the read in progress would time out, or sooner when a
+    read after it could (it cannot see one begin): never while a sample is merely quick."""
+    shortest_s = min(part.timeout_s for part in sweep.parts)
+    while not done.done():
+        index, began = sweep.current
+        left = began + sweep.parts[index].timeout_s - time.monotonic()
+        if left <= 0 and sweep.current == (index, began):
+            return index
+        await asyncio.wait({done}, timeout=min(max(left, 0.0), shortest_s))
+    done.result()
+    return None
