@@ -12,7 +12,6 @@ device lost. Any other error leaves that query's values out of this one sample.
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import importlib
 import os
@@ -21,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, NamedTuple, NewType
 
 from sidecar.log import log
 
@@ -129,25 +128,6 @@ def _call(name: str, *args: Any) -> Any:
         raise NvmlError(FUNCTION_NOT_FOUND, f"{name}: {exc}") from None  # an older binding
 
 
-def _first_of(*names: str) -> Callable[..., Any]:
-    """A call to the newest of `names` the driver has (remembered once found)."""
-    remaining = list(names)
-
-    def call(*args: Any) -> Any:  # from every GPU's worker thread at once
-        while len(remaining) > 1:
-            name = remaining[0]
-            try:
-                return _call(name, *args)
-            except NvmlError as exc:
-                if exc.code != FUNCTION_NOT_FOUND:
-                    raise
-                with contextlib.suppress(ValueError):  # another thread got there first
-                    remaining.remove(name)
-        return _call(remaining[-1], *args)
-
-    return call
-
-
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -186,32 +166,6 @@ def handle_address(handle: Handle) -> int:
     return int(ctypes.cast(pointer, ctypes.c_void_p).value or 0)
 
 
-@dataclass(frozen=True)
-class Memory:
-    total: int
-    used: int
-    reserved: int | None  # nvmlMemory_v2 only: what the driver keeps for itself
-
-
-_memory_v1_only = False  # set once the driver turns out to predate nvmlDeviceGetMemoryInfo_v2
-
-
-def memory(handle: Handle) -> Memory:
-    """Device memory: the v2 query (with the driver's reserved share), else v1."""
-    global _memory_v1_only
-    if not _memory_v1_only:
-        try:
-            info = _call("nvmlDeviceGetMemoryInfo", handle,
-                         _constant("nvmlMemory_v2", 0x02000028))
-            return Memory(int(info.total), int(info.used), int(info.reserved))
-        except NvmlError as exc:
-            if exc.code not in (FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH):
-                raise
-            _memory_v1_only = True
-    info = _call("nvmlDeviceGetMemoryInfo", handle)
-    return Memory(int(info.total), int(info.used), None)
-
-
 def compute_capability(handle: Handle) -> str:
     major, minor = _call("nvmlDeviceGetCudaComputeCapability", handle)
     return f"{int(major)}.{int(minor)}"
@@ -223,8 +177,9 @@ def driver_version() -> str:
 
 def cuda_driver_version() -> str:
     """The CUDA version the driver supports, e.g. 12040 -> "12.4"."""
-    version = int(_first_of("nvmlSystemGetCudaDriverVersion_v2",
-                            "nvmlSystemGetCudaDriverVersion")())
+    reported = ctypes.c_int()
+    _CUDA_DRIVER_VERSION(ctypes.byref(reported))
+    version = reported.value
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
@@ -353,18 +308,247 @@ GPM_METRICS: dict[int, str] = {
     10: "dram_bandwidth_percent",  # NVML_GPM_METRIC_DRAM_BW_UTIL
 }
 
+# Arguments of the calls a sample makes (nvml.h enums, part of the C ABI like the return codes).
+_TEMPERATURE_GPU = 0  # NVML_TEMPERATURE_GPU
+_CLOCK_SM, _CLOCK_MEM = 1, 2  # NVML_CLOCK_SM, NVML_CLOCK_MEM
+_PCIE_TX, _PCIE_RX = 0, 1  # NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES
+_ECC_CORRECTED, _ECC_UNCORRECTED = 0, 1  # NVML_MEMORY_ERROR_TYPE_*
+_ECC_VOLATILE = 0  # NVML_VOLATILE_ECC: since the driver was loaded
+INSUFFICIENT_SIZE = 7
+_NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE for an unsigned long long
+_INITIAL_PROCESSES = 16  # room for this many compute processes before the list grows
+
 _FI_NVLINK_LINK_COUNT = 91
 _FI_NVLINK_DATA_TX_KIB = 138
 _FI_NVLINK_DATA_RX_KIB = 139
-# nvmlValueType_t -> the member of the nvmlValue_t union that holds the value
-# nvmlValueType_t -> how the 8 bytes of the value union read (nvmlValue_t, little-endian).
-_VALUE_FORMATS = {0: struct.Struct("<d"), 1: struct.Struct("<I4x"), 2: struct.Struct("<Q"),
-                  3: struct.Struct("<Q"), 4: struct.Struct("<q"), 5: struct.Struct("<i4x"),
-                  6: struct.Struct("<H6x")}
-_U64 = _VALUE_FORMATS[3]
+_UNSIGNED_64 = frozenset({2, 3})  # nvmlValueType_t: unsigned long, unsigned long long
 _KIB = 1024
 _MILLI = 1e-3
 _MEGA = 1e6
+
+
+# ---- the calls a sample makes -----------------------------------------------------------------
+
+
+class Function:
+    """An NVML function a sample calls: resolved once, then called straight through ctypes with
+    arguments its caller built once (its output structs and their pointers).
+
+    pynvml's wrapper does per call what never changes: it looks the function up under a lock,
+    allocates the output, wraps it in byref, and its structs answer every attribute through a
+    Python-level __getattribute__; that made 0.67 ms of CPU a GPU a sample. nvidia-ml-py still
+    loads the library, resolves the symbol and defines the structs. The first of `names` the
+    driver has is used (an older driver lacks the newer ones, or answers FUNCTION_NOT_FOUND);
+    any other nonzero return code raises NvmlError.
+    """
+
+    def __init__(self, *names: str) -> None:
+        self._names = names
+        self._at = 0  # the name in use
+        self._function: Any = None
+        self._lock = threading.Lock()  # only to resolve or move on: never around a call
+
+    def __call__(self, *args: Any) -> None:
+        at = self._at
+        code = (self._function or self._resolve())(*args)
+        if code:
+            self._failed(code, at, args)
+
+    def _failed(self, code: int, at: int, args: tuple[Any, ...]) -> None:
+        with self._lock:
+            older = self._move_on(code, at)
+        if not older:
+            raise NvmlError(code, f"{self._names[at]}: {_error_text(code)}")
+        self(*args)
+
+    def _resolve(self) -> Any:
+        with self._lock:
+            while self._function is None:
+                at = self._at
+                try:
+                    self._function = _call("_nvmlGetFunctionPointer", self._names[at])
+                except NvmlError as exc:
+                    if not self._move_on(exc.code, at):
+                        raise NvmlError(exc.code, f"{self._names[at]}: {exc}") from None
+            return self._function
+
+    def _move_on(self, code: int, at: int) -> bool:
+        """After FUNCTION_NOT_FOUND from the name `at`, use the next older one (unless another
+        thread already did); False where there is none."""
+        if code != FUNCTION_NOT_FOUND:
+            return False
+        if at == self._at:
+            if at + 1 == len(self._names):
+                return False
+            self._at, self._function = at + 1, None
+        return True
+
+
+_GET_UTILIZATION = Function("nvmlDeviceGetUtilizationRates")
+_GET_MEMORY_V2 = Function("nvmlDeviceGetMemoryInfo_v2")
+_GET_MEMORY = Function("nvmlDeviceGetMemoryInfo")
+_GET_TEMPERATURE = Function("nvmlDeviceGetTemperature")
+_GET_POWER = Function("nvmlDeviceGetPowerUsage")
+_GET_POWER_LIMIT = Function("nvmlDeviceGetEnforcedPowerLimit")
+_GET_ENERGY = Function("nvmlDeviceGetTotalEnergyConsumption")
+_GET_CLOCK = Function("nvmlDeviceGetClockInfo")
+_GET_PCIE = Function("nvmlDeviceGetPcieThroughput")
+_GET_FIELD_VALUES = Function("nvmlDeviceGetFieldValues")
+_GET_CLOCK_EVENTS = Function("nvmlDeviceGetCurrentClocksEventReasons",
+                             "nvmlDeviceGetCurrentClocksThrottleReasons")
+_GET_ECC = Function("nvmlDeviceGetTotalEccErrors")
+_GET_REMAPPED_ROWS = Function("nvmlDeviceGetRemappedRows")
+_GET_PROCESSES = Function("nvmlDeviceGetComputeRunningProcesses_v3",
+                          "nvmlDeviceGetComputeRunningProcesses_v2")
+_GPM_SAMPLE_GET = Function("nvmlGpmSampleGet")
+_GPM_METRICS_GET = Function("nvmlGpmMetricsGet")
+_CUDA_DRIVER_VERSION = Function("nvmlSystemGetCudaDriverVersion_v2",
+                                "nvmlSystemGetCudaDriverVersion")
+
+
+def _nv() -> Any:
+    """The bindings, which define the structs; NvmlError where they cannot load."""
+    nv = _BINDINGS.get()
+    if nv is None:
+        raise NvmlError(LIBRARY_NOT_FOUND, _BINDINGS.missing)
+    return nv
+
+
+def _error_text(code: int) -> str:
+    try:
+        return _text(_call("nvmlErrorString", code))
+    except NvmlError:
+        return f"NVML error {code}"
+
+
+def _members(structure: Any, names: Sequence[str], base: int = 0) -> list[tuple[int, str]]:
+    """(offset, struct format) of the named members of a ctypes Structure placed `base` bytes
+    in: offsets and types from ctypes, never hard-coded. A union member reads as its first
+    8 bytes, unsigned."""
+    types = dict(structure._fields_)
+    return [(base + getattr(structure, name).offset, _format(types[name])) for name in names]
+
+
+def _format(ctype: Any) -> str:
+    code = getattr(ctype, "_type_", None)
+    if not isinstance(code, str):  # a union: nvmlValue_t
+        if ctypes.sizeof(ctype) < 8:
+            raise NvmlError(FUNCTION_NOT_FOUND, f"unexpected layout of {ctype.__name__}")
+        return "Q"
+    if code in "fd?":
+        return code
+    letter = {1: "b", 2: "h", 4: "i", 8: "q"}[ctypes.sizeof(ctype)]
+    return letter.upper() if code.isupper() else letter
+
+
+def _unpacker(members: Sequence[tuple[int, str]]) -> Callable[..., tuple[Any, ...]]:
+    """One struct call reading `members` ((offset, format) by increasing offset) out of a
+    ctypes object's memory, skipping the bytes between them."""
+    fmt, at = "=", 0
+    for offset, code in members:
+        if offset < at:
+            raise NvmlError(FUNCTION_NOT_FOUND, "struct members out of order")
+        fmt += f"{offset - at}x{code}" if offset > at else code
+        at = offset + struct.calcsize("=" + code)
+    return struct.Struct(fmt).unpack_from
+
+
+Reader = Callable[[Readings], None]
+
+
+class Memory(NamedTuple):
+    total: int
+    used: int
+    reserved: int | None  # nvmlMemory_v2 only: what the driver keeps for itself
+
+
+_memory_v1_only = False  # set once the driver turns out to predate nvmlDeviceGetMemoryInfo_v2
+
+
+class MemoryInfo:
+    """A device's memory through structs kept for it: nvmlDeviceGetMemoryInfo_v2 (with the
+    driver's reserved share), else v1, for every device, once the driver predates v2."""
+
+    def __init__(self, handle: Handle) -> None:
+        nv = _nv()
+        self._v2 = nv.c_nvmlMemory_v2_t()
+        self._v2.version = _constant("nvmlMemory_v2", 0x02000028)
+        self._v1 = nv.c_nvmlMemory_t()
+        self._v2_args = (handle, ctypes.byref(self._v2))
+        self._v1_args = (handle, ctypes.byref(self._v1))
+        self._v2_values = _unpacker(_members(type(self._v2), ("total", "reserved", "used")))
+        self._v1_values = _unpacker(_members(type(self._v1), ("total", "used")))
+
+    def read(self) -> Memory:
+        global _memory_v1_only
+        if not _memory_v1_only:
+            try:
+                _GET_MEMORY_V2(*self._v2_args)
+            except NvmlError as exc:
+                if exc.code not in (FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH):
+                    raise
+                _memory_v1_only = True
+            else:
+                total, reserved, used = self._v2_values(self._v2)
+                return Memory(total, used, reserved)
+        _GET_MEMORY(*self._v1_args)
+        total, used = self._v1_values(self._v1)
+        return Memory(total, used, None)
+
+
+def memory(handle: Handle) -> Memory:
+    """Device memory: the v2 query (with the driver's reserved share), else v1."""
+    return MemoryInfo(handle).read()
+
+
+class FieldRequest:
+    """A reusable nvmlDeviceGetFieldValues request, its answers read out of the array in one
+    struct call: (timestamp in microseconds, value type, return code, value as 8 raw bytes
+    unsigned) for each field, flat. pynvml's wrapper builds the array anew on every call, one
+    ctypes attribute at a time: that made NVLink's 36 fields the costliest query of a sample."""
+
+    def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
+        value_type = _nv().c_nvmlFieldValue_t
+        self._values = (value_type * len(fields))()
+        for slot, (field_id, scope_id) in enumerate(fields):
+            self._values[slot].fieldId = field_id
+            self._values[slot].scopeId = scope_id
+        size = ctypes.sizeof(value_type)
+        names = ("timestamp", "valueType", "nvmlReturn", "value")
+        self._unpack = _unpacker([m for slot in range(len(fields))
+                                  for m in _members(value_type, names, slot * size)])
+        self._args = (ctypes.c_int32(len(fields)), ctypes.byref(self._values))
+
+    def flat(self, handle: Handle) -> tuple[int, ...]:
+        _GET_FIELD_VALUES(handle, *self._args)
+        return self._unpack(self._values)
+
+    def read(self, handle: Handle) -> list[tuple[int, float, float]]:
+        """(return code, value, timestamp in microseconds) of each field."""
+        flat = self.flat(handle)
+        return [(ret, _field_value(kind, raw), float(at_us))
+                for at_us, kind, ret, raw in zip(*[iter(flat)] * 4, strict=True)]
+
+
+def _field_value(kind: int, raw: int) -> float:
+    """An nvmlValue_t's 8 bytes (read as unsigned) as its nvmlValueType_t says they hold."""
+    if kind == 0:  # double
+        return float(struct.unpack("=d", raw.to_bytes(8, "little"))[0])
+    if kind == 1:  # unsigned int
+        return float(raw & 0xFFFFFFFF)
+    if kind == 4:  # signed long long
+        return float(raw - (1 << 64) if raw >> 63 else raw)
+    if kind == 5:  # signed int
+        low = raw & 0xFFFFFFFF
+        return float(low - (1 << 32) if low >> 31 else low)
+    if kind == 6:  # unsigned short
+        return float(raw & 0xFFFF)
+    return float(raw)  # unsigned long (long)
+
+
+def _field_values(handle: Handle, fields: Sequence[tuple[int, int]]) -> list[
+        tuple[int, float, float]]:
+    return FieldRequest(fields).read(handle)
 
 
 @dataclass(frozen=True)
@@ -376,38 +560,8 @@ class MigDevice:
     handle: Handle
 
 
-class GpmSampler:
-    """Two GPM sample buffers: each read takes a new sample and averages over the interval."""
-
-    def __init__(self) -> None:
-        if not hasattr(_BINDINGS.get(), "c_nvmlGpmMetricsGet_t"):
-            raise NvmlError(FUNCTION_NOT_FOUND, "nvidia-ml-py predates GPM")
-        self._older: Any = _call("nvmlGpmSampleAlloc")
-        self._newer: Any = _call("nvmlGpmSampleAlloc")
-        self._primed = False  # whether the buffer that becomes `_older` holds a sample
-
-    def read(self, handle: Handle) -> dict[int, float]:
-        """Metric id -> its average since the last read; empty on the first."""
-        self._older, self._newer = self._newer, self._older
-        primed, self._primed = self._primed, False
-        _call("nvmlGpmSampleGet", handle, self._newer)
-        self._primed = True
-        if not primed:
-            return {}
-        request = _BINDINGS.get().c_nvmlGpmMetricsGet_t()
-        request.version = _constant("NVML_GPM_METRICS_GET_VERSION", 1)
-        request.numMetrics = len(GPM_METRICS)
-        request.sample1 = self._older  # NVML wants the earlier sample first
-        request.sample2 = self._newer
-        for slot, metric in enumerate(GPM_METRICS):
-            request.metrics[slot].metricId = metric
-        _call("nvmlGpmMetricsGet", request)
-        return {int(m.metricId): float(m.value)
-                for m in request.metrics[:len(GPM_METRICS)] if int(m.nvmlReturn) == 0}
-
-
 class GpuDevice:
-    """One GPU the sampler reads: its identity, the queries still on, and query state."""
+    """One GPU the sampler reads: its identity, the queries still on, and their readers."""
 
     def __init__(self, index: int, handle: Handle, uuid: str, name: str,
                  mig_filter: Callable[[str], bool] | None = None) -> None:
@@ -421,24 +575,28 @@ class GpuDevice:
         self.lost: str | None = None  # why the GPU is gone, once it is
         self.errors = 0
         self.trainer_pids: frozenset[int] | None = None
-        self.migs: list[MigDevice] | None = None
-        self.gpm: GpmSampler | None = None
-        self.nvlink_links: int | None = None
-        self.nvlink_ok: frozenset[int] = frozenset()
-        self.nvlink_request: FieldRequest | None = None
+        self._readers: dict[str, Reader] = {}  # query name -> its reader, once built
 
     def describe(self) -> str:
         return f"GPU {self.index} ({self.uuid})"
+
+    def keys(self, *names: str) -> tuple[str, ...]:
+        return tuple(f"{self.key}/{name}" for name in names)
 
     def read(self, trainer_pids: frozenset[int] | None = None) -> Readings:
         """Run every query still on; a lost GPU stops the read and sets `lost`."""
         self.trainer_pids = trainer_pids
         out = Readings()
         for query in QUERIES:
-            if query.name in self.disabled or self.lost:
+            if self.lost:
+                break
+            if query.name in self.disabled:
                 continue
             try:
-                query.read(self, out)
+                reader = self._readers.get(query.name)
+                if reader is None:
+                    reader = self._readers[query.name] = query.build(self)
+                reader(out)
             except NvmlError as exc:
                 self._failed(query.name, exc)
             except Exception as exc:  # a binding unlike the one expected: this query alone stops
@@ -456,202 +614,222 @@ class GpuDevice:
             self.errors += 1
             log.debug("%s: %s left out of this sample: %s", self.describe(), query, exc)
 
-    def put(self, out: Readings, name: str, value: float) -> None:
-        out.gauges[f"{self.key}/{name}"] = value
-
 
 @dataclass(frozen=True)
 class Query:
-    """One thing read from a GPU; turned off on its own when the GPU does not support it."""
+    """One thing read from a GPU; turned off on its own when the GPU does not support it.
+
+    `build` runs at the query's first read, on the sampler's thread: it asks NVML once what
+    does not change (how many NVLinks, which MIG instances, whether there is GPM), makes the
+    output structs, their pointers and the keys, and returns the reader each sample runs.
+    A build that fails is tried again at the next sample, unless the query is turned off.
+    """
 
     name: str
-    read: Callable[[GpuDevice, Readings], None]
+    build: Callable[[GpuDevice], Reader]
 
 
-def _utilization(dev: GpuDevice, out: Readings) -> None:
-    rates = _call("nvmlDeviceGetUtilizationRates", dev.handle)
-    dev.put(out, "utilization_percent", int(rates.gpu))
-    dev.put(out, "memory_utilization_percent", int(rates.memory))
+def _utilization(dev: GpuDevice) -> Reader:
+    rates = _nv().c_nvmlUtilization_t()
+    args = (dev.handle, ctypes.byref(rates))
+    values = _unpacker(_members(type(rates), ("gpu", "memory")))
+    keys = dev.keys("utilization_percent", "memory_utilization_percent")
+
+    def read(out: Readings) -> None:
+        _GET_UTILIZATION(*args)
+        out.gauges.update(zip(keys, values(rates), strict=True))
+
+    return read
 
 
-def _memory(dev: GpuDevice, out: Readings) -> None:
-    mem = memory(dev.handle)
-    dev.put(out, "memory_used_bytes", mem.used)
-    dev.put(out, "memory_total_bytes", mem.total)
-    if mem.reserved is not None:
-        dev.put(out, "memory_reserved_bytes", mem.reserved)
+def _memory(dev: GpuDevice) -> Reader:
+    info = MemoryInfo(dev.handle)
+    used_key, total_key, reserved_key = dev.keys(
+        "memory_used_bytes", "memory_total_bytes", "memory_reserved_bytes")
+
+    def read(out: Readings) -> None:
+        total, used, reserved = info.read()
+        out.gauges[used_key] = used
+        out.gauges[total_key] = total
+        if reserved is not None:
+            out.gauges[reserved_key] = reserved
+
+    return read
 
 
-def _temperature(dev: GpuDevice, out: Readings) -> None:
-    celsius = _call("nvmlDeviceGetTemperature", dev.handle, _constant("NVML_TEMPERATURE_GPU", 0))
-    dev.put(out, "temperature_celsius", int(celsius))
+@dataclass(frozen=True)
+class _Scalar:
+    """A call that writes one number through its last argument: its arguments between the
+    device and that pointer, the C type written, the key, and the factor to the key's unit."""
+
+    function: Function
+    args: tuple[int, ...]
+    ctype: Any
+    name: str
+    scale: float = 1
 
 
-def _power(dev: GpuDevice, out: Readings) -> None:
-    dev.put(out, "power_watts", int(_call("nvmlDeviceGetPowerUsage", dev.handle)) * _MILLI)
+def _scalars(*scalars: _Scalar) -> Callable[[GpuDevice], Reader]:
+    """A query of one-number calls: all made, then all put (a failure leaves out them all)."""
+
+    def build(dev: GpuDevice) -> Reader:
+        cells = [s.ctype() for s in scalars]
+        calls = [(s.function, (dev.handle, *s.args, ctypes.byref(cell)))
+                 for s, cell in zip(scalars, cells, strict=True)]
+        puts = [(key, cell, s.scale) for s, cell, key
+                in zip(scalars, cells, dev.keys(*(s.name for s in scalars)), strict=True)]
+
+        def read(out: Readings) -> None:
+            for function, args in calls:
+                function(*args)
+            gauges = out.gauges
+            for key, cell, scale in puts:
+                gauges[key] = cell.value * scale
+
+        return read
+
+    return build
 
 
-def _power_limit(dev: GpuDevice, out: Readings) -> None:
-    limit = int(_call("nvmlDeviceGetEnforcedPowerLimit", dev.handle))
-    dev.put(out, "power_limit_watts", limit * _MILLI)
-
-
-def _energy(dev: GpuDevice, out: Readings) -> None:
-    """Energy since the driver was loaded."""
-    energy = int(_call("nvmlDeviceGetTotalEnergyConsumption", dev.handle))
-    dev.put(out, "energy_joules", energy * _MILLI)
-
-
-def _clocks(dev: GpuDevice, out: Readings) -> None:
-    sm = int(_call("nvmlDeviceGetClockInfo", dev.handle, _constant("NVML_CLOCK_SM", 1)))
-    mem = int(_call("nvmlDeviceGetClockInfo", dev.handle, _constant("NVML_CLOCK_MEM", 2)))
-    dev.put(out, "sm_clock_hertz", sm * _MEGA)
-    dev.put(out, "memory_clock_hertz", mem * _MEGA)
-
-
-def _pcie(dev: GpuDevice, out: Readings) -> None:
-    """NVML's own PCIe throughput (KB/s over its last 20 ms)."""
-    tx = int(_call("nvmlDeviceGetPcieThroughput", dev.handle, 0))  # NVML_PCIE_UTIL_TX_BYTES
-    rx = int(_call("nvmlDeviceGetPcieThroughput", dev.handle, 1))  # NVML_PCIE_UTIL_RX_BYTES
-    dev.put(out, "pcie_tx_bytes_per_second", tx * _KIB)
-    dev.put(out, "pcie_rx_bytes_per_second", rx * _KIB)
-
-
-def _nvlink(dev: GpuDevice, out: Readings) -> None:
+def _nvlink(dev: GpuDevice) -> Reader:
     """NVLink data counters (KiB) summed over the links; the sampler makes rates of them."""
-    if dev.nvlink_links is None:
-        (count,) = _field_values(dev.handle, [(_FI_NVLINK_LINK_COUNT, 0)])
-        dev.nvlink_links = int(count[1]) if count[0] == 0 else 0
-    if not dev.nvlink_links:
+    ((ret, count, _),) = _field_values(dev.handle, [(_FI_NVLINK_LINK_COUNT, 0)])
+    links = int(count) if ret == 0 else 0
+    if not links:
         raise NvmlError(NOT_SUPPORTED, "no NVLink")
-    links = range(dev.nvlink_links)
-    if dev.nvlink_request is None:
-        dev.nvlink_request = FieldRequest([(_FI_NVLINK_DATA_TX_KIB, link) for link in links]
-                                          + [(_FI_NVLINK_DATA_RX_KIB, link) for link in links])
-    values = dev.nvlink_request.read(dev.handle)
-    ok = frozenset(i for i, (ret, _, _) in enumerate(values) if ret == 0)
-    if not ok:
-        raise NvmlError(values[0][0], "NVLink throughput fields failed")
-    if ok != dev.nvlink_ok:  # a different set of links adds up to a different counter
-        out.restarted |= {f"{dev.key}/nvlink_tx_bytes", f"{dev.key}/nvlink_rx_bytes"}
-        dev.nvlink_ok = ok
-    at_s = max(values[i][2] for i in ok) / _MEGA
-    n = len(links)
-    tx = sum(values[i][1] for i in ok if i < n) * _KIB
-    rx = sum(values[i][1] for i in ok if i >= n) * _KIB
-    out.counters[f"{dev.key}/nvlink_tx_bytes"] = (tx, at_s)
-    out.counters[f"{dev.key}/nvlink_rx_bytes"] = (rx, at_s)
+    request = FieldRequest([(_FI_NVLINK_DATA_TX_KIB, link) for link in range(links)]
+                           + [(_FI_NVLINK_DATA_RX_KIB, link) for link in range(links)])
+    every = frozenset(range(2 * links))
+    tx_key, rx_key = dev.keys("nvlink_tx_bytes", "nvlink_rx_bytes")
+    summed = frozenset[int]()  # the fields the last counters added up
+
+    def read(out: Readings) -> None:
+        nonlocal summed
+        flat = request.flat(dev.handle)
+        stamps, kinds, rets, raws = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
+        ok = every if not any(rets) else frozenset(i for i, r in enumerate(rets) if r == 0)
+        if not ok:
+            raise NvmlError(rets[0], "NVLink throughput fields failed")
+        if ok != summed:  # a different set of links adds up to a different counter
+            out.restarted |= {tx_key, rx_key}
+            summed = ok
+        values = raws if _UNSIGNED_64.issuperset(kinds) else [
+            _field_value(kind, raw) for kind, raw in zip(kinds, raws, strict=True)]
+        if ok is every:
+            tx, rx, at_us = sum(values[:links]), sum(values[links:]), max(stamps)
+        else:
+            tx = sum(values[i] for i in ok if i < links)
+            rx = sum(values[i] for i in ok if i >= links)
+            at_us = max(stamps[i] for i in ok)
+        out.counters[tx_key] = (tx * _KIB, at_us / _MEGA)
+        out.counters[rx_key] = (rx * _KIB, at_us / _MEGA)
+
+    return read
 
 
-def _field_values(handle: Handle, fields: Sequence[tuple[int, int]]) -> list[
-        tuple[int, float, float]]:
-    """(return code, value, timestamp in microseconds) of each (field id, scope id)."""
-    return FieldRequest(fields).read(handle)
+def _clock_events(dev: GpuDevice) -> Reader:
+    reasons = ctypes.c_ulonglong()
+    args = (dev.handle, ctypes.byref(reasons))
+    flags = list(zip(dev.keys(*(f"clock_event/{name}_flag" for name in CLOCK_EVENT_REASONS)),
+                     CLOCK_EVENT_REASONS.values(), strict=True))
+
+    def read(out: Readings) -> None:
+        _GET_CLOCK_EVENTS(*args)
+        value, gauges = reasons.value, out.gauges
+        for key, bit in flags:
+            gauges[key] = 1 if value & bit else 0
+
+    return read
 
 
-class FieldRequest:
-    """A reusable nvmlDeviceGetFieldValues request, its answers read from the array's bytes
-    in one struct call. pynvml's wrapper builds the array anew on every call, one ctypes
-    attribute at a time, and its answers are read the same way: that made NVLink's 36 fields
-    the costliest query of a sample (240 us a GPU, the other fourteen queries together 110)."""
+def _remapped_rows(dev: GpuDevice) -> Reader:
+    cells = [ctypes.c_uint() for _ in range(4)]
+    args = (dev.handle, *(ctypes.byref(cell) for cell in cells))
+    corrected, uncorrected, pending, failure = cells
+    keys = dev.keys("remapped_rows_correctable_count", "remapped_rows_uncorrectable_count",
+                    "row_remap_pending_flag", "row_remap_failure_flag")
 
-    def __init__(self, fields: Sequence[tuple[int, int]]) -> None:
-        nv = _BINDINGS.get()
-        if nv is None:
-            raise NvmlError(LIBRARY_NOT_FOUND, _BINDINGS.missing)
-        value_type = nv.c_nvmlFieldValue_t
-        self._values = (value_type * len(fields))()
-        for slot, (field_id, scope_id) in enumerate(fields):
-            self._values[slot].fieldId = field_id
-            self._values[slot].scopeId = scope_id
-        self._count = ctypes.c_int32(len(fields))
-        self._function = _call("_nvmlGetFunctionPointer", "nvmlDeviceGetFieldValues")
-        self._layout = _struct_layout(value_type, ("timestamp", "valueType", "nvmlReturn",
-                                                   "value"))
+    def read(out: Readings) -> None:
+        _GET_REMAPPED_ROWS(*args)
+        out.gauges.update(zip(keys, (corrected.value, uncorrected.value,
+                                     1 if pending.value else 0, 1 if failure.value else 0),
+                              strict=True))
 
-    def read(self, handle: Handle) -> list[tuple[int, float, float]]:
-        code = int(self._function(handle, self._count, ctypes.byref(self._values)))
-        if code:
-            raise NvmlError(code, f"nvmlDeviceGetFieldValues: {_error_text(code)}")
-        return [(int(ret), float(_VALUE_FORMATS.get(kind, _U64).unpack(raw)[0]), float(at_us))
-                for at_us, kind, ret, raw in self._layout.iter_unpack(bytes(self._values))]
+    return read
 
 
-def _struct_layout(structure: Any, names: Sequence[str]) -> struct.Struct:
-    """A struct reading the members `names` of a ctypes Structure (a union member as its raw
-    bytes), in order of offset, skipping the rest: offsets from ctypes, not hard-coded."""
-    codes = {1: "B", 2: "H", 4: "I", 8: "q"}
-    members = sorted((getattr(structure, name).offset, getattr(structure, name).size, name)
-                     for name in names)
-    if [name for _, _, name in members] != list(names):
-        raise NvmlError(FUNCTION_NOT_FOUND, f"unexpected layout of {structure.__name__}")
-    fmt, at = "<", 0
-    for offset, size, name in members:
-        fmt += f"{offset - at}x" if offset > at else ""
-        fmt += f"{size}s" if name == "value" else codes[size]
-        at = offset + size
-    return struct.Struct(fmt + f"{ctypes.sizeof(structure) - at}x")
+class ProcessList:
+    """The compute processes on a device, into an array kept for it; grown when NVML says
+    it is short (by pynvml's margin: twice the count and five, for processes starting)."""
+
+    def __init__(self, handle: Handle) -> None:
+        nv = _nv()
+        self._type = getattr(nv, "c_nvmlProcessInfo_v3_t", None) or nv.c_nvmlProcessInfo_t
+        self._handle = handle
+        self._count = ctypes.c_uint()
+        self._size = ctypes.sizeof(self._type)
+        self._entry = _unpacker(_members(self._type, ("pid", "usedGpuMemory")))
+        self._grow(_INITIAL_PROCESSES)
+
+    def _grow(self, room: int) -> None:
+        self._room = room
+        self._array = (self._type * room)()
+        self._args = (self._handle, ctypes.byref(self._count), self._array)
+
+    def read(self) -> list[tuple[int, int | None]]:
+        """(pid, GPU memory in bytes, None where NVML cannot tell) of each process."""
+        self._count.value = self._room
+        try:
+            _GET_PROCESSES(*self._args)
+        except NvmlError as exc:
+            if exc.code != INSUFFICIENT_SIZE:
+                raise
+            self._grow(self._count.value * 2 + 5)
+            self._count.value = self._room
+            _GET_PROCESSES(*self._args)
+        found = [self._entry(self._array, slot * self._size)
+                 for slot in range(min(self._count.value, self._room))]
+        return [(pid, None if used == _NOT_AVAILABLE else used) for pid, used in found]
 
 
-def _error_text(code: int) -> str:
-    try:
-        return _text(_call("nvmlErrorString", code))
-    except NvmlError:
-        return f"NVML error {code}"
-
-
-_clock_event_reasons = _first_of("nvmlDeviceGetCurrentClocksEventReasons",
-                                 "nvmlDeviceGetCurrentClocksThrottleReasons")
-
-
-def _clock_events(dev: GpuDevice, out: Readings) -> None:
-    reasons = int(_clock_event_reasons(dev.handle))
-    for name, bit in CLOCK_EVENT_REASONS.items():
-        dev.put(out, f"clock_event/{name}_flag", 1 if reasons & bit else 0)
-
-
-def _ecc(dev: GpuDevice, out: Readings) -> None:
-    """ECC errors since the driver was loaded (NVML_VOLATILE_ECC)."""
-    for name, kind in (("ecc_corrected_count", 0), ("ecc_uncorrected_count", 1)):
-        dev.put(out, name, int(_call("nvmlDeviceGetTotalEccErrors", dev.handle, kind, 0)))
-
-
-def _remapped_rows(dev: GpuDevice, out: Readings) -> None:
-    corrected, uncorrected, pending, failure = _call("nvmlDeviceGetRemappedRows", dev.handle)
-    dev.put(out, "remapped_rows_correctable_count", int(corrected))
-    dev.put(out, "remapped_rows_uncorrectable_count", int(uncorrected))
-    dev.put(out, "row_remap_pending_flag", 1 if pending else 0)
-    dev.put(out, "row_remap_failure_flag", 1 if failure else 0)
-
-
-_compute_processes = _first_of("nvmlDeviceGetComputeRunningProcesses_v3",
-                               "nvmlDeviceGetComputeRunningProcesses_v2")
-
-
-def _trainer_memory(dev: GpuDevice, out: Readings) -> None:
+def _trainer_memory(dev: GpuDevice) -> Reader:
     """GPU memory of the trainer's process tree (wrapper mode only)."""
-    pids = dev.trainer_pids
-    if pids is None:
-        return
-    processes = [(int(p.pid), p.usedGpuMemory) for p in _compute_processes(dev.handle)]
-    if processes and not any(os.path.exists(f"/proc/{pid}") for pid, _ in processes):
-        raise NvmlError(NOT_SUPPORTED, "NVML reports processes of another PID namespace")
-    used = sum(int(mem) for pid, mem in processes if pid in pids and mem is not None)
-    dev.put(out, "trainer_memory_used_bytes", used)
+    processes = ProcessList(dev.handle)
+    (key,) = dev.keys("trainer_memory_used_bytes")
+    ours = False  # whether NVML's pids were seen to be this PID namespace's (then they stay)
+
+    def read(out: Readings) -> None:
+        nonlocal ours
+        pids = dev.trainer_pids
+        if pids is None:
+            return
+        running = processes.read()
+        if running and not ours:
+            if not any(os.path.exists(f"/proc/{pid}") for pid, _ in running):
+                raise NvmlError(NOT_SUPPORTED, "NVML reports processes of another PID namespace")
+            ours = True
+        out.gauges[key] = sum(used for pid, used in running if pid in pids and used is not None)
+
+    return read
 
 
-def _mig(dev: GpuDevice, out: Readings) -> None:
+def _mig(dev: GpuDevice) -> Reader:
     """Memory of each MIG instance, when MIG is on."""
-    if dev.migs is None:
-        dev.migs = mig_devices(dev.handle)
-        if dev.mig_filter is not None:
-            dev.migs = [m for m in dev.migs if dev.mig_filter(m.uuid)]
-    if not dev.migs:
+    migs = mig_devices(dev.handle)
+    if dev.mig_filter is not None:
+        migs = [m for m in migs if dev.mig_filter(m.uuid)]
+    if not migs:
         raise NvmlError(NOT_SUPPORTED, "MIG is off")
-    for mig in dev.migs:
-        mem = memory(mig.handle)
-        dev.put(out, f"mig/{mig.index}/memory_used_bytes", mem.used)
-        dev.put(out, f"mig/{mig.index}/memory_total_bytes", mem.total)
+    instances = [(MemoryInfo(m.handle), f"{dev.key}/mig/{m.index}/memory_used_bytes",
+                  f"{dev.key}/mig/{m.index}/memory_total_bytes") for m in migs]
+
+    def read(out: Readings) -> None:
+        for info, used_key, total_key in instances:
+            total, used, _ = info.read()
+            out.gauges[used_key] = used
+            out.gauges[total_key] = total
+
+    return read
 
 
 def mig_devices(handle: Handle) -> list[MigDevice]:
@@ -671,29 +849,89 @@ def mig_devices(handle: Handle) -> list[MigDevice]:
     return found
 
 
-def _gpm(dev: GpuDevice, out: Readings) -> None:
+class GpmSampler:
+    """Two GPM sample buffers, and a metrics request for each order of them, kept for a
+    device: each read takes a new sample into one buffer, in turn, and averages the metrics
+    over the interval since the sample in the other."""
+
+    def __init__(self, dev: GpuDevice) -> None:
+        nv = _nv()
+        if not hasattr(nv, "c_nvmlGpmMetricsGet_t"):
+            raise NvmlError(FUNCTION_NOT_FOUND, "nvidia-ml-py predates GPM")
+        self._handle = dev.handle
+        first: Any = _call("nvmlGpmSampleAlloc")
+        second: Any = _call("nvmlGpmSampleAlloc")
+        # each turn: the buffer the new sample goes into, the request from the other to it
+        self._turns = [(second, self._request(first, second)),
+                       (first, self._request(second, first))]
+        self._turn = 1
+        self._primed = False  # whether the other buffer holds the sample before
+        metric_type = nv.c_nvmlGpmMetric_t
+        base = nv.c_nvmlGpmMetricsGet_t.metrics.offset
+        size = ctypes.sizeof(metric_type)
+        self._results = _unpacker([
+            m for slot in range(len(GPM_METRICS))
+            for m in _members(metric_type, ("nvmlReturn", "value"), base + slot * size)])
+        self._keys = dev.keys(*GPM_METRICS.values())
+
+    @staticmethod
+    def _request(earlier: Any, later: Any) -> Any:
+        request = _nv().c_nvmlGpmMetricsGet_t()
+        request.version = _constant("NVML_GPM_METRICS_GET_VERSION", 1)
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1 = earlier  # NVML wants the earlier sample first
+        request.sample2 = later
+        for slot, metric in enumerate(GPM_METRICS):
+            request.metrics[slot].metricId = metric
+        return request
+
+    def read(self, out: Readings) -> None:
+        """The averages since the last read; nothing on the first."""
+        self._turn ^= 1
+        into, request = self._turns[self._turn]
+        primed, self._primed = self._primed, False
+        _GPM_SAMPLE_GET(self._handle, into)
+        self._primed = True
+        if not primed:
+            return
+        _GPM_METRICS_GET(ctypes.byref(request))
+        results = self._results(request)
+        for key, ret, value in zip(self._keys, results[0::2], results[1::2], strict=True):
+            if ret == 0:
+                out.gauges[key] = value
+
+
+def _gpm(dev: GpuDevice) -> Reader:
     """GPM interval averages (Hopper and newer); the first read only primes the buffers."""
-    if dev.gpm is None:
-        support = _call("nvmlGpmQueryDeviceSupport", dev.handle)
-        if not int(support.isSupportedDevice):
-            raise NvmlError(NOT_SUPPORTED, "no GPM on this GPU")
-        dev.gpm = GpmSampler()
-    for metric, value in dev.gpm.read(dev.handle).items():
-        dev.put(out, GPM_METRICS[metric], value)
+    support = _call("nvmlGpmQueryDeviceSupport", dev.handle)
+    if not int(support.isSupportedDevice):
+        raise NvmlError(NOT_SUPPORTED, "no GPM on this GPU")
+    return GpmSampler(dev).read
 
 
 QUERIES: tuple[Query, ...] = (
     Query("utilization", _utilization),
     Query("memory", _memory),
-    Query("temperature", _temperature),
-    Query("power", _power),
-    Query("power_limit", _power_limit),
-    Query("energy", _energy),
-    Query("clocks", _clocks),
-    Query("pcie", _pcie),
+    Query("temperature", _scalars(
+        _Scalar(_GET_TEMPERATURE, (_TEMPERATURE_GPU,), ctypes.c_uint, "temperature_celsius"))),
+    Query("power", _scalars(_Scalar(_GET_POWER, (), ctypes.c_uint, "power_watts", _MILLI))),
+    Query("power_limit", _scalars(
+        _Scalar(_GET_POWER_LIMIT, (), ctypes.c_uint, "power_limit_watts", _MILLI))),
+    Query("energy", _scalars(  # since the driver was loaded
+        _Scalar(_GET_ENERGY, (), ctypes.c_ulonglong, "energy_joules", _MILLI))),
+    Query("clocks", _scalars(
+        _Scalar(_GET_CLOCK, (_CLOCK_SM,), ctypes.c_uint, "sm_clock_hertz", _MEGA),
+        _Scalar(_GET_CLOCK, (_CLOCK_MEM,), ctypes.c_uint, "memory_clock_hertz", _MEGA))),
+    Query("pcie", _scalars(  # NVML's own throughput, KB/s over its last 20 ms
+        _Scalar(_GET_PCIE, (_PCIE_TX,), ctypes.c_uint, "pcie_tx_bytes_per_second", _KIB),
+        _Scalar(_GET_PCIE, (_PCIE_RX,), ctypes.c_uint, "pcie_rx_bytes_per_second", _KIB))),
     Query("nvlink", _nvlink),
     Query("clock_events", _clock_events),
-    Query("ecc", _ecc),
+    Query("ecc", _scalars(  # since the driver was loaded
+        _Scalar(_GET_ECC, (_ECC_CORRECTED, _ECC_VOLATILE), ctypes.c_ulonglong,
+                "ecc_corrected_count"),
+        _Scalar(_GET_ECC, (_ECC_UNCORRECTED, _ECC_VOLATILE), ctypes.c_ulonglong,
+                "ecc_uncorrected_count"))),
     Query("remapped_rows", _remapped_rows),
     Query("trainer_memory", _trainer_memory),
     Query("mig", _mig),
