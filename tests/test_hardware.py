@@ -137,6 +137,91 @@ def test_gpu_values_and_units(stub_dir: Path, tmp_path: Path) -> None:
     assert {"cpu/load_average_1m", "memory/used_bytes"} <= set(last)  # the host is there too
 
 
+# Every key a sample with TWO_GPUS has, as the sampler posted them before its reads were
+# rewritten for speed (issue 17): the same keys, and the same values above.
+GPU_KEYS_PER_GPU = {
+    "clock_event/applications_clocks_setting_flag", "clock_event/display_clock_setting_flag",
+    "clock_event/gpu_idle_flag", "clock_event/hw_power_brake_slowdown_flag",
+    "clock_event/hw_slowdown_flag", "clock_event/hw_thermal_slowdown_flag",
+    "clock_event/sw_power_cap_flag", "clock_event/sw_thermal_slowdown_flag",
+    "clock_event/sync_boost_flag", "ecc_corrected_count", "ecc_uncorrected_count",
+    "energy_joules", "memory_clock_hertz", "memory_reserved_bytes", "memory_total_bytes",
+    "memory_used_bytes", "memory_utilization_percent", "pcie_rx_bytes_per_second",
+    "pcie_tx_bytes_per_second", "power_limit_watts", "power_watts",
+    "remapped_rows_correctable_count", "remapped_rows_uncorrectable_count",
+    "row_remap_failure_flag", "row_remap_pending_flag", "sm_clock_hertz",
+    "temperature_celsius", "trainer_memory_used_bytes", "utilization_percent",
+}
+GPU_0_ONLY = {  # NVLink, MIG and GPM are scripted on GPU 0 alone
+    "dram_bandwidth_percent", "mig/0/memory_total_bytes", "mig/0/memory_used_bytes",
+    "mig/1/memory_total_bytes", "mig/1/memory_used_bytes", "nvlink_rx_bytes_per_second",
+    "nvlink_tx_bytes_per_second", "sm_active_percent", "sm_occupancy_percent",
+    "tensor_active_percent",
+}
+HOST_KEYS = {
+    "cpu/busiest_core_utilization_percent", "cpu/load_average_15m", "cpu/load_average_1m",
+    "cpu/load_average_5m", "cpu/utilization_percent", "disk/read_bytes_per_second",
+    "disk/write_bytes_per_second", "memory/available_bytes", "memory/total_bytes",
+    "memory/used_bytes", "swap/total_bytes", "swap/used_bytes", "trainer/cpu_percent",
+    "trainer/open_files_count", "trainer/processes_count", "trainer/rss_bytes",
+    "trainer/threads_count",
+}
+
+
+def test_a_sample_has_every_key_it_had(stub_dir: Path, tmp_path: Path) -> None:
+    result, _ = drive(stub_dir, tmp_path, TWO_GPUS, samples=3, trainer=True)
+    keys = set(values(result["payloads"][-1]))
+    expected_gpus = ({f"gpu/0/{k}" for k in GPU_KEYS_PER_GPU | GPU_0_ONLY}
+                     | {f"gpu/1/{k}" for k in GPU_KEYS_PER_GPU})
+    assert gpu_keys(result["payloads"][-1]) == expected_gpus
+    assert keys >= HOST_KEYS
+    others = keys - expected_gpus - HOST_KEYS
+    assert others and all(k.split("/")[0] in {"net", "fs"} for k in others), others
+    assert all(k.endswith(("_bytes", "_bytes_per_second")) for k in others)
+
+
+def test_one_thread_reads_a_whole_sample(stub_dir: Path, tmp_path: Path) -> None:
+    """The host, disk usage and every GPU in one hand-off to one thread, not one thread each."""
+    script = {"count": 4, **{f"{i}.util_gpu": 10 + i for i in range(4)}}
+    result, _ = drive(stub_dir, tmp_path, script, samples=3)
+    assert all(len({k.split("/")[1] for k in gpu_keys(p)}) == 4 for p in result["payloads"])
+    assert [t for t in result["threads"] if t.startswith("sample")] == ["sample"]
+
+
+def test_a_hung_gpu_leaves_out_itself_alone(stub_dir: Path, tmp_path: Path) -> None:
+    """The reads after a hung one in the same sample go on on another thread."""
+    script = {"count": 3, "0.hang.nvmlDeviceGetPowerUsage": 1500,
+              **{f"{i}.util_gpu": 10 + i for i in range(3)}}
+    result, stderr = drive(stub_dir, tmp_path, script, samples=6, interval_s=0.1,
+                           nvml_timeout_s=0.3)
+    first = values(result["payloads"][0])
+    assert "gpu/0/utilization_percent" not in first
+    assert (first["gpu/1/utilization_percent"], first["gpu/2/utilization_percent"]) == (11, 12)
+    assert any(k.startswith("fs/") for k in first) and "memory/used_bytes" in first
+    assert stderr.count("GPU 0 (GPU-00000000-0000-0000-0000-000000000000) did not answer") == 1
+    assert all(values(p)["gpu/2/utilization_percent"] == 12 for p in result["payloads"])
+
+
+def test_what_never_changes_is_asked_once(stub_dir: Path, tmp_path: Path) -> None:
+    """NVLink's link count, MIG's instances and GPM's support at the first sample alone; the
+    process list in one call a sample, its array grown once when NVML says it is short."""
+    procs = ",".join(f"{pid}:{1 << 20}" for pid in range(1, 8))  # 7, more than first room
+    script = {**TWO_GPUS, "0.procs": f"0:{3 << 20},{procs}"}
+    functions = ["nvmlDeviceGetMigMode", "nvmlDeviceGetMaxMigDeviceCount",
+                 "nvmlGpmQueryDeviceSupport", "nvmlDeviceGetFieldValues",
+                 "nvmlDeviceGetComputeRunningProcesses_v3"]
+    result, _ = drive(stub_dir, tmp_path, script, samples=5, trainer=True,
+                      calls=[[0, name] for name in functions])
+    assert result["calls"] == {
+        "0:nvmlDeviceGetMigMode": 1, "0:nvmlDeviceGetMaxMigDeviceCount": 1,
+        "0:nvmlGpmQueryDeviceSupport": 1,
+        "0:nvmlDeviceGetFieldValues": 1 + 5,  # the link count, then the counters each sample
+        "0:nvmlDeviceGetComputeRunningProcesses_v3": 5 + 1,  # the first sample's retry
+    }
+    assert all(values(p)["gpu/0/trainer_memory_used_bytes"] == 3 << 20
+               for p in result["payloads"])
+
+
 def test_only_the_jobs_gpus(stub_dir: Path, tmp_path: Path) -> None:
     script = {"count": 4, **{f"{i}.util_gpu": 10 + i for i in range(4)}}
     child_env = {"CUDA_VISIBLE_DEVICES": f"1,{UUID.format(3)}"}
@@ -520,7 +605,9 @@ async def test_schedule_is_drift_free_and_a_late_sample_skips_ticks(tmp_path: Pa
     emitted: list[dict[str, Any]] = []
     hw = sampler(SlowOnce(net=[(0, 0)], disk=[(0, 0)]), emitted, tmp_path, interval_s=0.1)
     task = asyncio.create_task(hw.run())
+    deadline = asyncio.get_running_loop().time() + 10
     while len(emitted) < 7:
+        assert asyncio.get_running_loop().time() < deadline, f"{len(emitted)} of 7 samples in 10 s"
         await asyncio.sleep(0.01)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

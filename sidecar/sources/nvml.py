@@ -316,7 +316,7 @@ _ECC_CORRECTED, _ECC_UNCORRECTED = 0, 1  # NVML_MEMORY_ERROR_TYPE_*
 _ECC_VOLATILE = 0  # NVML_VOLATILE_ECC: since the driver was loaded
 INSUFFICIENT_SIZE = 7
 _NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE for an unsigned long long
-_INITIAL_PROCESSES = 16  # room for this many compute processes before the list grows
+_INITIAL_PROCESSES = 4  # room for this many compute processes before the list grows
 
 _FI_NVLINK_LINK_COUNT = 91
 _FI_NVLINK_DATA_TX_KIB = 138

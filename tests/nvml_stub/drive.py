@@ -14,7 +14,8 @@ path puts the stand-in first: this is that process. CONFIG (JSON):
     environment     true: also take the environment snapshot
     bench           true: time `samples` samples back to back instead (CPU seconds per sample)
 
-Output: {"payloads", "max_tick_gap_s", "stats", "calls", "environment", "bench"}.
+Output: {"payloads", "max_tick_gap_s", "stats", "calls", "threads", "environment", "bench"};
+"threads" names every thread alive whenever a payload was emitted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,11 +45,13 @@ RUN_TIMEOUT_S = 30.0
 
 async def drive(config: dict[str, Any]) -> dict[str, Any]:
     hardware: list[dict[str, Any]] = []
+    threads: set[str] = set()
     enough = asyncio.Event()
 
     def emit(route: str, payload: dict[str, Any]) -> None:
         assert route == "hardware", route
         hardware.append(payload)
+        threads.update(thread.name for thread in threading.enumerate())
         if len(hardware) >= config["samples"]:
             enough.set()
 
@@ -81,7 +85,7 @@ async def drive(config: dict[str, Any]) -> dict[str, Any]:
     gaps = [b - a for a, b in itertools.pairwise(ticks)]
     result.update(payloads=hardware, max_tick_gap_s=max(gaps, default=0.0),
                   stats=dataclasses.asdict(sampler.stats),
-                  calls=stub_calls(config.get("calls", [])))
+                  calls=stub_calls(config.get("calls", [])), threads=sorted(threads))
     return result
 
 
