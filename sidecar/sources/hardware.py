@@ -1,14 +1,16 @@
-"""The /hardware sampler: GPUs (nvml.py), the host through psutil, InfiniBand from sysfs.
+"""The /hardware sampler: GPUs (nvml.py), the host (procfs.py, else psutil), InfiniBand from
+sysfs.
 
 Every `interval_s`, on a fixed schedule that does not drift, one sample becomes one `/hardware`
 payload (CONTRACT 4) with this node's name. Keys are slash-separated with the unit last
 (CONTRACT 6): `gpu/0/power_watts`, `net/eth0/rx_bytes_per_second`,
 `ib/mlx5_0/1/tx_bytes_per_second`.
 
-Reads that can block run on worker threads with a timeout, one worker per GPU plus one for the
-host and one for disk usage: a GPU fallen off the bus, or a dead NFS mount under the state dir,
-holds up only its own worker. While a worker is still stuck its reads are skipped, and they
-resume once it answers. The event loop, and so log forwarding, never waits on a read.
+A sample's reads (the host, each GPU, disk usage) run one after another on one worker thread,
+each with its own timeout: a GPU fallen off the bus, or a dead NFS mount under the state dir,
+is left to that thread, and the reads after it go on on another. While a thread is still stuck
+in a read, that read is skipped, and it resumes once the thread comes back. The event loop, and
+so log forwarding, never waits on a read.
 
 Counters become rates from consecutive readings (`Rates`): the first reading gives no rate, and
 a counter that went backwards (reset, wrap, a new process) gives none for that interval rather
