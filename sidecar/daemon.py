@@ -535,7 +535,7 @@ async def _serve_status(cfg: Config, node: Node, mode: str, client: IngestClient
                         report: _Report) -> StatusServer | None:
     """The local status endpoint (--status-addr), reading the live objects at request time."""
     if cfg.status_addr == "off":
-        return None  # nor is aiohttp's server side imported (a tenth of the start-up)
+        return None  # nor is the endpoint's module imported
     from sidecar.observe.endpoint import (
         FileSnapshot,
         MatchSnapshot,

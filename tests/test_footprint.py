@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from sidecar.config import STATUS_ADDR_FILE
 from tests.conftest import platform_env
-from tests.ingest_server import RunningIngest
+from tests.ingest_server import RunningIngest, wait_until
 
 # Loaded only by the commands or the moments that need them.
 NOT_FOR_A_DAEMON = (
@@ -71,24 +73,51 @@ sys.exit(main(["watch", "--log", sys.argv[2]]))
 """
 
 
-def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIngest,
-                                                              tmp_path: Path) -> None:
-    """--status-addr off: no HTTP server code is imported, and no aiohttp at all."""
+def _watch_modules(ingest: RunningIngest, tmp_path: Path, status_addr: str) -> set[str]:
+    """The modules of a running `sidecar watch --log` once its line was delivered and, with the
+    status endpoint on, /healthz answered."""
     modules, log = tmp_path / "modules.json", tmp_path / "train.log"
     log.write_text("one line\n")
-    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0",
-                       SIDECAR_STATUS_ADDR="off")
+    state = tmp_path / "state"
+    env = platform_env(ingest, state, SIDECAR_HARDWARE_INTERVAL="0",
+                       SIDECAR_STATUS_ADDR=status_addr)
     proc = subprocess.Popen([sys.executable, "-c", WATCH_THEN_LIST_MODULES, str(modules),
                              str(log)], env=env, cwd=tmp_path, stderr=subprocess.PIPE)
     try:
         ingest.wait_for(lambda: ingest.records("logs"), 30)
+        if status_addr != "off":
+            wait_until(lambda: any(state.rglob(STATUS_ADDR_FILE)), 30, "the status address")
+            address = next(state.rglob(STATUS_ADDR_FILE)).read_text().strip()
+            direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with direct.open(f"http://{address}/healthz", timeout=10) as response:
+                assert response.status == 200
     finally:
         proc.terminate()
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr.decode(errors="replace")
     loaded = set(json.loads(modules.read_text()))
     assert "sidecar.delivery.transport" in loaded  # the module list is the running daemon's
+    return loaded
+
+
+def _aiohttp(loaded: set[str]) -> set[str]:
+    return {m for m in loaded if m.split(".")[0] == "aiohttp"}
+
+
+def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIngest,
+                                                              tmp_path: Path) -> None:
+    """--status-addr off: no HTTP server code is imported, and no aiohttp at all."""
+    loaded = _watch_modules(ingest, tmp_path, "off")
     assert "sidecar.observe.endpoint" not in loaded
     # The ingest client is h11 on asyncio streams: aiohttp (13 MB, a third of the start-up)
     # is for `sidecar receive` alone.
-    assert not {m for m in loaded if m.split(".")[0] == "aiohttp"}
+    assert not _aiohttp(loaded)
+
+
+def test_watch_with_a_status_endpoint_loads_no_aiohttp(ingest: RunningIngest,
+                                                       tmp_path: Path) -> None:
+    """The endpoint is h11 over asyncio streams too: aiohttp's server side (2 MB and a share
+    of the start-up, issue 17) is not imported, even once the endpoint answered."""
+    loaded = _watch_modules(ingest, tmp_path, "127.0.0.1:0")
+    assert {"sidecar.observe.endpoint", "h11"} <= loaded
+    assert not _aiohttp(loaded)

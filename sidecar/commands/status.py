@@ -34,7 +34,7 @@ from sidecar.config import (
 )
 from sidecar.statefile import Malformed, load_checked
 
-if TYPE_CHECKING:  # the status server's module pulls in aiohttp.web: only once it is needed
+if TYPE_CHECKING:  # the status server's module and what it imports: only once needed
     from sidecar.observe.endpoint import (
         FileSnapshot,
         RouteSnapshot,

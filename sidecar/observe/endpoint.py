@@ -6,6 +6,12 @@ default (CONTRACT 2, --status-addr); a busy port falls back to an ephemeral loop
 one WARNING, never failing the run, and the address actually bound is written to
 `<run_dir>/status-addr` for `sidecar status`. Nothing secret is in any answer: the snapshot has
 no token, and every answer is masked besides.
+
+The server is h11's HTTP/1.1 framing over asyncio streams (aiohttp's server side cost 2 MB and a
+share of the start-up, issue 17): keep-alive and pipelining, HEAD, 405 for other methods; a
+request that is malformed (400) or too large (431) is answered and its connection closed; a
+client is given a bounded time to send each request and to take each answer; `close` ends every
+open connection.
 """
 
 from __future__ import annotations
@@ -16,13 +22,12 @@ import ipaddress
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-from aiohttp.typedefs import Handler
+import h11
 
 from sidecar import __version__
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
@@ -167,60 +172,205 @@ class _Prometheus:
         return self._render().decode("utf-8")
 
 
-def _make_app(snapshot: Callable[[], StatusSnapshot]) -> web.Application:
+# What one client may cost the daemon is bounded: its request line and headers in bytes, the time
+# it may take to send a request or to take an answer, and the connections open at once.
+MAX_REQUEST_BYTES = 16 * 1024  # a scraper's request line and headers take a few hundred bytes
+IDLE_TIMEOUT_S = 75.0  # the whole next request, from the connection's start or the last answer
+#                        (above a 60 s scrape interval, so that a scraper's connection is reused)
+WRITE_TIMEOUT_S = 10.0  # for a client to take an answer
+MAX_CONNECTIONS = 32
+READ_BYTES = 4096
+TEXT = "text/plain; charset=utf-8"
+JSON = "application/json; charset=utf-8"
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
+            431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
+            503: b"Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One response, before masking and framing."""
+
+    status: int
+    text: str
+    content_type: str = TEXT
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+_Handler = Callable[[], Awaitable[_Answer]]
+
+
+def _routes(snapshot: Callable[[], StatusSnapshot]) -> dict[str, _Handler]:
     prometheus = _Prometheus(snapshot)
 
-    async def healthz(request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+    async def healthz() -> _Answer:
+        return _Answer(200, "ok\n")
 
-    async def readyz(request: web.Request) -> web.Response:
+    async def readyz() -> _Answer:
         if snapshot().ready:
-            return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready: the ingest has not accepted a request "
-                            "yet\n")
+            return _Answer(200, "ready\n")
+        return _Answer(503, "not ready: the ingest has not accepted a request yet\n")
 
-    async def metrics(request: web.Request) -> web.Response:
-        text = mask(await prometheus.text())
-        return web.Response(body=text.encode("utf-8"),
-                            headers={"Content-Type": prometheus.content_type})
+    async def metrics() -> _Answer:
+        text = await prometheus.text()
+        return _Answer(200, text, prometheus.content_type)
 
-    async def status(request: web.Request) -> web.Response:
-        text = mask(json.dumps(snapshot().to_json(), ensure_ascii=False))
-        return web.Response(text=text, content_type="application/json")
+    async def status() -> _Answer:
+        return _Answer(200, json.dumps(snapshot().to_json(), ensure_ascii=False), JSON)
 
-    app = web.Application(middlewares=[_supervised])
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/status", status)
-    return app
+    return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics, "/status": status}
 
 
-@web.middleware
-async def _supervised(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """An answer that raises is a 500, said and counted as a failure of the status server
-    (sidecar.supervise), which goes on serving."""
+async def _answer(routes: Mapping[str, _Handler], request: h11.Request) -> _Answer:
+    """The answer to `request`; one that raises is a 500, said and counted as a failure of the
+    status server (sidecar.supervise), which goes on serving."""
+    path = request.target.partition(b"?")[0].decode("ascii", "replace")
+    handler = routes.get(path)
+    if handler is None:
+        return _Answer(404, f"not found: the status endpoint serves {', '.join(routes)}\n")
+    if request.method not in (b"GET", b"HEAD"):
+        return _Answer(405, f"method not allowed: {path} answers GET and HEAD\n",
+                       headers=(("Allow", "GET, HEAD"),))
     try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
+        return await handler()
     except Exception as exc:  # a bug in a snapshot or its rendering: never the server's end
         SUPERVISOR.failed("status-server", exc)
-        return web.Response(status=500, text=f"{request.path} failed: {exc.__class__.__name__}; "
-                            "the sidecar's log says more\n")
+        return _Answer(500, f"{path} failed: {exc.__class__.__name__}; the sidecar's log says "
+                       "more\n")
+
+
+def _refusal(exc: h11.RemoteProtocolError) -> _Answer:
+    if exc.error_status_hint == 431:
+        return _Answer(431, f"request too large: its line and headers may take at most "
+                       f"{MAX_REQUEST_BYTES} bytes\n")
+    return _Answer(exc.error_status_hint, f"bad request: {str(exc)[:200]}\n")
+
+
+class _Connections:
+    """The endpoint's HTTP/1.1 connections (h11's framing over asyncio streams), each served in
+    a task of its own, in turn, until the client closes it, errs, or is idle too long."""
+
+    def __init__(self, routes: Mapping[str, _Handler], idle_timeout_s: float) -> None:
+        self._routes = routes
+        self._idle_timeout_s = idle_timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """asyncio.start_server's callback: the task is known from the moment of the accept,
+        so that `close` finds every one."""
+        task = asyncio.get_running_loop().create_task(self._serve(reader, writer),
+                                                      name="status-connection")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """End every connection now; what was being answered is not finished."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._converse(reader, writer)
+        except asyncio.CancelledError:
+            writer.transport.abort()  # shutting down: nothing more goes out
+            raise
+        except (ConnectionError, TimeoutError):  # the client left, or does not take its answer
+            writer.transport.abort()
+        except Exception as exc:  # a bug of ours: this connection ends, the server goes on
+            SUPERVISOR.failed("status-server", exc)
+            writer.transport.abort()
+        finally:
+            await _closed(writer)
+
+    async def _converse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
+        if len(self._tasks) > MAX_CONNECTIONS:
+            await _send(writer, conn, _Answer(503, f"busy: {MAX_CONNECTIONS} connections are "
+                                              "open\n"), close=True)
+            return
+        while True:
+            try:
+                async with asyncio.timeout(self._idle_timeout_s):
+                    request = await _next_request(reader, conn)
+                    body_follows = request is not None and not isinstance(conn.next_event(),
+                                                                          h11.EndOfMessage)
+            except TimeoutError:
+                return  # idle, or too slow to send its request: the task and its memory go
+            except h11.RemoteProtocolError as exc:
+                if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    await _send(writer, conn, _refusal(exc), close=True)
+                return
+            if request is None:
+                return  # the client closed the connection
+            answer = await _answer(self._routes, request)
+            # A body is never read: the answer closes the connection instead.
+            await _send(writer, conn, answer, head=request.method == b"HEAD", close=body_follows)
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
+
+
+async def _next_request(reader: asyncio.StreamReader, conn: h11.Connection) -> h11.Request | None:
+    """The connection's next request; None when the client closed the connection instead."""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await reader.read(READ_BYTES))
+        elif isinstance(event, h11.Request):
+            return event
+        else:
+            return None
+
+
+async def _send(writer: asyncio.StreamWriter, conn: h11.Connection, answer: _Answer, *,
+                head: bool = False, close: bool = False) -> None:
+    """Frame, mask and write `answer` (only its headers for HEAD); TimeoutError when the client
+    does not take it within WRITE_TIMEOUT_S."""
+    body = mask(answer.text).encode("utf-8")
+    headers = [("Content-Type", answer.content_type), ("Content-Length", str(len(body))),
+               *answer.headers]
+    if close:
+        headers.append(("Connection", "close"))
+    events: list[h11.Event] = [h11.Response(status_code=answer.status, headers=headers,
+                                            reason=_REASONS.get(answer.status, b""))]
+    if not head:
+        events.append(h11.Data(data=body))
+    events.append(h11.EndOfMessage())
+    writer.write(b"".join(conn.send(event) or b"" for event in events))
+    async with asyncio.timeout(WRITE_TIMEOUT_S):
+        await writer.drain()
+
+
+async def _closed(writer: asyncio.StreamWriter) -> None:
+    """Close the connection once what was written went out; abort it when the client does not
+    take that within WRITE_TIMEOUT_S."""
+    writer.close()
+    try:
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            await writer.wait_closed()
+    except TimeoutError:
+        writer.transport.abort()
+    except OSError:  # reset by the client: closed all the same
+        pass
 
 
 class StatusServer:
     """The running status endpoint; `address` is HOST:PORT as actually bound."""
 
-    def __init__(self, runner: web.AppRunner, address: str, addr_file: Path | None) -> None:
-        self._runner = runner
-        self.address = address
+    def __init__(self, listener: asyncio.Server, connections: _Connections,
+                 addr_file: Path | None) -> None:
+        self._listener = listener
+        self._connections = connections
+        self.address = _bound(listener)
         self.addr_file = addr_file
 
     async def close(self) -> None:
-        """Stop listening; forget the address file if it still names this server."""
-        await self._runner.cleanup()
+        """Stop listening and end every connection; forget the address file if it still names
+        this server."""
+        self._listener.close()
+        await self._connections.close()
+        await self._listener.wait_closed()
         if self.addr_file is not None:
             try:
                 if self.addr_file.read_text(encoding="utf-8").strip() == self.address:
@@ -230,32 +380,33 @@ class StatusServer:
 
 
 async def start_status_server(addr: str, run_dir: Path | None,
-                              snapshot: Callable[[], StatusSnapshot]) -> StatusServer | None:
+                              snapshot: Callable[[], StatusSnapshot], *,
+                              idle_timeout_s: float = IDLE_TIMEOUT_S) -> StatusServer | None:
     """Serve the status endpoint on `addr` (HOST:PORT, or "off" for none); never raises for a
     port that cannot be had: it falls back to an ephemeral loopback port, or to nothing."""
     if addr == "off":
         return None
     host, port = parse_host_port(addr, "--status-addr")
-    runner = web.AppRunner(_make_app(snapshot), access_log=None)
-    await runner.setup()
+    connections = _Connections(_routes(snapshot), idle_timeout_s)
     try:
-        await web.TCPSite(runner, host, port).start()
+        listener = await asyncio.start_server(connections.accept, host, port,
+                                              limit=MAX_REQUEST_BYTES)
     except OSError as exc:
         fallback = _FALLBACK_HOSTS[6 if ":" in host else 4]
         try:
-            await web.TCPSite(runner, fallback, 0).start()
+            listener = await asyncio.start_server(connections.accept, fallback, 0,
+                                                  limit=MAX_REQUEST_BYTES)
         except OSError as second:
             log.warning("--status-addr %s: cannot listen there (%s) nor on an ephemeral "
                         "loopback port (%s); the status endpoint is off for this run",
                         addr, _reason(exc), _reason(second))
-            await runner.cleanup()
             return None
         log.warning("--status-addr %s: cannot listen there (%s); the status endpoint is on %s "
-                    "instead", addr, _reason(exc), _bound(runner))
-    address = _bound(runner)
+                    "instead", addr, _reason(exc), _bound(listener))
+    address = _bound(listener)
     addr_file = _write_addr_file(run_dir, address) if run_dir is not None else None
     log.info("status endpoint on http://%s (/status, /metrics, /healthz, /readyz)", address)
-    return StatusServer(runner, address, addr_file)
+    return StatusServer(listener, connections, addr_file)
 
 
 def format_addr(host: str, port: int) -> str:
@@ -263,9 +414,9 @@ def format_addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bound(runner: web.AppRunner) -> str:
+def _bound(listener: asyncio.Server) -> str:
     """The address a client on this node can connect to: a wildcard host becomes loopback."""
-    host, port = runner.addresses[0][:2]
+    host, port = listener.sockets[0].getsockname()[:2]
     ip = _ip(host)
     if ip is not None and ip.is_unspecified:
         host = _FALLBACK_HOSTS[ip.version]

@@ -1,0 +1,318 @@
+"""The status endpoint's HTTP server at its edges, over real loopback sockets: what a client that
+sends too much, too little, too slowly or something else than a GET gets, keep-alive, HEAD, IPv6,
+and a close that ends every open connection. tests/test_status.py covers what it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from sidecar.observe.endpoint import (
+    MAX_CONNECTIONS,
+    MAX_REQUEST_BYTES,
+    StatusServer,
+    StatusSnapshot,
+    start_status_server,
+)
+
+DEADLINE_S = 10.0
+
+
+def snapshot() -> StatusSnapshot:
+    return StatusSnapshot("run-1", "gpu-07", "watch", True, 1_790_000_000.0,
+                          taken_at=1_790_000_100.0)
+
+
+@asynccontextmanager
+async def serving(idle_timeout_s: float = 60.0, addr: str = "127.0.0.1:0"
+                  ) -> AsyncIterator[StatusServer]:
+    server = await start_status_server(addr, None, snapshot, idle_timeout_s=idle_timeout_s)
+    assert server is not None
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+class Client:
+    """One raw connection; answers are parsed by hand, so that nothing is taken on trust."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def to(cls, address: str) -> Client:
+        host, _, port = address.rpartition(":")
+        return cls(*await asyncio.open_connection(host.strip("[]"), int(port)))
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def answer(self, *, head: bool = False) -> tuple[int, dict[str, str], bytes]:
+        """The next answer: status, headers (names in lower case), body."""
+        async with asyncio.timeout(DEADLINE_S):
+            raw = await self.reader.readuntil(b"\r\n\r\n")
+            status_line, *lines = raw.decode("latin-1").split("\r\n")
+            headers = {name.strip().lower(): value.strip()
+                       for name, _, value in (line.partition(":") for line in lines if line)}
+            size = int(headers["content-length"])
+            body = b"" if head else await self.reader.readexactly(size)
+        return int(status_line.split()[1]), headers, body
+
+    async def closed_by_server(self) -> bool:
+        """True once the server ended the connection (a close, or a reset) with nothing more."""
+        try:
+            async with asyncio.timeout(DEADLINE_S):
+                return await self.reader.read() == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.writer.transport.abort()
+
+
+def connection_tasks() -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == "status-connection" and not t.done()]
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Poll `condition` while the event loop (and so the server) keeps running."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not condition():
+        assert loop.time() < deadline, f"not within {DEADLINE_S} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def get(path: str, *extra: str) -> bytes:
+    return "\r\n".join([f"GET {path} HTTP/1.1", "Host: test", *extra, "", ""]).encode()
+
+
+async def healthy(address: str) -> bool:
+    client = await Client.to(address)
+    try:
+        await client.send(get("/healthz", "Connection: close"))
+        return (await client.answer())[0] == 200
+    finally:
+        client.close()
+
+
+async def test_two_requests_on_one_connection_and_two_pipelined() -> None:
+    async with serving() as server:
+        client = await Client.to(server.address)
+        try:
+            await client.send(get("/healthz"))
+            first = await client.answer()
+            await client.send(get("/readyz"))
+            second = await client.answer()
+            await client.send(get("/healthz") + get("/status", "Connection: close"))
+            third, fourth = await client.answer(), await client.answer()
+            assert await client.closed_by_server()  # as the last request asked
+        finally:
+            client.close()
+    assert first[0] == 200 and first[2] == b"ok\n" and "connection" not in first[1]
+    assert second[0] == 200 and second[2] == b"ready\n"  # offline: ready
+    assert third[2] == b"ok\n"
+    assert fourth[0] == 200 and fourth[1]["content-type"] == "application/json; charset=utf-8"
+    assert StatusSnapshot.from_json(json.loads(fourth[2])).run_id == "run-1"
+
+
+async def test_head_has_the_get_headers_and_no_body() -> None:
+    async with serving() as server:
+        client = await Client.to(server.address)
+        try:
+            await client.send(get("/status"))
+            got = await client.answer()
+            await client.send(get("/status").replace(b"GET", b"HEAD", 1) + get("/healthz"))
+            head = await client.answer(head=True)
+            after = await client.answer()  # the next answer begins right after HEAD's headers
+        finally:
+            client.close()
+    assert head[0] == 200
+    assert head[1]["content-length"] == str(len(got[2]))
+    assert head[1]["content-type"] == got[1]["content-type"]
+    assert after[2] == b"ok\n"
+
+
+async def test_other_methods_are_a_405_and_other_paths_a_404() -> None:
+    async with serving() as server:
+        client = await Client.to(server.address)
+        try:
+            await client.send(b"DELETE /status HTTP/1.1\r\nHost: test\r\n\r\n")
+            deleted = await client.answer()
+            await client.send(get("/nowhere"))
+            missing = await client.answer()
+            # A body is never read: the answer closes the connection, however long the body.
+            await client.send(b"POST /metrics HTTP/1.1\r\nHost: test\r\n"
+                              b"Content-Length: 100000000\r\n\r\n" + b"x" * 1000)
+            posted = await client.answer()
+            assert await client.closed_by_server()
+        finally:
+            client.close()
+        assert await healthy(server.address)
+    assert deleted[0] == 405 and deleted[1]["allow"] == "GET, HEAD"
+    assert "connection" not in deleted[1]  # no body came with it: the connection stays
+    assert missing[0] == 404 and b"/healthz, /readyz, /metrics, /status" in missing[2]
+    assert posted[0] == 405 and posted[1]["connection"] == "close"
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host
+    b"GET /healthz HTTP/1.1\r\nHost: test\r\nno colon here\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)) + b"\r\n\r\n",  # TLS
+])
+async def test_a_malformed_request_is_a_400_and_disconnected(request_bytes: bytes) -> None:
+    async with serving() as server:
+        client = await Client.to(server.address)
+        try:
+            await client.send(request_bytes)
+            status, headers, body = await client.answer()
+            assert await client.closed_by_server()
+        finally:
+            client.close()
+        assert await healthy(server.address)  # the server goes on
+    assert status == 400 and headers["connection"] == "close" and body.startswith(b"bad request")
+
+
+async def test_oversize_headers_are_a_431_and_disconnected() -> None:
+    async with serving() as server:
+        client = await Client.to(server.address)
+        try:
+            await client.send(get("/healthz", "X-Big: " + "a" * (2 * MAX_REQUEST_BYTES)))
+            status, headers, body = await client.answer()
+            assert await client.closed_by_server()
+        finally:
+            client.close()
+        assert await healthy(server.address)
+    assert status == 431 and headers["connection"] == "close"
+    assert str(MAX_REQUEST_BYTES).encode() in body
+
+
+async def test_a_header_that_never_ends_is_cut_off() -> None:
+    """A client that sends a header without end is answered once MAX_REQUEST_BYTES are in, while
+    it is still sending: the server neither waits for the end nor keeps what comes."""
+    async with serving() as server:
+        client = await Client.to(server.address)
+
+        async def flood() -> None:
+            await client.send(b"GET /healthz HTTP/1.1\r\nHost: test\r\nX-Endless: ")
+            with pytest.raises(ConnectionError):
+                while True:
+                    await client.send(b"a" * 4096)
+
+        flooding = asyncio.create_task(flood())
+        try:
+            status, _, _ = await client.answer()
+            async with asyncio.timeout(DEADLINE_S):
+                await flooding  # the server closed: the writes fail
+        finally:
+            flooding.cancel()
+            client.close()
+        assert await healthy(server.address)
+    assert status == 431
+
+
+async def test_an_idle_client_is_dropped() -> None:
+    async with serving(idle_timeout_s=0.3) as server:
+        silent = await Client.to(server.address)
+        answered = await Client.to(server.address)
+        try:
+            await answered.send(get("/healthz"))
+            assert (await answered.answer())[0] == 200
+            assert await silent.closed_by_server()
+            assert await answered.closed_by_server()  # idle after its answer
+            await until(lambda: not connection_tasks(), "no connection task left")
+        finally:
+            silent.close()
+            answered.close()
+
+
+async def test_a_client_trickling_its_request_is_dropped() -> None:
+    """The timeout is for the whole request, not for each read: one byte every 20 ms never
+    completes a request, and the connection ends at the timeout."""
+    async with serving(idle_timeout_s=0.5) as server:
+        client = await Client.to(server.address)
+        request = get("/healthz", "X-Slow: " + "a" * 1000)
+
+        async def trickle() -> None:
+            with pytest.raises(ConnectionError):
+                for byte in request:
+                    await client.send(bytes([byte]))
+                    await asyncio.sleep(0.02)  # the client's pace, not a synchronisation
+
+        trickling = asyncio.create_task(trickle())
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            assert await client.closed_by_server()
+            ended = loop.time() - began
+        finally:
+            trickling.cancel()
+            client.close()
+        await asyncio.gather(trickling, return_exceptions=True)
+    assert 0.4 <= ended < 0.02 * len(request) / 2
+
+
+async def test_connections_past_the_limit_are_refused_with_503() -> None:
+    async with serving() as server:
+        clients = [await Client.to(server.address) for _ in range(MAX_CONNECTIONS)]
+        try:
+            for client in clients:  # each one accepted and kept alive
+                await client.send(get("/healthz"))
+                assert (await client.answer())[0] == 200
+            extra = await Client.to(server.address)
+            await extra.send(get("/healthz"))
+            refused = await extra.answer()
+            assert await extra.closed_by_server()
+            clients.pop().close()
+            await until(lambda: len(connection_tasks()) < MAX_CONNECTIONS, "one slot free")
+            assert await healthy(server.address)
+        finally:
+            for client in clients:
+                client.close()
+    assert refused[0] == 503 and refused[1]["connection"] == "close"
+
+
+async def test_close_ends_open_connections() -> None:
+    server = await start_status_server("127.0.0.1:0", None, snapshot)
+    assert server is not None
+    idle = await Client.to(server.address)
+    partial = await Client.to(server.address)
+    try:
+        await idle.send(get("/healthz"))
+        assert (await idle.answer())[0] == 200
+        await partial.send(b"GET /status HTTP/1.1\r\nHo")
+        await until(lambda: len(connection_tasks()) == 2, "both connections are served")
+        async with asyncio.timeout(DEADLINE_S):
+            await server.close()
+        assert connection_tasks() == []
+        assert await idle.closed_by_server() and await partial.closed_by_server()
+    finally:
+        idle.close()
+        partial.close()
+    with pytest.raises(ConnectionRefusedError):
+        await Client.to(server.address)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("addr", ["[::1]:0", "[::]:0"])
+async def test_an_ipv6_host(addr: str) -> None:
+    async with serving(addr=addr) as server:
+        assert server.address.startswith("[::1]:")
+        assert await healthy(server.address)
