@@ -536,6 +536,32 @@ def test_the_trainer_tree_is_found_as_psutil_finds_it_and_follows_exits_and_orph
         tree.wait()
 
 
+def test_the_trainer_tree_lists_proc_again_only_once_a_process_was_created(
+        tmp_path: Path) -> None:
+    """While the newest pid of /proc/loadavg stays, no process can have joined the tree: only
+    the tree's own are read again (an exit, a re-parented orphan); once it moves, /proc is."""
+    def stage(pid: int, parent: int) -> None:
+        (tmp_path / str(pid)).mkdir(exist_ok=True)
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a b) S {parent} 1 1 0\n")
+
+    def newest(pid: int) -> None:
+        (tmp_path / "loadavg").write_text(f"0.50 0.40 0.30 1/90 {pid}\n")
+
+    for pid, parent in ((1, 0), (10, 1), (11, 10), (12, 11), (20, 1)):
+        stage(pid, parent)
+    newest(20)
+    table = ParentTable(tmp_path)
+    assert table.descendants(10) == [11, 12]
+    stage(13, 10)  # /proc shows it, but the newest pid says no process was created: a stage
+    stage(12, 1)  # 11's child re-parented away
+    assert table.descendants(10) == [11]
+    newest(13)
+    assert table.descendants(10) == [11, 13]
+    (tmp_path / "loadavg").unlink()  # unreadable: /proc is listed every time
+    stage(14, 13)
+    assert table.descendants(10) == [11, 13, 14]
+
+
 def test_the_trainer_tree_reads_each_process_as_psutil_does() -> None:
     """HostProbe reads a process from its stat file alone; the figures are psutil's."""
     [reading] = HostProbe().process_tree(os.getpid()) or []

@@ -68,6 +68,8 @@ def test_memory_and_swap_are_psutils(staged: Path, available: int) -> None:
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     assert procfs.memory(str(staged)) == (vm.total, vm.used, vm.available)
     assert procfs.swap(str(staged)) == (sw.total, sw.used)
+    assert procfs.memory_and_swap(str(staged)) == ((vm.total, vm.used, vm.available),
+                                                   (sw.total, sw.used))
 
 
 def test_memory_psutil_estimates_is_left_to_psutil(staged: Path) -> None:

@@ -205,6 +205,7 @@ class HostProbe:
         self._disk_io = procfs.DiskIo()
         self._net_io = procfs.NetIo()
         self._boot_s: float | None = None  # psutil.boot_time() from the last /proc/stat read
+        self._swap: tuple[int, int] | None = None  # what memory() found of swap, for swap()
 
     def cpu_times(self) -> tuple[CpuTimes, list[CpuTimes]]:
         """The whole machine's and each core's."""
@@ -220,11 +221,16 @@ class HostProbe:
 
     def memory(self) -> tuple[int, int, int]:
         """Total, used and available bytes."""
-        return _procfs_or(procfs.memory, _psutil_memory)
+        try:
+            found, self._swap = procfs.memory_and_swap()
+        except OSError:
+            found, self._swap = None, None
+        return _psutil_memory() if found is None else found
 
     def swap(self) -> tuple[int, int]:
-        """Total and used bytes."""
-        return _procfs_or(procfs.swap, _psutil_swap)
+        """Total and used bytes: from memory()'s read of /proc/meminfo, called just before."""
+        found, self._swap = self._swap, None
+        return _procfs_or(procfs.swap, _psutil_swap) if found is None else found
 
     def disk_io(self) -> tuple[int, int] | None:
         """Bytes read and written by all disks since boot."""
@@ -308,30 +314,30 @@ class ParentTable:
     """Every process's parent, kept from sample to sample, to find a process's descendants
     without reading the stat file of every process on the machine each time (psutil's
     children(recursive=True) does: 4 ms of a 10 ms sample on a machine of 170 processes).
-    /proc is listed each time; a pid's parent is read when the pid first appears, and the
-    parents of the tree's own processes every time (an orphan is re-parented). Set operations
-    on the listing find what appeared and what went: Python touches only those, and builds
-    the parent-to-children map once."""
+    A pid's parent is read when the pid first appears, and the parents of the tree's own
+    processes every time (an orphan is re-parented). /proc is listed again only when a process
+    was created since the last look (the newest pid of /proc/loadavg moved on): otherwise no
+    process can have joined the tree, and the tree's own are all there is to read. Set
+    operations on a listing find what appeared and what went: Python touches only those."""
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self._proc = proc
         self._parents: dict[str, tuple[int, int]] = {}  # /proc entry -> (pid, its parent)
         self._other: set[str] = set()  # /proc's entries that are not processes
         self._tree: set[str] = set()
+        self._looked: tuple[int, int] | None = None  # (newest pid, root) at the last look
 
     def descendants(self, root: int) -> list[int] | None:
         """`root`'s descendants, parents before children; None where /proc cannot be listed."""
-        try:
-            listed = set(os.listdir(self._proc))
-        except OSError:
-            return None
+        newest = _newest_pid(self._proc)
+        if newest is None or (newest, root) != self._looked:
+            try:
+                self._learn(set(os.listdir(self._proc)))
+            except OSError:
+                return None
+        self._looked = None if newest is None else (newest, root)
         parents = self._parents
-        for gone in parents.keys() - listed:
-            del parents[gone]
-        for name in (listed - parents.keys() - self._other) | (self._tree & listed):
-            if not name.isdigit():
-                self._other.add(name)
-                continue
+        for name in self._tree:
             parent = _parent_of(self._proc, name)
             if parent is None:  # it has just exited
                 parents.pop(name, None)
@@ -348,6 +354,27 @@ class ParentTable:
             stack.extend(below)
         self._tree = {str(pid) for pid in found}
         return found
+
+    def _learn(self, listed: set[str]) -> None:
+        """Forget the processes gone from the listing; read the parents of those new in it."""
+        parents = self._parents
+        for gone in parents.keys() - listed:
+            del parents[gone]
+        for name in listed - parents.keys() - self._other:
+            if not name.isdigit():
+                self._other.add(name)
+                continue
+            parent = _parent_of(self._proc, name)
+            if parent is not None:  # else it has just exited
+                parents[name] = (int(name), parent)
+
+
+def _newest_pid(proc: Path) -> int | None:
+    """The pid most recently handed out (the last field of /proc/loadavg), None unreadable."""
+    try:
+        return int(procfs.read_file(f"{proc}/loadavg").split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _parent_of(proc: Path, pid: str) -> int | None:
@@ -803,8 +830,10 @@ class HardwareSampler:
         readings = Readings()
         for part in in_order:
             self._collect(part, sweep, readings)
-        self.gpu_gauges = {k: v for p in gpu_parts if p.name in sweep.results
-                           for k, v in sweep.results[p.name].gauges.items()}
+        self.gpu_gauges = {}
+        for part in gpu_parts:
+            if part.name in sweep.results:
+                self.gpu_gauges.update(sweep.results[part.name].gauges)
         self._forget_lost()
         self._emit(self._points(readings, wall_s))
         self._stats.samples += 1
@@ -891,8 +920,8 @@ class HardwareSampler:
             rate = self._rates.rate(key, value, at_s)
             if rate is not None:
                 values[f"{key}_per_second"] = rate
-        points = [{"key": k, "value": v, "ts": ts} for k, v in values.items()
-                  if math.isfinite(v)]
+        finite = math.isfinite
+        points = [{"key": k, "value": v, "ts": ts} for k, v in values.items() if finite(v)]
         if self._xid is not None:
             xids = self._xid.drain()
             self.xids.extend(xids)

@@ -98,7 +98,26 @@ def meminfo(names: tuple[bytes, ...], proc: str = PROC) -> dict[bytes, int]:
 def memory(proc: str = PROC) -> tuple[int, int, int] | None:
     """Total, used and available bytes as psutil.virtual_memory() gives them; None where psutil
     would estimate the available memory itself (no MemAvailable, or a kernel reporting 0)."""
-    mem = meminfo((b"MemTotal", b"MemFree", b"MemAvailable"), proc)
+    return _memory(meminfo(_MEMORY, proc))
+
+
+def swap(proc: str = PROC) -> tuple[int, int] | None:
+    """Total and used swap bytes as psutil.swap_memory() gives them; None without the lines."""
+    return _swap(meminfo(_SWAP, proc))
+
+
+def memory_and_swap(proc: str = PROC) -> tuple[tuple[int, int, int] | None,
+                                               tuple[int, int] | None]:
+    """memory() and swap() from one read of /proc/meminfo."""
+    found = meminfo(_MEMORY + _SWAP, proc)
+    return _memory(found), _swap(found)
+
+
+_MEMORY = (b"MemTotal", b"MemFree", b"MemAvailable")
+_SWAP = (b"SwapTotal", b"SwapFree")
+
+
+def _memory(mem: dict[bytes, int]) -> tuple[int, int, int] | None:
     total, available = mem.get(b"MemTotal"), mem.get(b"MemAvailable")
     if total is None or not available or b"MemFree" not in mem:
         return None
@@ -107,10 +126,8 @@ def memory(proc: str = PROC) -> tuple[int, int, int] | None:
     return total, total - available, available
 
 
-def swap(proc: str = PROC) -> tuple[int, int] | None:
-    """Total and used swap bytes as psutil.swap_memory() gives them; None without the lines."""
-    mem = meminfo((b"SwapTotal", b"SwapFree"), proc)
-    if len(mem) < 2:
+def _swap(mem: dict[bytes, int]) -> tuple[int, int] | None:
+    if b"SwapTotal" not in mem or b"SwapFree" not in mem:
         return None
     return mem[b"SwapTotal"], mem[b"SwapTotal"] - mem[b"SwapFree"]
 
