@@ -8,18 +8,18 @@ from contextlib import asynccontextmanager
 
 from sidecar.commands.receive import Fault
 from sidecar.delivery.client import IngestClient
-from sidecar.delivery.logs import FLUSH_STALL_S, LogShipper
+from sidecar.delivery.logs import FLUSH_STALL_S, LINGER_BELOW_CHARS, LINGER_S, LogShipper
 from tests.conftest import RUN_ID, TOKEN
 from tests.ingest_server import RunningIngest
 from tests.test_delivery import wait_until
 
 
 @asynccontextmanager
-async def shipping(ingest: RunningIngest) -> AsyncIterator[LogShipper]:
+async def shipping(ingest: RunningIngest, linger_s: float = LINGER_S) -> AsyncIterator[LogShipper]:
     """A started LogShipper on a real IngestClient; stopped and closed afterwards."""
     client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
     await client.start()
-    shipper = LogShipper(client, RUN_ID)
+    shipper = LogShipper(client, RUN_ID, linger_s=linger_s)
     shipper.start()
     try:
         yield shipper
@@ -65,3 +65,23 @@ async def test_a_slow_answer_after_a_quiet_spell_is_waited_for(ingest: RunningIn
         shipper.put("last\n")
         assert await shipper.flush(10.0)
         assert chunks(ingest) == ["first\n", "last\n"]
+
+
+async def test_a_batch_worth_its_request_does_not_linger(ingest: RunningIngest) -> None:
+    """Only a small batch waits for company, and only until the company makes it worth its
+    request: the last quarter-megabyte of a file read from its start goes at once, not a linger
+    later."""
+    linger_s = 30.0
+    async with shipping(ingest, linger_s=linger_s) as shipper:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        shipper.put("x" * (LINGER_BELOW_CHARS - 1) + "\n")
+        await wait_until(lambda: len(chunks(ingest)) == 1, "the batch was sent",
+                         timeout=linger_s / 3)
+        shipper.put("small\n")
+        await asyncio.sleep(0.1)  # the shipper lingers by then: what comes next cuts it short
+        shipper.put("x" * LINGER_BELOW_CHARS + "\n")
+        await wait_until(lambda: len(chunks(ingest)) == 3, "the small one went with the next",
+                         timeout=linger_s / 3)
+        assert loop.time() - began < linger_s / 3
+        assert [len(body["chunks"]) for body in ingest.records("logs")] == [1, 2]

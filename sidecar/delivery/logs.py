@@ -23,6 +23,8 @@ from sidecar.supervise import fault_point, supervise
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
 MAX_REQUEST_CHARS = 1 << 20  # text in one request
 LINGER_S = 0.05  # how long a small batch waits for more text
+LINGER_BELOW_CHARS = MAX_REQUEST_CHARS // 4  # a batch this big is worth its request at once:
+#   waiting would only delay it (the end of a file read from its start), not spare a request
 FLUSH_STALL_S = 1.0  # a flush gives up once no request was answered for this long
 
 
@@ -35,6 +37,7 @@ class LogShipper:
     max_buffer_chars: int = MAX_BUFFER_CHARS
     max_request_chars: int = MAX_REQUEST_CHARS
     linger_s: float = LINGER_S
+    linger_below_chars: int = LINGER_BELOW_CHARS
     dropped_chars: int = 0
     sent_chars: int = 0
     on_room: Callable[[], None] | None = None  # called when room comes back (wakes a reader)
@@ -157,8 +160,7 @@ class LogShipper:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                if self._buffered < self.max_request_chars:
-                    await asyncio.sleep(self.linger_s)
+                await self._linger()
                 self._inflight = self._take()
                 if self.on_room is not None and self.has_room:
                     self.on_room()
@@ -180,6 +182,17 @@ class LogShipper:
                     ticket.release()
                 if piece is not None and answer.ok:
                     piece.acked = True
+
+    async def _linger(self) -> None:
+        """Give a small batch up to linger_s to gain company, and no longer than it takes to
+        grow worth its request."""
+        deadline = time.monotonic() + self.linger_s
+        while self._buffered < self.linger_below_chars:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            await wait_set(self._wake, left)
 
     def _take(self) -> list[tuple[str, Ticket | None, Piece | None]]:
         batch: list[tuple[str, Ticket | None, Piece | None]] = []
