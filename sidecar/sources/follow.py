@@ -550,7 +550,8 @@ class Follower:
                 tail.size = os.fstat(tail.fd).st_size
             except OSError:
                 return
-            want = min(tail.size - tail.read_offset, READ_BYTES)
+            # what the buffer holds and the read make whole parse slices: none is cut by a copy
+            want = min(tail.size - tail.read_offset, READ_BYTES - len(tail.buffer) % READ_BYTES)
             if want <= 0:
                 break
             data = await asyncio.to_thread(os.pread, tail.fd, want, tail.read_offset)
@@ -558,7 +559,7 @@ class Follower:
                 break
             self._caught_up.pop(tail, None)
             tail.read_offset += len(data)
-            tail.end = (tail.end + data)[-END_CHECK_BYTES:]
+            tail.end = (tail.end + data[-END_CHECK_BYTES:])[-END_CHECK_BYTES:]
             tail.last_data, tail.last_read = time.monotonic(), time.time()
             self.stats[tail.spec.kind].bytes_read += len(data)
             tail.buffer += data

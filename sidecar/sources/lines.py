@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.sources.terminal import Screen
@@ -61,17 +61,16 @@ class LineAssembler:
     max_line_chars: int = MAX_LINE_CHARS
     quiet_flush_s: float = QUIET_FLUSH_S
     progress_interval_s: float = PROGRESS_INTERVAL_S
-    _decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    _undecoded: bytes = b""  # the start of a character cut by the end of the last block
     _pending: str = ""  # the current line's text not yet sent
     _open_chars: int = 0  # how much of the current line was already sent (a quiet partial)
     _last_feed: float = 0.0
     _screen: Screen | None = None  # while output that moves the cursor is being drawn
 
-    def feed(self, block: bytes, now: float) -> str:
+    def feed(self, block: bytes | memoryview, now: float) -> str:
         """Take the next block of the stream; returns the text ready to send (often all of it)."""
         self._last_feed = now
-        text = self._pending + self._decoder.decode(block)
+        text = self._pending + self._decode(block)
         if (self._screen is not None and not self._screen.idle) or _moves_cursor(text):
             return self._on_screen(text, now)
         self._screen = None
@@ -95,7 +94,7 @@ class LineAssembler:
 
     def finish(self) -> str:
         """The stream ended: everything left, a progress bar's final state included."""
-        text = self._pending + self._decoder.decode(b"", final=True)
+        text = self._pending + self._decode(b"", final=True)
         self._pending = ""
         if self._screen is not None:
             screen, self._screen = self._screen, None
@@ -107,11 +106,19 @@ class LineAssembler:
     def gap(self, dropped_bytes: int) -> str:
         """Some of the stream was dropped: close the line and say so in the log itself."""
         out = self.finish()
-        self._decoder.reset()
         if self._open_chars:
             out += "\n"
             self._open_chars = 0
         return out + f"{self.prefix}[sidecar] {dropped_bytes} bytes of output were dropped here\n"
+
+    def _decode(self, block: bytes | memoryview, final: bool = False) -> str:
+        """UTF-8 with replacement, straight from the caller's buffer (a view of a read is not
+        copied first); a character cut by the block's end waits for the next block."""
+        if self._undecoded:
+            block = self._undecoded + block
+        text, used = codecs.utf_8_decode(block, "replace", final)
+        self._undecoded = bytes(block[used:])
+        return text
 
     def _hold(self, now: float) -> str:
         """Keep the unfinished line, sending what it must not keep: over-long text, masked first
