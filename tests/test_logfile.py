@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sidecar.log import Secrets
 from sidecar.sources.lines import MAX_LINE_CHARS
-from sidecar.sources.logfile import LogFileParser
+from sidecar.sources.logfile import FIND_LINE_BYTES, LogFileParser, count_lines
 
 TOKEN = "tok-SECRET-0123456789abcdef"
 TS = b"2026-11-30T10:00:00.123456789Z"
@@ -141,6 +141,26 @@ def test_plain_split_anywhere_gives_the_text_of_its_whole_lines(
     assert fed.text == whole_lines.decode("utf-8", "replace")
     assert fed.left == data[len(whole_lines):]
     assert fed.records == data.count(b"\n")
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.sampled_from([0, 1, 9, 99, FIND_LINE_BYTES - 1, FIND_LINE_BYTES,
+                                         FIND_LINE_BYTES + 1, 1023, 70_000]), max_size=60),
+       tail=st.integers(min_value=0, max_value=2000), cut=st.integers(min_value=0))
+def test_count_lines_is_the_newlines_before_the_end_whatever_the_line_lengths(
+        lengths: list[int], tail: int, cut: int) -> None:
+    """Long lines counted newline to newline, short ones byte by byte, and every mix of them
+    (long lines first, then short: where the count changes its way) gives bytes.count."""
+    data = b"".join(b"x" * length + b"\n" for length in lengths) + b"y" * tail
+    end = cut % (len(data) + 1)
+    assert count_lines(data, end) == data.count(b"\n", 0, end)
+
+
+def test_count_lines_of_long_lines_then_short_ones() -> None:
+    data = (b"x" * 1023 + b"\n") * 100 + b"step 1\n" * 10_000
+    assert count_lines(data, len(data)) == 10_100
+    assert count_lines(data, 1024 * 50 + 3) == 50
+    assert count_lines(b"no newline", 10) == 0
 
 
 # --- CRI -------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Any
 from sidecar.sources.base import Parsed
 from sidecar.sources.lines import MAX_LINE_CHARS, NO_SECRETS, LineAssembler, Masker
 
+FIND_LINE_BYTES = 512  # lines at least this long on average are counted newline to newline
+
 _CRI_LINE = re.compile(
     rb"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)) (stdout|stderr) ([PF])"
     rb"(?: (.*))?$")
@@ -67,7 +69,7 @@ class LogFileParser:
         if not end:
             return Parsed(consumed=0)
         text = self._assembler.feed(memoryview(data)[:end], now)  # a view: no copy of the block
-        return Parsed(consumed=end, text=text, records=data.count(b"\n", 0, end))
+        return Parsed(consumed=end, text=text, records=count_lines(data, end))
 
     def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
         if self.log_format == "cri" or not (data or final):  # CRI pieces wait in the state
@@ -95,3 +97,18 @@ class LogFileParser:
         if pieces:
             out.text = self._assembler.feed(b"".join(pieces), now)
         return out
+
+
+def count_lines(data: bytes, end: int) -> int:
+    """The newlines in data[:end]. bytes.count looks at every byte, near a nanosecond each (a
+    sixth of the sidecar's time on a file of 1 KiB lines); find() jumps to the next newline at
+    memchr speed for a fixed cost a call, which is cheaper while lines are long. So it jumps
+    while the lines found average FIND_LINE_BYTES or more, and counts the rest byte by byte as
+    soon as they do not: short lines cost a call or two more than bytes.count alone."""
+    count, at = 0, data.find(b"\n", 0, end)
+    while at >= 0:
+        count += 1
+        if count * FIND_LINE_BYTES > at:
+            return count + data.count(b"\n", at + 1, end)
+        at = data.find(b"\n", at + 1, end)
+    return count
