@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("no command to run: put it after --, as in "
                           "`sidecar run -- ./train.sh`")
     cfg = _configured(args, "run")
-    from sidecar.daemon import run_wrapped
+    from sidecar.wrapper import run_wrapped
 
     return asyncio.run(run_wrapped(cfg, command, os.environ))
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sidecar.log import format_duration
 from sidecar.node import Node
 from sidecar.sources.cgroup import OomKill
 from sidecar.sources.nvml import XidEvent
@@ -103,18 +104,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def format_duration(seconds: float) -> str:
-    """2h13m, 41m12s, 30m0s, 7s: hours and minutes, or minutes and seconds."""
-    whole = max(int(seconds), 0)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes}m"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
 
 
 def format_bytes(size: int) -> str:

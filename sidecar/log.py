@@ -210,3 +210,15 @@ def setup(level: str = "info", message_format: str = "text") -> None:
     log.handlers[:] = [handler]
     log.setLevel(level.upper())
     log.propagate = False
+
+
+def format_duration(seconds: float) -> str:
+    """2h13m, 41m12s, 30m0s, 7s: hours and minutes, or minutes and seconds."""
+    whole = max(int(seconds), 0)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"

@@ -13,8 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from sidecar.diagnose import format_duration
-from sidecar.log import log
+from sidecar.log import format_duration, log
 
 
 @dataclass

@@ -109,6 +109,9 @@ def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIng
     """--status-addr off: no HTTP server code is imported, and no aiohttp at all."""
     loaded = _watch_modules(ingest, tmp_path, "off")
     assert "sidecar.observe.endpoint" not in loaded
+    # nor does it carry the wrapper's code: the child, its failure signatures, the diagnosis
+    assert not {"sidecar.wrapper", "sidecar.sources.child", "sidecar.sources.signatures",
+                "sidecar.diagnose", "sidecar.sources.cgroup"} & loaded
     # The ingest client is h11 on asyncio streams: aiohttp (13 MB, a third of the start-up)
     # is for `sidecar receive` alone.
     assert not _aiohttp(loaded)
