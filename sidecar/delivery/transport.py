@@ -1,9 +1,11 @@
 """HTTP/1.1 over keep-alive connections to one origin: the ingest client's transport layer.
 
 It knows framing and connections, nothing of routes, tokens or status codes (client.py does).
-h11 parses and writes the messages; asyncio streams carry them. Compared with the aiohttp client
-it replaces on this path, it costs a twentieth of the import time and 13 MB less memory, and a
-third of the CPU per request, which the bulk /logs path pays hundreds of times a second.
+h11 parses and writes the messages; an asyncio protocol carries them. Against the aiohttp client
+it replaces, its import costs a sixteenth of the CPU (0.018 against 0.29 CPU-s on a 2-core
+machine) and 13.5 MB less memory, which halved the daemon's start-up and took its idle RSS
+under 36 MB; per request it costs about the same (h11's state machine in Python against
+aiohttp's parser in C).
 
 What the contract asks of an answer (CONTRACT 4): at most MAX_ANSWER_BYTES of it are read (a
 longer body closes the connection instead); a redirect is returned, never followed; no proxy is
