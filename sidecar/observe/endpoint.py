@@ -351,6 +351,9 @@ async def _closed(writer: asyncio.StreamWriter) -> None:
             await writer.wait_closed()
     except TimeoutError:
         writer.transport.abort()
+    except asyncio.CancelledError:  # shutting down: what is left is not sent
+        writer.transport.abort()
+        raise
     except OSError:  # reset by the client: closed all the same
         pass
 
