@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from sidecar.sources.hardware import (
     counter_rate,
     gpu_filter_from_env,
 )
+from sidecar.sources.nvml import _field_value
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child
 from tests.ingest_server import RunningIngest, wait_until
 from tests.nvml_stub.build import BuildError, build, gcc
@@ -329,6 +331,17 @@ def test_environment_snapshot_has_the_driver_and_gpus_from_nvml(stub_dir: Path,
     assert snapshot["gpus"][1] == {
         "index": 1, "name": "NVIDIA H100 80GB HBM3", "uuid": UUID.format(1),
         "memory_total_bytes": 80 * GIB, "compute_capability": "9.0"}
+
+
+def test_a_field_value_reads_as_its_type_says() -> None:
+    """nvmlValue_t's 8 bytes, read once as unsigned, then as nvmlValueType_t says."""
+    def raw(fmt: str, value: float) -> int:
+        return int(struct.unpack("=Q", struct.pack(fmt, value).ljust(8, b"\xff"))[0])
+
+    cases = [(0, "=d", 2.5), (1, "=I", 4_000_000_000), (2, "=Q", 2**50 + 5),
+             (3, "=Q", 12), (4, "=q", -3), (5, "=i", -2), (6, "=H", 65_000)]
+    assert [_field_value(kind, raw(fmt, value)) for kind, fmt, value in cases] == [
+        value for _, _, value in cases]
 
 
 @pytest.mark.parametrize(("env", "selected", "rejected"), [

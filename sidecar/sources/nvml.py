@@ -533,7 +533,7 @@ class FieldRequest:
 def _field_value(kind: int, raw: int) -> float:
     """An nvmlValue_t's 8 bytes (read as unsigned) as its nvmlValueType_t says they hold."""
     if kind == 0:  # double
-        return float(struct.unpack("=d", raw.to_bytes(8, "little"))[0])
+        return float(struct.unpack("=d", struct.pack("=Q", raw))[0])
     if kind == 1:  # unsigned int
         return float(raw & 0xFFFFFFFF)
     if kind == 4:  # signed long long
