@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from sidecar.commands.receive import Fault
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.logs import FLUSH_STALL_S, LINGER_BELOW_CHARS, LINGER_S, LogShipper
+from sidecar.records import Ticket
 from tests.conftest import RUN_ID, TOKEN
 from tests.ingest_server import RunningIngest
 from tests.test_delivery import wait_until
@@ -85,3 +86,50 @@ async def test_a_batch_worth_its_request_does_not_linger(ingest: RunningIngest) 
                          timeout=linger_s / 3)
         assert loop.time() - began < linger_s / 3
         assert [len(body["chunks"]) for body in ingest.records("logs")] == [1, 2]
+
+
+def _lines(count: int, width: int = 99) -> str:
+    return "".join(f"{i:0{width}d}\n" for i in range(count))
+
+
+async def test_a_proxy_that_refuses_large_bodies_gets_every_character_in_halves(
+        ingest: RunningIngest) -> None:
+    """/logs used to drop a batch its ingest answered 413 (a proxy's body limit), with one
+    WARNING a minute: above the limit, every batch of a busy run was lost."""
+    ingest.add_fault(Fault(route="logs", too_large_over_bytes=100_000))
+    text = _lines(6_000)  # 600,000 characters, put as one text: one piece to cut
+    released: list[bool] = []
+    ticket = Ticket(lambda: released.append(True))
+    async with shipping(ingest, linger_s=0) as shipper:
+        shipper.put(text, ticket)
+        ticket.seal()  # the source's own hold: the file's offset moves once both halves went
+        assert await shipper.flush(20.0)
+        assert released == [True]
+        assert "".join(chunks(ingest)) == text
+        assert shipper.dropped_chars == 0
+        assert all(len(body["chunks"][0]) < 100_000 for body in ingest.records("logs"))
+        assert shipper.max_request_chars <= 75_000  # it remembers the limit it met
+
+
+async def test_a_body_above_nginx_default_limit_is_halved_before_it_is_sent(
+        ingest: RunningIngest) -> None:
+    """Text whose JSON escapes make it longer than 1 MiB is sent in halves, never refused."""
+    escaped = '"\\\t' * 200_000  # 600,000 characters, two bytes each once escaped
+    async with shipping(ingest, linger_s=0) as shipper:
+        shipper.put(escaped)
+        assert await shipper.flush(20.0)
+        requests = shipper.client.route_stats("logs").requests
+    assert "".join(chunks(ingest)) == escaped
+    assert not ingest.stats.routes["logs"].rejected
+    assert requests == 2
+
+
+async def test_a_batch_of_many_texts_is_split_between_them(ingest: RunningIngest) -> None:
+    ingest.add_fault(Fault(route="logs", too_large_above=2))  # at most two chunks a request
+    texts = [f"line {i}\n" for i in range(40)]
+    async with shipping(ingest, linger_s=0) as shipper:
+        for text in texts:  # all queued before the shipper runs: its first batch is all 40
+            shipper.put(text)
+        assert await shipper.flush(20.0)
+    assert chunks(ingest) == texts
+    assert all(len(body["chunks"]) <= 2 for body in ingest.records("logs"))

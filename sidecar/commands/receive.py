@@ -295,6 +295,7 @@ class Fault:
     status: int | None = None  # answer this status without storing
     retry_after: str | None = None  # with status: the Retry-After header ("2" or an HTTP date)
     too_large_above: int | None = None  # answer 413 when the batch has more items than this
+    too_large_over_bytes: int | None = None  # answer 413 when the body is longer (a proxy's limit)
     latency_s: float | None = None  # wait this long before handling (a hang when large)
     redirect: str | None = None  # answer 307 with this Location
     reset: bool = False  # abort the connection without an answer
@@ -305,6 +306,7 @@ class Fault:
         kinds = [
             self.status is not None,
             self.too_large_above is not None,
+            self.too_large_over_bytes is not None,
             self.latency_s is not None,
             self.redirect is not None,
             self.reset is True,
@@ -312,8 +314,8 @@ class Fault:
         ]
         if sum(kinds) != 1:
             raise ValueError(
-                "a fault needs exactly one of status, too_large_above, latency_s, redirect, "
-                "reset, reject_if_contains"
+                "a fault needs exactly one of status, too_large_above, too_large_over_bytes, "
+                "latency_s, redirect, reset, reject_if_contains"
             )
         problems = {
             "route": self.route != "*" and self.route not in _ROUTES,
@@ -324,6 +326,8 @@ class Fault:
             and (self.status is None or not isinstance(self.retry_after, str)),
             "too_large_above": self.too_large_above is not None
             and not _whole(self.too_large_above, minimum=0),
+            "too_large_over_bytes": self.too_large_over_bytes is not None
+            and not _whole(self.too_large_over_bytes, minimum=0),
             "latency_s": self.latency_s is not None
             and not (_is_number(self.latency_s) and 0 <= self.latency_s < math.inf),
             "redirect": self.redirect is not None
@@ -575,6 +579,13 @@ class IngestServer:
         await self._apply_transport_faults(route)
         self._check_auth(request)
         raw = await self._read(request)
+        limit = self._take_fault(
+            route,
+            lambda f: f.too_large_over_bytes is not None and len(raw) > f.too_large_over_bytes,
+        )
+        if limit is not None:
+            raise _Rejected(413, f"a body of {len(raw)} bytes, at most "
+                            f"{limit.too_large_over_bytes} accepted")
         if self._take_fault(
             route,
             lambda f: f.reject_if_contains is not None and f.reject_if_contains.encode() in raw,

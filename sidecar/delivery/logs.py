@@ -14,14 +14,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery.client import IngestClient, json_body
+from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.crashtail import Piece
 from sidecar.log import log
 from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
-MAX_REQUEST_CHARS = 1 << 20  # text in one request
+MAX_REQUEST_CHARS = 960 << 10  # text in one request: with JSON's escapes, under MAX_BODY_BYTES
+MAX_BODY_BYTES = 1 << 20  # nginx's default client_max_body_size, which the proxies in front of
+#   many ingests keep: a longer body is halved before it is sent, not refused with a 413
+MIN_SPLIT_CHARS = 1 << 10  # a batch refused as too large is halved down to this, then dropped
 LINGER_S = 0.05  # how long a small batch waits for more text
 LINGER_BELOW_CHARS = MAX_REQUEST_CHARS // 4  # a batch this big is worth its request at once:
 #   waiting would only delay it (the end of a file read from its start), not spare a request
@@ -50,6 +53,7 @@ class LogShipper:
     #                                                                          answered
     _answered: asyncio.Event = field(default_factory=asyncio.Event)
     _warned_at: float = float("-inf")
+    _halved_at: float = float("-inf")
     _active_at: float = 0.0  # when a request was last sent or answered, or work came to an idle
 
     def start(self) -> None:
@@ -166,13 +170,19 @@ class LogShipper:
                     self.on_room()
             batch = [text for text, _, _ in self._inflight]
             body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
+            size = sum(map(len, batch))
+            if len(body) > MAX_BODY_BYTES and self._halve(f"its body of {len(body)} bytes "
+                                                          f"is above {MAX_BODY_BYTES}"):
+                continue
             self._active_at = time.monotonic()
             self._answered.clear()
             answer = await self.client.deliver("logs", body)
             self._active_at = time.monotonic()
-            entries, self._inflight = self._inflight, None
             self._answered.set()
-            size = sum(map(len, batch))
+            if answer.verdict is Verdict.TOO_LARGE and self._halve(
+                    f"the ingest refused {size} characters as too large (HTTP 413)"):
+                continue
+            entries, self._inflight = self._inflight, None
             if answer.ok:
                 self.sent_chars += size
             else:
@@ -193,6 +203,28 @@ class LogShipper:
                 return
             self._wake.clear()
             await wait_set(self._wake, left)
+
+    def _halve(self, why: str) -> bool:
+        """Put the batch in flight back at the front of the queue, as two requests' worth:
+        requests carry at most half its characters from now on (the ingest's limit stays what
+        it was), and a batch of one text has that text cut in two at a line end. False when
+        it is one text under 2 * MIN_SPLIT_CHARS: that is dropped, as any refused batch."""
+        entries = self._inflight
+        assert entries is not None
+        size = sum(len(text) for text, _, _ in entries)
+        if len(entries) == 1:
+            if size < 2 * MIN_SPLIT_CHARS:
+                return False
+            entries = _cut_in_two(entries[0])
+        self.max_request_chars = max(min(self.max_request_chars, size // 2), 1)
+        self._inflight = None
+        self._chunks.extendleft(reversed(entries))
+        self._buffered += size
+        if time.monotonic() - self._halved_at >= 60.0:
+            self._halved_at = time.monotonic()
+            log.warning("/logs: a request was halved: %s; requests carry at most %d "
+                        "characters from now on", why, self.max_request_chars)
+        return True
 
     def _take(self) -> list[tuple[str, Ticket | None, Piece | None]]:
         batch: list[tuple[str, Ticket | None, Piece | None]] = []
@@ -215,3 +247,19 @@ class LogShipper:
             self._warned_at = now
             log.warning("/logs: dropped %d characters of output: %s (%d dropped in all; "
                         "training is not affected)", chars, why, self.dropped_chars)
+
+
+def _cut_in_two(entry: tuple[str, Ticket | None, Piece | None]
+                ) -> list[tuple[str, Ticket | None, Piece | None]]:
+    """One queued text as two, cut at the line end nearest its middle (else at the middle).
+    Both halves hold its ticket; the first carries a stand-in of its piece, so that the crash
+    tail still takes both out of the queue (`forget`) while only the second, the last of the
+    text, marks the piece acknowledged."""
+    text, ticket, piece = entry
+    middle = len(text) // 2
+    cut = text.rfind("\n", 0, middle) + 1 or text.find("\n", middle) + 1 or middle
+    if cut >= len(text):
+        cut = middle
+    first = (text[:cut], ticket.hold() if ticket is not None else None,
+             Piece(piece.order, text[:cut]) if piece is not None else None)
+    return [first, (text[cut:], ticket, piece)]
