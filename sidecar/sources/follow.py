@@ -195,8 +195,6 @@ class Follower:
     _warned: set[str] = field(default_factory=set)
     _started: float = field(default_factory=time.monotonic)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _look: bool = True  # a file changed since the last look (or none was taken yet)
-    _looked_at: float = float("-inf")  # when the last look ended: the next is due `interval` on
     _events: Inotify | None = None
 
     def __post_init__(self) -> None:
@@ -211,15 +209,10 @@ class Follower:
             while True:
                 fault_point()
                 self._wake.clear()  # before the look: a change during it means another look
-                if self._look or time.monotonic() - self._looked_at >= interval:
-                    self._look = False
-                    await self.step()
-                    if self._events is not None:
-                        self._events.watch(_watch_folders(self.specs))
-                    self._looked_at = time.monotonic()
-                else:  # only room in the sink: the files followed are read on, none looked for
-                    await self._read_followed()
-                await wait_set(self._wake, max(self._looked_at + interval - time.monotonic(), 0))
+                await self.step()
+                if self._events is not None:
+                    self._events.watch(_watch_folders(self.specs))
+                await wait_set(self._wake, interval)
         finally:
             if self._events is not None:
                 self._events.close()
@@ -239,14 +232,7 @@ class Follower:
             return None
 
     def wake(self) -> None:
-        """Look at the files now (a file changed)."""
-        self._look = True
-        self._wake.set()
-
-    def room(self) -> None:
-        """A sink has room again: read on in the files followed. Finding files (globs, stats,
-        rotation checks) waits for a file event or the poll, not for every request answered
-        while a backlog is read."""
+        """Look at the files now (a sink has room again, or a file changed)."""
         self._wake.set()
 
     async def step(self) -> None:
@@ -254,17 +240,14 @@ class Follower:
         waiting for a descriptor get those of files read to their end, round after round."""
         self._discover()
         while True:
-            await self._read_followed()
+            for tail in [*self._tails.values(), *self._retired]:
+                await self._read(tail)
             if not (self._waiting and self._caught_up):
                 break
             waiting, self._waiting = self._waiting, []
             for spec, name in waiting:
                 self._open_new(spec, name)
         self._close_finished()
-
-    async def _read_followed(self) -> None:
-        for tail in [*self._tails.values(), *self._retired]:
-            await self._read(tail)
 
     async def drain(self) -> bool:
         """Read every file towards its end (shutdown), partial lines offered as quiet; True
