@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -250,3 +251,38 @@ async def test_offsets_are_written_at_most_ten_times_a_second_and_the_last_alway
     # last at stop; and far fewer than one per acknowledgement.
     assert 2 <= len(writes) <= 10 * elapsed + 2
     assert json.loads(writes[-1])["files"]["1:2"]["offset"] == 100
+
+
+async def test_a_save_cancelled_mid_write_never_lands_after_a_newer_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop() cancels the saver, whose write goes on in its thread; the final save's write of
+    newer offsets overtook it and was then replaced by it, and a restart read again what had
+    been delivered (801 lines of a rotated log, once in five runs)."""
+    real_write = checkpoints.write_atomic
+    newer_written = threading.Event()
+    finished: list[int] = []
+
+    def slow_old_write(path: Path, data: bytes) -> None:
+        offset = json.loads(data)["files"]["1:2"]["offset"]
+        if offset == 1:
+            newer_written.wait(1.0)  # the old write lasts until the newer one is done, or 1 s
+        real_write(path, data)
+        if offset == 2:
+            newer_written.set()
+        finished.append(offset)
+
+    monkeypatch.setattr(checkpoints, "write_atomic", slow_old_write)
+    marks = checkpoints.Checkpoints(tmp_path / "offsets.json")
+    marks.set(checkpoints.Mark("/f", 1, 2, "ab", 1))
+    first = asyncio.ensure_future(marks.save())
+    await asyncio.sleep(0)  # the first save hands its write to a thread
+    first.cancel()
+    marks.set(checkpoints.Mark("/f", 1, 2, "ab", 2))
+    assert await marks.save()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while len(finished) < 2:  # the cancelled save's thread, too, has written
+        assert loop.time() < deadline, f"writes finished: {finished}"
+        await asyncio.sleep(0.01)
+    assert finished == [1, 2]
+    assert json.loads((tmp_path / "offsets.json").read_text())["files"]["1:2"]["offset"] == 2

@@ -98,6 +98,7 @@ class Checkpoints:
     _dirty: bool = False
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
+    _writing: asyncio.Future[None] | None = None  # the last write, which a cancel cannot stop
 
     def load(self) -> None:
         """The offsets an earlier start left; none when the document is absent or malformed
@@ -128,13 +129,23 @@ class Checkpoints:
     async def save(self) -> bool:
         """Write the offsets if they changed; False when the state dir refused (a full disk:
         they stay in memory, and a crash meanwhile repeats what was delivered since)."""
+        # One write at a time, in order: the saver cancelled at stop left its write running in
+        # its thread, and the final save's write, of newer offsets, overtook it and was then
+        # replaced by it (a restart read again what had been delivered), or the two shared
+        # the temporary file.
+        while self._writing is not None and not self._writing.done():
+            try:
+                await asyncio.shield(self._writing)
+            except OSError:  # that write's offsets are still to be written: this one does
+                self._dirty = True
         if not self._dirty:
             return True
         self._dirty = False
         doc = {"version": VERSION, "files": {k: vars(m) for k, m in self.marks.items()}}
         data = json.dumps(doc, separators=(",", ":")).encode()
+        self._writing = asyncio.ensure_future(asyncio.to_thread(write_atomic, self.path, data))
         try:
-            await asyncio.to_thread(write_atomic, self.path, data)
+            await asyncio.shield(self._writing)
         except OSError as exc:
             self._dirty = True
             state_write_failed(self.path, exc)
