@@ -168,7 +168,7 @@ class Pipeline(Sink):
         self.follower = Follower(source_specs(self.cfg, self.node), self, self.checkpoints,
                                  mode=self.cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
-            sink.on_room = self.follower.wake
+            sink.on_room = self.follower.room
 
     @property
     def batchers(self) -> list[Batcher]:

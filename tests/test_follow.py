@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.aio import cancel
 from sidecar.records import Ticket
 from sidecar.sources import follow
 from sidecar.sources.base import Parsed
@@ -33,6 +34,7 @@ from sidecar.sources.jsonl import JsonlParser
 from sidecar.sources.logfile import LogFileParser
 from tests.conftest import RUN_ID, SIDECAR
 from tests.ingest_server import RunningIngest, wait_until
+from tests.test_delivery import wait_until as async_wait_until
 from tests.test_status import warnings_of_sidecar
 from tests.test_watch import LOGROTATE, Watch, Writer, log_lines, points
 
@@ -363,6 +365,53 @@ async def test_a_source_matching_nothing_warns_once(tmp_path: Path,
     assert said == [f"--jsonl {pattern}: still nothing to read after 0 s (the folder "
                     f"{tmp_path / 'out'} does not exist yet)"]
     follower.close()
+
+
+class _OneBlockAtATime(_Collect):
+    """A sink with room for one block, then none until the test gives it room again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.room = True
+
+    def has_room(self) -> bool:
+        return self.room
+
+    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
+        super().deliver(parsed, ticket, kind)
+        self.room = False
+
+
+async def test_room_again_reads_on_without_looking_for_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backlog read a request at a time wakes the follower once a request: each wake reads
+    the next block of the files followed, and globs, stats and rotation checks wait for a file
+    event or the poll (with a node's hundreds of pod logs, they cost more than the block)."""
+    log = tmp_path / "train.log"
+    log.write_bytes((b"x" * 1023 + b"\n") * 4096)  # four blocks
+    looks: list[str] = []
+    match = follow.discover.match
+    monkeypatch.setattr(follow.discover, "match",
+                        lambda pattern, *rest: looks.append(pattern) or match(pattern, *rest))
+    spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser(), option="--log")
+    sink = _OneBlockAtATime()
+    follower = Follower([spec], sink, Checkpoints(tmp_path / "offsets.json"))
+    task = asyncio.create_task(follower.run())
+    try:
+        await async_wait_until(lambda: len(sink.parsed) == 1, "the first block was read")
+        looked = len(looks)
+        for blocks in range(2, 5):
+            sink.room = True
+            follower.room()
+            await async_wait_until(lambda: len(sink.parsed) == blocks,  # noqa: B023
+                                   "the next block was read")
+        assert len(looks) == looked
+        assert sum(parsed.records for parsed in sink.parsed) == 4096
+        follower.wake()  # a file event: a look
+        await async_wait_until(lambda: len(looks) > looked, "the files were looked at")
+    finally:
+        await cancel(task)
+        follower.close()
 
 
 def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(

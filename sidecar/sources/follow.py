@@ -195,6 +195,8 @@ class Follower:
     _warned: set[str] = field(default_factory=set)
     _started: float = field(default_factory=time.monotonic)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _look: bool = True  # a file changed since the last look (or none was taken yet)
+    _looked_at: float = float("-inf")  # when the last look ended: the next is due `interval` on
     _events: Inotify | None = None
 
     def __post_init__(self) -> None:
@@ -209,10 +211,15 @@ class Follower:
             while True:
                 fault_point()
                 self._wake.clear()  # before the look: a change during it means another look
-                await self.step()
-                if self._events is not None:
-                    self._events.watch(_watch_folders(self.specs))
-                await wait_set(self._wake, interval)
+                if self._look or time.monotonic() - self._looked_at >= interval:
+                    self._look = False
+                    await self.step()
+                    if self._events is not None:
+                        self._events.watch(_watch_folders(self.specs))
+                    self._looked_at = time.monotonic()
+                else:  # only room in the sink: the files followed are read on, none looked for
+                    await self._read_followed()
+                await wait_set(self._wake, max(self._looked_at + interval - time.monotonic(), 0))
         finally:
             if self._events is not None:
                 self._events.close()
@@ -232,7 +239,14 @@ class Follower:
             return None
 
     def wake(self) -> None:
-        """Look at the files now (a sink has room again, or a file changed)."""
+        """Look at the files now (a file changed)."""
+        self._look = True
+        self._wake.set()
+
+    def room(self) -> None:
+        """A sink has room again: read on in the files followed. Finding files (globs, stats,
+        rotation checks) waits for a file event or the poll, not for every request answered
+        while a backlog is read."""
         self._wake.set()
 
     async def step(self) -> None:
@@ -240,14 +254,17 @@ class Follower:
         waiting for a descriptor get those of files read to their end, round after round."""
         self._discover()
         while True:
-            for tail in [*self._tails.values(), *self._retired]:
-                await self._read(tail)
+            await self._read_followed()
             if not (self._waiting and self._caught_up):
                 break
             waiting, self._waiting = self._waiting, []
             for spec, name in waiting:
                 self._open_new(spec, name)
         self._close_finished()
+
+    async def _read_followed(self) -> None:
+        for tail in [*self._tails.values(), *self._retired]:
+            await self._read(tail)
 
     async def drain(self) -> bool:
         """Read every file towards its end (shutdown), partial lines offered as quiet; True
