@@ -111,19 +111,6 @@ async def test_a_proxy_that_refuses_large_bodies_gets_every_character_in_halves(
         assert shipper.max_request_chars <= 75_000  # it remembers the limit it met
 
 
-async def test_a_body_above_nginx_default_limit_is_halved_before_it_is_sent(
-        ingest: RunningIngest) -> None:
-    """Text whose JSON escapes make it longer than 1 MiB is sent in halves, never refused."""
-    escaped = '"\\\t' * 200_000  # 600,000 characters, two bytes each once escaped
-    async with shipping(ingest, linger_s=0) as shipper:
-        shipper.put(escaped)
-        assert await shipper.flush(20.0)
-        requests = shipper.client.route_stats("logs").requests
-    assert "".join(chunks(ingest)) == escaped
-    assert not ingest.stats.routes["logs"].rejected
-    assert requests == 2
-
-
 async def test_a_batch_of_many_texts_is_split_between_them(ingest: RunningIngest) -> None:
     ingest.add_fault(Fault(route="logs", too_large_above=2))  # at most two chunks a request
     texts = [f"line {i}\n" for i in range(40)]

@@ -21,9 +21,7 @@ from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
-MAX_REQUEST_CHARS = 960 << 10  # text in one request: with JSON's escapes, under MAX_BODY_BYTES
-MAX_BODY_BYTES = 1 << 20  # nginx's default client_max_body_size, which the proxies in front of
-#   many ingests keep: a longer body is halved before it is sent, not refused with a 413
+MAX_REQUEST_CHARS = 1 << 20  # text in one request
 MIN_SPLIT_CHARS = 1 << 10  # a batch refused as too large is halved down to this, then dropped
 LINGER_S = 0.05  # how long a small batch waits for more text
 LINGER_BELOW_CHARS = MAX_REQUEST_CHARS // 4  # a batch this big is worth its request at once:
@@ -171,9 +169,6 @@ class LogShipper:
             batch = [text for text, _, _ in self._inflight]
             body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
             size = sum(map(len, batch))
-            if len(body) > MAX_BODY_BYTES and self._halve(f"its body of {len(body)} bytes "
-                                                          f"is above {MAX_BODY_BYTES}"):
-                continue
             self._active_at = time.monotonic()
             self._answered.clear()
             answer = await self.client.deliver("logs", body)
