@@ -120,3 +120,20 @@ async def test_a_batch_of_many_texts_is_split_between_them(ingest: RunningIngest
         assert await shipper.flush(20.0)
     assert chunks(ingest) == texts
     assert all(len(body["chunks"]) <= 2 for body in ingest.records("logs"))
+
+
+async def test_once_the_limit_is_known_a_long_text_goes_in_pieces_not_refused_again(
+        ingest: RunningIngest) -> None:
+    """After a 413 lowered the request size below a read's block, each block was sent whole
+    and refused again before being halved: one refused upload of a MiB per block."""
+    ingest.add_fault(Fault(route="logs", too_large_over_bytes=100_000))
+    async with shipping(ingest, linger_s=0) as shipper:
+        shipper.put(_lines(3_000, width=99))  # 300,000 characters: refused, halved, refused...
+        assert await shipper.flush(20.0)
+        refused = ingest.stats.routes["logs"].rejected.get(413, 0)
+        assert refused >= 2
+        later = _lines(3_000, width=99)
+        shipper.put(later)
+        assert await shipper.flush(20.0)
+        assert ingest.stats.routes["logs"].rejected.get(413, 0) == refused  # none more
+        assert "".join(chunks(ingest)).endswith(later) and shipper.dropped_chars == 0

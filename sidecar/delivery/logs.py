@@ -210,7 +210,7 @@ class LogShipper:
         if len(entries) == 1:
             if size < 2 * MIN_SPLIT_CHARS:
                 return False
-            entries = _cut_in_two(entries[0])
+            entries = list(_cut(entries[0], size // 2))
         self.max_request_chars = max(min(self.max_request_chars, size // 2), 1)
         self._inflight = None
         self._chunks.extendleft(reversed(entries))
@@ -224,6 +224,12 @@ class LogShipper:
     def _take(self) -> list[tuple[str, Ticket | None, Piece | None]]:
         batch: list[tuple[str, Ticket | None, Piece | None]] = []
         size = 0
+        if self._chunks and len(self._chunks[0][0]) > self.max_request_chars:
+            # a text longer than the ingest takes (a 413 lowered the limit below a read's
+            # block): its head goes alone, so that it is not refused once per block
+            first, rest = _cut(self._chunks.popleft(), self.max_request_chars)
+            self._chunks.appendleft(rest)
+            self._chunks.appendleft(first)
         while self._chunks and (not batch or size + len(self._chunks[0][0])
                                 <= self.max_request_chars):
             entry = self._chunks.popleft()
@@ -244,17 +250,15 @@ class LogShipper:
                         "training is not affected)", chars, why, self.dropped_chars)
 
 
-def _cut_in_two(entry: tuple[str, Ticket | None, Piece | None]
-                ) -> list[tuple[str, Ticket | None, Piece | None]]:
-    """One queued text as two, cut at the line end nearest its middle (else at the middle).
-    Both halves hold its ticket; the first carries a stand-in of its piece, so that the crash
-    tail still takes both out of the queue (`forget`) while only the second, the last of the
-    text, marks the piece acknowledged."""
+def _cut(entry: tuple[str, Ticket | None, Piece | None], at: int
+         ) -> tuple[tuple[str, Ticket | None, Piece | None],
+                    tuple[str, Ticket | None, Piece | None]]:
+    """One queued text as two, cut after the last line end before `at` (else at `at`). Both
+    hold its ticket; the first carries a stand-in of its piece, so that the crash tail still
+    takes both out of the queue (`forget`) while only the second, the last of the text, marks
+    the piece acknowledged."""
     text, ticket, piece = entry
-    middle = len(text) // 2
-    cut = text.rfind("\n", 0, middle) + 1 or text.find("\n", middle) + 1 or middle
-    if cut >= len(text):
-        cut = middle
+    cut = text.rfind("\n", 0, at) + 1 or at
     first = (text[:cut], ticket.hold() if ticket is not None else None,
              Piece(piece.order, text[:cut]) if piece is not None else None)
-    return [first, (text[cut:], ticket, piece)]
+    return first, (text[cut:], ticket, piece)
