@@ -20,14 +20,15 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
 class RawServer:
     """A loopback TCP server running `handler(reader, writer, connection_number)`."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, host: str = "127.0.0.1") -> None:
         self.handler = handler
+        self.host = host
         self.connections = 0
         self.requests: list[bytes] = []
         self.server: asyncio.Server | None = None
 
     async def __aenter__(self) -> RawServer:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._serve, self.host, 0)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -40,7 +41,8 @@ class RawServer:
     def url(self) -> str:
         assert self.server is not None
         port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}/api/ingest"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{port}/api/ingest"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -254,3 +256,27 @@ async def test_a_timeout_closes_the_connection_and_the_next_request_gets_a_new_o
         finally:
             await transport.close()
     assert again.status == 200 and server.connections == 2
+
+
+async def test_an_ipv6_endpoint_is_reached_and_named_in_brackets() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+
+    try:
+        server = RawServer(handler, "::1")
+        await server.__aenter__()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    try:
+        transport = Transport(server.url)
+        try:
+            reply = await transport.post("/logs", b"{}", {}, 5)
+        finally:
+            await transport.close()
+    finally:
+        await server.__aexit__()
+    assert reply.status == 200
+    assert f"host: [::1]:{transport.origin.port}" in server.requests[0].decode().lower()
