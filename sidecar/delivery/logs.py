@@ -174,8 +174,7 @@ class LogShipper:
             answer = await self.client.deliver("logs", body)
             self._active_at = time.monotonic()
             self._answered.set()
-            if answer.verdict is Verdict.TOO_LARGE and self._halve(
-                    f"the ingest refused {size} characters as too large (HTTP 413)"):
+            if answer.verdict is Verdict.TOO_LARGE and self._halve(size):
                 continue
             entries, self._inflight = self._inflight, None
             if answer.ok:
@@ -199,14 +198,13 @@ class LogShipper:
             self._wake.clear()
             await wait_set(self._wake, left)
 
-    def _halve(self, why: str) -> bool:
+    def _halve(self, size: int) -> bool:
         """Put the batch in flight back at the front of the queue, as two requests' worth:
         requests carry at most half its characters from now on (the ingest's limit stays what
         it was), and a batch of one text has that text cut in two at a line end. False when
         it is one text under 2 * MIN_SPLIT_CHARS: that is dropped, as any refused batch."""
         entries = self._inflight
         assert entries is not None
-        size = sum(len(text) for text, _, _ in entries)
         if len(entries) == 1:
             if size < 2 * MIN_SPLIT_CHARS:
                 return False
@@ -217,8 +215,9 @@ class LogShipper:
         self._buffered += size
         if time.monotonic() - self._halved_at >= 60.0:
             self._halved_at = time.monotonic()
-            log.warning("/logs: a request was halved: %s; requests carry at most %d "
-                        "characters from now on", why, self.max_request_chars)
+            log.warning("/logs: the ingest refused %d characters as too large (HTTP 413); "
+                        "they are sent again in halves, and requests carry at most %d "
+                        "characters from now on", size, self.max_request_chars)
         return True
 
     def _take(self) -> list[tuple[str, Ticket | None, Piece | None]]:
