@@ -79,8 +79,8 @@ async def test_a_batch_worth_its_request_does_not_linger(ingest: RunningIngest) 
         shipper.put("x" * (LINGER_BELOW_CHARS - 1) + "\n")
         await wait_until(lambda: len(chunks(ingest)) == 1, "the batch was sent",
                          timeout=linger_s / 3)
-        shipper.put("small\n")
-        await asyncio.sleep(0.1)  # the shipper lingers by then: what comes next cuts it short
+        shipper.put("small\n")  # wakes the shipper, which clears its wake-up as it lingers
+        await wait_until(lambda: not shipper._wake.is_set(), "the shipper lingers over it")
         shipper.put("x" * LINGER_BELOW_CHARS + "\n")
         await wait_until(lambda: len(chunks(ingest)) == 3, "the small one went with the next",
                          timeout=linger_s / 3)

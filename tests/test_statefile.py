@@ -259,12 +259,13 @@ async def test_a_save_cancelled_mid_write_never_lands_after_a_newer_one(
     newer offsets overtook it and was then replaced by it, and a restart read again what had
     been delivered (801 lines of a rotated log, once in five runs)."""
     real_write = checkpoints.write_atomic
-    newer_written = threading.Event()
+    old_started, newer_written = threading.Event(), threading.Event()
     finished: list[int] = []
 
     def slow_old_write(path: Path, data: bytes) -> None:
         offset = json.loads(data)["files"]["1:2"]["offset"]
         if offset == 1:
+            old_started.set()
             newer_written.wait(1.0)  # the old write lasts until the newer one is done, or 1 s
         real_write(path, data)
         if offset == 2:
@@ -275,7 +276,7 @@ async def test_a_save_cancelled_mid_write_never_lands_after_a_newer_one(
     marks = checkpoints.Checkpoints(tmp_path / "offsets.json")
     marks.set(checkpoints.Mark("/f", 1, 2, "ab", 1))
     first = asyncio.ensure_future(marks.save())
-    await asyncio.sleep(0)  # the first save hands its write to a thread
+    assert await asyncio.to_thread(old_started.wait, 5.0), "the first write never began"
     first.cancel()
     marks.set(checkpoints.Mark("/f", 1, 2, "ab", 2))
     assert await marks.save()

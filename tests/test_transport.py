@@ -20,8 +20,8 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
 class RawServer:
     """A loopback TCP server running `handler(reader, writer, connection_number)`."""
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1") -> None:
-        self.handler = handler
+    def __init__(self, handler: Handler | None = None, host: str = "127.0.0.1") -> None:
+        self.handler = handler or self.answer_once
         self.host = host
         self.connections = 0
         self.requests: list[bytes] = []
@@ -53,6 +53,13 @@ class RawServer:
         finally:
             writer.close()
 
+    async def answer_once(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          n: int = 0, answer: bytes = OK) -> None:
+        """Read one request and write `answer` (the handler when none is given)."""
+        await self.read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+
     async def read_request(self, reader: asyncio.StreamReader, *, body: bool = True) -> bytes:
         """One request's head (and its Content-Length body, when `body`)."""
         head = await reader.readuntil(b"\r\n\r\n")
@@ -65,7 +72,7 @@ class RawServer:
 
 
 @contextlib.asynccontextmanager
-async def serving(handler: Handler) -> AsyncIterator[RawServer]:
+async def serving(handler: Handler | None = None) -> AsyncIterator[RawServer]:
     async with RawServer(handler) as server:
         yield server
 
@@ -86,9 +93,7 @@ async def test_a_kept_alive_connection_closed_by_the_server_is_not_a_failure() -
     such request a failed attempt (a WARNING, a backoff, for /logs a third of its tries)."""
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       n: int) -> None:
-        await server.read_request(reader)
-        writer.write(OK)
-        await writer.drain()
+        await server.answer_once(reader, writer)
         if n == 1:  # the next request on this connection arrives, and is not answered
             await server.read_request(reader)
 
@@ -101,9 +106,7 @@ async def test_a_kept_alive_connection_closed_by_the_server_is_not_a_failure() -
 async def test_an_idle_connection_the_server_closed_is_not_reused() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       n: int) -> None:
-        await server.read_request(reader)
-        writer.write(OK)
-        await writer.drain()
+        await server.answer_once(reader, writer)
         closed.set()
 
     closed = asyncio.Event()
@@ -112,7 +115,10 @@ async def test_an_idle_connection_the_server_closed_is_not_reused() -> None:
         try:
             await transport.post("/logs", b"{}", {}, 5)
             await asyncio.wait_for(closed.wait(), 5)
-            await asyncio.sleep(0)  # the close reaches the client's protocol
+            deadline = asyncio.get_running_loop().time() + 5
+            while not transport._idle[0].closed:  # the close reached the client's protocol
+                assert asyncio.get_running_loop().time() < deadline, "the close never arrived"
+                await asyncio.sleep(0.01)
             again = await transport.post("/logs", b"{}", {}, 5)
         finally:
             await transport.close()
@@ -148,9 +154,7 @@ async def test_a_garbled_answer_is_an_attempt_to_retry_and_the_next_one_works(
         answer: bytes, said: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       n: int) -> None:
-        await server.read_request(reader)
-        writer.write(answer if n == 1 else OK)
-        await writer.drain()
+        await server.answer_once(reader, writer, answer=answer if n == 1 else OK)
 
     async with serving(handler) as server:
         bad, good, _ = await posted_twice(server, "metrics")
@@ -181,13 +185,7 @@ async def test_a_chunked_answer_longer_than_64_kib_is_cut_there() -> None:
 
 
 async def test_the_request_carries_host_length_and_the_given_headers() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      n: int) -> None:
-        await server.read_request(reader)
-        writer.write(OK)
-        await writer.drain()
-
-    async with serving(handler) as server:
+    async with serving() as server:
         transport = Transport(server.url)
         port = transport.origin.port
         try:
@@ -202,7 +200,7 @@ async def test_the_request_carries_host_length_and_the_given_headers() -> None:
 
 
 async def test_nothing_listening_is_a_short_reason() -> None:
-    with_nothing = RawServer(lambda r, w, n: asyncio.sleep(0))
+    with_nothing = RawServer()
     async with with_nothing:
         url = with_nothing.url
     transport = Transport(url)
@@ -259,14 +257,8 @@ async def test_a_timeout_closes_the_connection_and_the_next_request_gets_a_new_o
 
 
 async def test_an_ipv6_endpoint_is_reached_and_named_in_brackets() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      n: int) -> None:
-        await server.read_request(reader)
-        writer.write(OK)
-        await writer.drain()
-
     try:
-        server = RawServer(handler, "::1")
+        server = RawServer(host="::1")
         await server.__aenter__()
     except OSError:
         pytest.skip("no IPv6 loopback here")
