@@ -210,16 +210,19 @@ async def test_nothing_listening_is_a_short_reason() -> None:
 
 async def test_at_most_max_connections_are_open_at_once() -> None:
     open_now, most = 0, 0
+    three_open = asyncio.Event()  # no answer before all three are open: they must overlap
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       n: int) -> None:
         nonlocal open_now, most
         open_now += 1
         most = max(most, open_now)
+        if open_now == 3:
+            three_open.set()
         try:
             while True:
                 await server.read_request(reader)
-                await asyncio.sleep(0.05)
+                await asyncio.wait_for(three_open.wait(), 5)
                 writer.write(OK)
                 await writer.drain()
         finally:
