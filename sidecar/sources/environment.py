@@ -40,7 +40,7 @@ from sidecar.log import log
 from sidecar.node import Node
 from sidecar.records import iso_ts
 from sidecar.sources import nvml
-from sidecar.sources.hardware import NVML_TIMEOUT_S, off_loop
+from sidecar.threads import off_loop
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -88,7 +88,7 @@ async def environment_snapshot(*, run_id: str, node: Node, python: Path | None,
     snapshot["captured_at"] = iso_ts(time.time())
     snapshot["sidecar_version"] = __version__
     snapshot.update(await _off_loop(lambda: host_facts(sysfs_root), "host facts") or {})
-    nvidia = await _off_loop(nvml.nvidia_info, "NVIDIA driver", NVML_TIMEOUT_S)
+    nvidia = await _off_loop(nvml.nvidia_info, "NVIDIA driver", nvml.NVML_TIMEOUT_S)
     if nvidia:
         snapshot["nvidia"] = {k: v for k, v in nvidia.items() if k != "gpus"}
         snapshot["gpus"] = nvidia.get("gpus", [])

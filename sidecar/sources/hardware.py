@@ -25,8 +25,6 @@ import contextlib
 import functools
 import math
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +37,7 @@ from sidecar.log import log
 from sidecar.records import iso_ts
 from sidecar.sources import nvml, procfs
 from sidecar.sources.nvml import (
+    NVML_TIMEOUT_S,
     GpuDevice,
     GpuFilter,
     Readings,
@@ -47,6 +46,7 @@ from sidecar.sources.nvml import (
     gpu_filter_from_env,
 )
 from sidecar.supervise import fault_point
+from sidecar.threads import Worker, off_loop
 
 __all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "Rates",
            "SamplerStats", "Worker", "gpu_filter_from_env", "off_loop"]
@@ -54,7 +54,6 @@ __all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "
 T = TypeVar("T")
 Emit = Callable[[str, dict[str, Any]], None]
 
-NVML_TIMEOUT_S = 5.0  # how long one GPU's read may take before it counts as hung
 GPU_STAGGER_S = 0.05  # a GPU's read taking longer than this overlaps the next GPU's
 HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
 MAX_POINTS_PER_REQUEST = 2048  # as /metrics (CONTRACT 4): a big node's sample is split
@@ -62,84 +61,6 @@ MIN_RATE_INTERVAL_S = 0.001  # two readings closer than this give no rate (noise
 IB_WORD_BYTES = 4  # port_xmit_data / port_rcv_data count 4-byte words (IB spec, PortCounters)
 MAX_XIDS_KEPT = 64  # the run's XID events kept for the failure summary
 SATURATED = (2**32 - 1, 2**64 - 1)  # IB counters stop at their maximum instead of wrapping
-
-
-# ---- threads ------------------------------------------------------------------------------
-
-
-class WorkerBusy(Exception):
-    """The worker is still running an earlier read that has not returned."""
-
-
-class Worker:
-    """A daemon thread running blocking reads one at a time.
-
-    Not a ThreadPoolExecutor: its threads are joined when the interpreter exits, so one NVML call
-    hung for good would keep the sidecar from ever exiting. A daemon thread is simply left behind.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = (
-            queue.SimpleQueue())
-        self._thread: threading.Thread | None = None
-        self._busy = False
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
-    async def call(self, fn: Callable[[], T], timeout_s: float) -> T:
-        """fn() on the worker; TimeoutError after `timeout_s`, WorkerBusy while one is stuck."""
-        future = self.submit(fn)
-        async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.aio
-            return await future
-
-    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """fn() on the worker, its outcome the future's; WorkerBusy while one is stuck."""
-        if self._busy:
-            raise WorkerBusy(self.name)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-            self._thread.start()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._busy = True
-        self._jobs.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        """End the thread once its current job (if any) returns."""
-        if self._thread is not None:
-            self._jobs.put(None)
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            try:
-                result, error = fn(), None
-            except BaseException as exc:  # handed to the awaiting side, never lost here
-                result, error = None, exc
-            self._busy = False
-            with contextlib.suppress(RuntimeError):  # the loop closed while we were stuck
-                future.get_loop().call_soon_threadsafe(_resolve, future, result, error)
-
-
-def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():  # the caller timed out and went on
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-async def off_loop(fn: Callable[[], T], timeout_s: float, name: str) -> T:
-    """fn() on a one-off daemon thread, with a timeout (TimeoutError) that never blocks the loop."""
-    worker = Worker(name)
-    try:
-        return await worker.call(fn, timeout_s)
-    finally:
-        worker.stop()
 
 
 # ---- counters -----------------------------------------------------------------------------

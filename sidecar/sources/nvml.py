@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, NewType
 from sidecar.log import log
 
 LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
+NVML_TIMEOUT_S = 5.0  # how long one GPU's read may take before it counts as hung
 
 
 class _Bindings:
