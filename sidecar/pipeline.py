@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.aio import cancel
 from sidecar.config import Config
@@ -35,11 +35,13 @@ from sidecar.sources.checkpoints import Checkpoints
 from sidecar.sources.discover import EVENT_FILES
 from sidecar.sources.environment import post_environment
 from sidecar.sources.follow import Follower, Sink, SourceSpec
-from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
 from sidecar.sources.jsonl import JsonlParser
 from sidecar.sources.logfile import LogFileParser
 from sidecar.statefile import Malformed, load_checked, write_atomic
 from sidecar.supervise import supervise
+
+if TYPE_CHECKING:
+    from sidecar.sources.hardware import HardwareSampler
 
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
@@ -209,6 +211,9 @@ class Pipeline(Sink):
             child_env=child_env, environ=environ, command=command,
             find_trainer_python=find_trainer_python))
         if cfg.hardware_interval > 0:
+            # imported here: with sampling off, its NVML and psutil code is never loaded
+            from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
+
             disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
                           *(Path(p) for p in cfg.tensorboard)]
             self.sampler = HardwareSampler(

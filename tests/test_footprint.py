@@ -112,6 +112,7 @@ def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIng
     # nor does it carry the wrapper's code: the child, its failure signatures, the diagnosis
     assert not {"sidecar.wrapper", "sidecar.sources.child", "sidecar.sources.signatures",
                 "sidecar.diagnose", "sidecar.sources.cgroup"} & loaded
+    assert "sidecar.sources.hardware" not in loaded  # --hardware-interval 0: no sampler code
     # The ingest client is h11 on asyncio streams: aiohttp (13 MB, a third of the start-up)
     # is for `sidecar receive` alone.
     assert not _aiohttp(loaded)
