@@ -1,4 +1,5 @@
-"""What sources and delivery share: the acknowledgement ticket and the routes' timestamp form.
+"""What sources and delivery share: the acknowledgement ticket, the routes' timestamp form and
+the size of a block of log text.
 
 A source hands items to delivery with a `Ticket`; the ingest's 2xx releases it, and the source
 then commits its offset (CONTRACT 4). Neither side imports the other: both import this.
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime
+
+LOG_BLOCK = 960 << 10  # bytes a log source reads at once, and characters a /logs request carries:
+#   a block of plain lines goes as one request, its JSON body under 1 MiB (nginx's default
+#   client_max_body_size), without a cut
 
 
 def iso_ts(epoch_s: float) -> str:

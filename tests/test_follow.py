@@ -388,7 +388,8 @@ async def test_room_again_reads_on_without_looking_for_files(
     the next block of the files followed, and globs, stats and rotation checks wait for a file
     event or the poll (with a node's hundreds of pod logs, they cost more than the block)."""
     log = tmp_path / "train.log"
-    log.write_bytes((b"x" * 1023 + b"\n") * 4096)  # four blocks
+    lines = 4 * follow.READ_BYTES // 1024
+    log.write_bytes((b"x" * 1023 + b"\n") * lines)  # four blocks
     looks: list[str] = []
     match = follow.discover.match
     monkeypatch.setattr(follow.discover, "match",
@@ -406,7 +407,7 @@ async def test_room_again_reads_on_without_looking_for_files(
             await async_wait_until(lambda: len(sink.parsed) == blocks,  # noqa: B023
                                    "the next block was read")
         assert len(looks) == looked
-        assert sum(parsed.records for parsed in sink.parsed) == 4096
+        assert sum(parsed.records for parsed in sink.parsed) == lines
         follower.wake()  # a file event: a look
         await async_wait_until(lambda: len(looks) > looked, "the files were looked at")
     finally:

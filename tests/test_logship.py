@@ -111,6 +111,23 @@ async def test_a_proxy_that_refuses_large_bodies_gets_every_character_in_halves(
         assert shipper.max_request_chars <= 75_000  # it remembers the limit it met
 
 
+async def test_no_body_is_over_what_nginx_takes_by_default(ingest: RunningIngest) -> None:
+    """Requests were cut by characters alone: a full one of plain lines was a body of
+    1,049,648 bytes, and one of non-ASCII text (CJK, a progress bar's blocks) up to three
+    times that; an ingest behind nginx (client_max_body_size 1m by default) answered 413
+    to the first request of every busy run, and a WARNING said so."""
+    ingest.add_fault(Fault(route="logs", too_large_over_bytes=1 << 20))
+    plain = _lines(12_000)  # 1.2 M characters, each line end escaped in the JSON
+    dense = "".join(f"步骤 {i:06d} 损失 ████████████████\n" for i in range(40_000))  # 3 B each
+    async with shipping(ingest, linger_s=0) as shipper:
+        shipper.put(plain)
+        shipper.put(dense)
+        assert await shipper.flush(30.0)
+        assert shipper.dropped_chars == 0
+    assert ingest.stats.routes["logs"].rejected.get(413, 0) == 0
+    assert "".join(chunks(ingest)) == plain + dense
+
+
 async def test_a_batch_of_many_texts_is_split_between_them(ingest: RunningIngest) -> None:
     ingest.add_fault(Fault(route="logs", too_large_above=2))  # at most two chunks a request
     texts = [f"line {i}\n" for i in range(40)]

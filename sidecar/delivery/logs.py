@@ -17,11 +17,15 @@ from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.crashtail import Piece
 from sidecar.log import log
-from sidecar.records import Ticket
+from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.supervise import fault_point, supervise
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
-MAX_REQUEST_CHARS = 1 << 20  # text in one request
+MAX_REQUEST_BYTES = 1 << 20  # nginx's default client_max_body_size (ingress-nginx's
+#   proxy-body-size too): a larger body is answered 413
+MAX_REQUEST_CHARS = LOG_BLOCK  # text in one request; denser text (non-ASCII, many escapes),
+#   whose body would pass MAX_REQUEST_BYTES, lowers it
+MIN_FILL_SHARE = 8  # a request is topped up with the head of a text when 1/8 of it is left
 MIN_SPLIT_CHARS = 1 << 10  # a batch refused as too large is halved down to this, then dropped
 LINGER_S = 0.05  # how long a small batch waits for more text
 LINGER_BELOW_CHARS = MAX_REQUEST_CHARS // 4  # a batch this big is worth its request at once:
@@ -169,6 +173,9 @@ class LogShipper:
             batch = [text for text, _, _ in self._inflight]
             body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
             size = sum(map(len, batch))
+            if len(body) > MAX_REQUEST_BYTES and self._requeue(
+                    size, size * MAX_REQUEST_BYTES // len(body) * 15 // 16):
+                continue  # never sent: an ingest behind nginx would refuse it
             self._active_at = time.monotonic()
             self._answered.clear()
             answer = await self.client.deliver("logs", body)
@@ -199,20 +206,12 @@ class LogShipper:
             await wait_set(self._wake, left)
 
     def _halve(self, size: int) -> bool:
-        """Put the batch in flight back at the front of the queue, as two requests' worth:
-        requests carry at most half its characters from now on (the ingest's limit stays what
-        it was), and a batch of one text has that text cut in two at a line end. False when
-        it is one text under 2 * MIN_SPLIT_CHARS: that is dropped, as any refused batch."""
-        entries = self._inflight
-        assert entries is not None
-        if len(entries) == 1:
-            if size < 2 * MIN_SPLIT_CHARS:
-                return False
-            entries = list(_cut(entries[0], size // 2))
-        self.max_request_chars = max(min(self.max_request_chars, size // 2), 1)
-        self._inflight = None
-        self._chunks.extendleft(reversed(entries))
-        self._buffered += size
+        """After a 413: the batch in flight goes again as two requests' worth, and requests
+        carry at most half its characters from now on (the ingest's limit stays what it was).
+        False when it is one text under 2 * MIN_SPLIT_CHARS: that is dropped, as any refused
+        batch."""
+        if not self._requeue(size, size // 2):
+            return False
         if time.monotonic() - self._halved_at >= 60.0:
             self._halved_at = time.monotonic()
             log.warning("/logs: the ingest refused %d characters as too large (HTTP 413); "
@@ -220,20 +219,45 @@ class LogShipper:
                         "characters from now on", size, self.max_request_chars)
         return True
 
+    def _requeue(self, size: int, limit: int) -> bool:
+        """Put the batch in flight (`size` characters) back at the front of the queue, to go
+        in requests of at most `limit` characters from now on; a batch of one text has that
+        text cut at a line end before `limit`. False (nothing done) when it is one text under
+        2 * MIN_SPLIT_CHARS."""
+        entries = self._inflight
+        assert entries is not None
+        if len(entries) == 1:
+            if size < 2 * MIN_SPLIT_CHARS:
+                return False
+            entries = list(_cut(entries[0], limit))
+        self.max_request_chars = max(min(self.max_request_chars, limit), 1)
+        self._inflight = None
+        self._chunks.extendleft(reversed(entries))
+        self._buffered += size
+        return True
+
     def _take(self) -> list[tuple[str, Ticket | None, Piece | None]]:
+        """The next request's worth: whole texts while they fit, then the head of the next one
+        up to its last line end in reach, so that a request is full: a read block just over
+        the limit left a request of its own for the few lines past it. Only a text that opens
+        the request is cut where the limit falls when it has no line end in reach."""
         batch: list[tuple[str, Ticket | None, Piece | None]] = []
         size = 0
-        if self._chunks and len(self._chunks[0][0]) > self.max_request_chars:
-            # a text longer than the ingest takes (a 413 lowered the limit below a read's
-            # block): its head goes alone, so that it is not refused once per block
-            first, rest = _cut(self._chunks.popleft(), self.max_request_chars)
+        limit = self.max_request_chars
+        while self._chunks:
+            text = self._chunks[0][0]
+            room = limit - size
+            if len(text) <= room:
+                batch.append(self._chunks.popleft())
+                size += len(text)
+                continue
+            if batch and (room < limit // MIN_FILL_SHARE or text.rfind("\n", 0, room) < 0):
+                break  # not worth a cut: the text starts the next request
+            first, rest = _cut(self._chunks.popleft(), room)
             self._chunks.appendleft(rest)
-            self._chunks.appendleft(first)
-        while self._chunks and (not batch or size + len(self._chunks[0][0])
-                                <= self.max_request_chars):
-            entry = self._chunks.popleft()
-            batch.append(entry)
-            size += len(entry[0])
+            batch.append(first)
+            size += len(first[0])
+            break
         self._buffered -= size
         return batch
 

@@ -38,14 +38,14 @@ from typing import Any
 
 from sidecar.aio import wait_set
 from sidecar.log import log
-from sidecar.records import Ticket
+from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.sources import discover
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.checkpoints import FINGERPRINT_BYTES, Checkpoints, Mark, fingerprint
 from sidecar.sources.inotify import Inotify, filesystem_of, is_remote
 from sidecar.supervise import fault_point
 
-READ_BYTES = 1 << 20
+READ_BYTES = LOG_BLOCK
 END_CHECK_BYTES = 64  # a copy taken for a file's content must hold its last bytes read
 POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
