@@ -11,9 +11,12 @@ output always ending in a file on disk:
   hung     sidecar run -- CHILD  >FILE, the ingest reading /logs requests and never answering
 
 Two wall times each, from the launch: until the child's last write returned (what the trainer
-feels), and until the wrapper exited (`sidecar run` then still drains: with a hung ingest it
-waits for /logs up to half of --drain-timeout, 10 s by default, by design). Targets (issue 8):
-at most 1.10 times tee's, healthy and hung. The share of lines that reached /logs in the healthy
+feels), and until the wrapper exited. Targets (issues 8 and 17): the child's last write at most
+1.10 times tee's, healthy and hung, and the wrapper's exit too with a healthy ingest. With a hung
+ingest `sidecar run` still drains: issue 16 has the crash tail (the last 64 KiB of output) retried
+within half of --drain-timeout (10 s by default) before the end event, which issue 8's "exit
+within 1.10 times tee's, hung too" predates; so that exit is shown, and its wait after the child's
+exit is held to that share (and a second). The share of lines that reached /logs in the healthy
 run is shown too: what the sidecar could not keep up with is dropped and counted, never waited
 for.
 """
@@ -38,6 +41,7 @@ from _harness import (
     bench_arguments,
     finish,
     info_row,
+    limit_row,
     parse,
     profiled,
     ratio_row,
@@ -48,6 +52,9 @@ from _harness import (
 BENCH = "wrapper overhead"
 LINE_BYTES = 100
 TARGET = 1.10
+DRAIN_TIMEOUT_S = 20.0  # --drain-timeout's default
+HUNG_EXIT_LIMIT_S = DRAIN_TIMEOUT_S / 2 + 1.0  # the crash tail's share of the drain (issue 16),
+#   and a second for the end event and the exit
 TIMEOUT_S = 300.0
 
 
@@ -134,8 +141,12 @@ def measure(total: int, repeat: int, profile: Path | None) -> list[Row]:
     for mode in ("healthy", "hung"):
         rows.append(ratio_row(BENCH, f"{label}, ingest {mode}: until the child's last write",
                               child[mode], child["tee"], "s", "tee", "<=", TARGET))
-        rows.append(ratio_row(BENCH, f"{label}, ingest {mode}: until the wrapper exited",
-                              exits[mode], exits["tee"], "s", "tee", "<=", TARGET))
+    rows.append(ratio_row(BENCH, f"{label}, ingest healthy: until the wrapper exited",
+                          exits["healthy"], exits["tee"], "s", "tee", "<=", TARGET))
+    rows.append(info_row(BENCH, f"{label}, ingest hung: until the wrapper exited",
+                         exits["hung"], "s", exits["tee"], "tee"))
+    rows.append(limit_row(BENCH, f"{label}, ingest hung: the wrapper's exit after the child's",
+                          exits["hung"] - child["hung"], "s", "<=", HUNG_EXIT_LIMIT_S))
     for mode in ("healthy", "hung"):
         rows.append(info_row(BENCH, f"{label}, ingest {mode}: child's own run (start-up apart)",
                              child[mode] - starts[mode], "s", child["tee"] - starts["tee"], "tee"))
