@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from sidecar.node import Node, node_count, resolve_node
+from sidecar.sources import environment, nvml
 from sidecar.sources.environment import (
     environment_snapshot,
     find_python,
@@ -30,6 +31,13 @@ def dist_info(site: Path, name: str, version: str, metadata: bool = True) -> Non
         (folder / "METADATA").write_text(
             f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nSummary: x\n\n"
             "Version: 0.0.0 in the long description is not a header\n")
+
+
+def test_the_snapshot_tries_the_library_nvml_loads_and_waits_as_long() -> None:
+    """The snapshot tries NVML's library itself, so that nvml.py loads only where it is there:
+    both must name the same library and the same timeout."""
+    assert (environment.NVML_LIBRARY, environment.NVML_TIMEOUT_S) == (
+        nvml.LIBRARY, nvml.NVML_TIMEOUT_S)
 
 
 def test_packages_read_from_dist_info_first_on_path_wins(tmp_path: Path) -> None:

@@ -113,6 +113,8 @@ def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIng
     assert not {"sidecar.wrapper", "sidecar.sources.child", "sidecar.sources.signatures",
                 "sidecar.diagnose", "sidecar.sources.cgroup"} & loaded
     assert "sidecar.sources.hardware" not in loaded  # --hardware-interval 0: no sampler code
+    if not _has_real_nvml():  # nor NVML's, where its library does not load
+        assert "sidecar.sources.nvml" not in loaded
     # The ingest client is h11 on asyncio streams: aiohttp (13 MB, a third of the start-up)
     # is for `sidecar receive` alone.
     assert not _aiohttp(loaded)

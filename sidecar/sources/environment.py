@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -39,13 +40,14 @@ from sidecar import __version__
 from sidecar.log import log
 from sidecar.node import Node
 from sidecar.records import iso_ts
-from sidecar.sources import nvml
 from sidecar.threads import off_loop
 
 Emit = Callable[[str, dict[str, Any]], None]
 
 PYTHON_PROBE_TIMEOUT_S = 10.0  # a trainer image's interpreter starting cold, .pth files and all
 READ_TIMEOUT_S = 20.0  # host facts and package metadata, read on a thread
+NVML_LIBRARY = "libnvidia-ml.so.1"  # nvml.LIBRARY, tried first: nvml.py loads only where it does
+NVML_TIMEOUT_S = 5.0  # nvml.NVML_TIMEOUT_S: the driver's description, as long as one GPU's read
 MAX_HEADER_LINES = 200  # Name and Version come first in METADATA; never read a long description
 _PROBE = ("import sys, json, platform; print(json.dumps({'path': sys.path, "
           "'version': platform.python_version(), "
@@ -88,7 +90,7 @@ async def environment_snapshot(*, run_id: str, node: Node, python: Path | None,
     snapshot["captured_at"] = iso_ts(time.time())
     snapshot["sidecar_version"] = __version__
     snapshot.update(await _off_loop(lambda: host_facts(sysfs_root), "host facts") or {})
-    nvidia = await _off_loop(nvml.nvidia_info, "NVIDIA driver", nvml.NVML_TIMEOUT_S)
+    nvidia = await _off_loop(_nvidia_info, "NVIDIA driver", NVML_TIMEOUT_S)
     if nvidia:
         snapshot["nvidia"] = {k: v for k, v in nvidia.items() if k != "gpus"}
         snapshot["gpus"] = nvidia.get("gpus", [])
@@ -115,11 +117,25 @@ async def _off_loop(fn: Callable[[], Any], what: str,
     except TimeoutError:
         log.warning("environment snapshot: %s did not answer within %g s; left out",
                     what, timeout_s)
-    except nvml.NvmlError as exc:  # the sampler says so at INFO; once is enough
-        log.debug("environment snapshot: no NVIDIA driver information: %s", exc.reason())
     except Exception as exc:
         log.warning("environment snapshot: %s could not be read: %s", what, exc)
     return None
+
+
+def _nvidia_info() -> dict[str, Any] | None:
+    """The driver and its GPUs as NVML describes them; None on a node whose NVML library does
+    not load, found without loading nvml.py (a thousand lines a node without GPUs never runs)."""
+    try:
+        ctypes.CDLL(NVML_LIBRARY)
+    except OSError:
+        return None
+    from sidecar.sources import nvml
+
+    try:
+        return nvml.nvidia_info()
+    except nvml.NvmlError as exc:  # the sampler says so at INFO; once is enough
+        log.debug("environment snapshot: no NVIDIA driver information: %s", exc.reason())
+        return None
 
 
 @contextlib.contextmanager
