@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import SplitResult, urlsplit
 
 from sidecar.log import add_secret, mask
@@ -28,8 +28,7 @@ class ConfigError(Exception):
         return mask(super().__str__())
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):
     """One option of `run`/`watch`, settable on the command line, as SIDECAR_<NAME> and in TOML."""
 
     name: str
@@ -127,8 +126,7 @@ CONFIG_OPTION = Option("config", "path", None, "TOML file with any of the option
 WRAPPER_SOCKET_VARIABLE = "SIDECAR_WRAPPER_SOCKET"  # set by `run` for its child (handoff.py)
 
 
-@dataclass(frozen=True)
-class Family:
+class Family(NamedTuple):
     """One brand of the platform's injected variables (CONTRACT 3)."""
 
     name: str
@@ -147,8 +145,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Platform:
+class Platform(NamedTuple):
     """What the platform injected: whether to report, where, for which run, with which headers."""
 
     enabled: bool

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 RANK_VARIABLES = ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID", "JOB_COMPLETION_INDEX")
 NODE_COUNT_VARIABLES = ("NNODES", "SLURM_NNODES")
 
 
-@dataclass(frozen=True)
-class Node:
+class Node(NamedTuple):
     """This node's name and rank; rank 0 is the reporting node."""
 
     name: str

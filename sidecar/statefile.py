@@ -10,9 +10,8 @@ import fcntl
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sidecar.log import log, state_write_failed
 
@@ -95,8 +94,7 @@ class Malformed(ValueError):
     """A state file whose content is not what it should hold; says what is wrong."""
 
 
-@dataclass(frozen=True)
-class Kind:
+class Kind(NamedTuple):
     """What one field of a state file must hold."""
 
     name: str  # for the message: "an integer", "hex text"...

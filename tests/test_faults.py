@@ -97,11 +97,11 @@ sys.exit(code)
 # Runs the sidecar with every route's timeout shortened (FAULTS_ROUTE_TIMEOUT_S), so that an
 # answer slower than the timeout takes seconds rather than the production 30 s.
 LAUNCHER = """
-import dataclasses, os, sys
+import os, sys
 from sidecar.delivery import client as ingest
 timeout_s = float(os.environ["FAULTS_ROUTE_TIMEOUT_S"])
 for name, policy in list(ingest.ROUTES.items()):
-    ingest.ROUTES[name] = dataclasses.replace(policy, timeout_s=timeout_s)
+    ingest.ROUTES[name] = policy._replace(timeout_s=timeout_s)
 from sidecar.cli import main
 sys.exit(main())
 """

@@ -14,10 +14,10 @@ import json
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import orjson
@@ -37,8 +37,7 @@ class Guarantee(enum.Enum):
     AT_LEAST_ONCE = "at-least-once"  # retried and spooled until acknowledged
 
 
-@dataclass(frozen=True)
-class RoutePolicy:
+class RoutePolicy(NamedTuple):
     """How one route is delivered."""
 
     path: str
@@ -81,8 +80,7 @@ class Verdict(enum.Enum):
 RETRYABLE = frozenset({Verdict.RETRY, Verdict.AUTH, Verdict.REDIRECT})
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(NamedTuple):
     """The outcome of one attempt."""
 
     verdict: Verdict
@@ -228,7 +226,7 @@ class IngestClient:
             reply = await self._transport.post(policy.path, body, headers, policy.timeout_s)
             answer = classify(reply.status, reply.headers.get("retry-after"))
             if not answer.ok:
-                answer = replace(answer, reason=refusal_reason(reply.body, self._token))
+                answer = answer._replace(reason=refusal_reason(reply.body, self._token))
             if answer.verdict is Verdict.REDIRECT:
                 target = urlsplit(reply.headers.get("location", ""))
                 answer = Answer(Verdict.REDIRECT, reply.status,

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import h11
@@ -36,8 +36,7 @@ class TransportError(Exception):
     no header)."""
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(NamedTuple):
     """An answer's status, the headers the client reads, and at most MAX_ANSWER_BYTES of body."""
 
     status: int
@@ -45,8 +44,7 @@ class Reply:
     body: bytes
 
 
-@dataclass(frozen=True)
-class Origin:
+class Origin(NamedTuple):
     """Where requests go, from the endpoint's URL."""
 
     scheme: str
