@@ -117,8 +117,8 @@ class _EventFile:
 
     def parse(self, data: bytes, now: float) -> Parsed:
         decoded = self._decoder.parse(data)
-        points = [{"key": p.key, "step": p.step, "value": p.value, "ts": iso_ts(p.wall_time)}
-                  for p in decoded.points]
+        points = [{"key": key, "step": step, "value": value, "ts": iso_ts(wall_time)}
+                  for key, step, value, wall_time in decoded.points]
         return Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
                       records=len(points), skipped=decoded.corrupt_records,
                       invalid=decoded.invalid_values)

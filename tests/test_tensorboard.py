@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.sources import tensorboard as tensorboard_source
 from sidecar.sources.tensorboard import (
     MAX_RECORD_BYTES,
     Decoded,
@@ -47,7 +48,8 @@ class Found:
 
 
 def _as_tuple(point: ScalarPoint) -> Point:
-    return (point.key, point.step, point.value, point.wall_time)
+    key, step, value, wall_time = point
+    return (key, step, value, wall_time)
 
 
 def event_files(logdir: Path) -> list[tuple[Path, str]]:
@@ -614,9 +616,9 @@ def test_the_cycle_collector_is_paused_only_while_records_decode() -> None:
     seen: list[bool] = []
 
     class Watching(EventFileParser):
-        def _records(self, data: bytes, pos: int, out: Decoded) -> int:
+        def _decode(self, data: bytes, pos: int, out: Decoded) -> int:
             seen.append(gc.isenabled())
-            return super()._records(data, pos, out)
+            return super()._decode(data, pos, out)
 
     assert gc.isenabled()
     Watching().parse(b"")
@@ -627,3 +629,138 @@ def test_the_cycle_collector_is_paused_only_while_records_decode() -> None:
         assert not gc.isenabled()  # one who had turned it off keeps it off
     finally:
         gc.enable()
+
+
+# --- repeating runs: the same tags in the same order at every step ---------------------------
+
+@pytest.fixture
+def template_points(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many points the whole-run path (`_Template`) made: [count], kept up to date."""
+    counted = [0]
+    real = tensorboard_source._Template.decode
+
+    def counting(self: Any, data: bytes, pos: int, points: list[ScalarPoint]) -> int:
+        before = len(points)
+        end = real(self, data, pos, points)
+        counted[0] += len(points) - before
+        return end
+
+    monkeypatch.setattr(tensorboard_source._Template, "decode", counting)
+    return counted
+
+
+def _scalar_run_events(steps: Sequence[int], tags: Sequence[str] = ("loss", "acc", "lr"),
+                       step_offsets: Sequence[int] | None = None) -> list[Any]:
+    """What a trainer logging `tags` with add_scalar at each of `steps` writes (each tag's
+    step plus its offset)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+
+    offsets = step_offsets or [0] * len(tags)
+    return [event_pb2.Event(wall_time=1.7e9 + index / 4, step=step + offset,
+                            summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+                                tag=tag, simple_value=(step % 97) / (column + 1))]))
+            for index, step in enumerate(steps)
+            for column, (tag, offset) in enumerate(zip(tags, offsets, strict=True))]
+
+
+def _one_record_at_a_time(data: bytes) -> Found:
+    """The record-by-record path alone: a call that holds one record never sees a repeat."""
+    parser, found = EventFileParser(), Found()
+    starts = _record_starts(data)
+    for start, end in zip(starts, [*starts[1:], len(data)], strict=True):
+        found.add(parser.parse(data[start:end]))
+    return found
+
+
+def _in_chunks(data: bytes, seed: int) -> Found:
+    """One parser fed the file as a follower reads it, in reads of random sizes."""
+    parser, found, pending, rng, offset = EventFileParser(), Found(), b"", random.Random(seed), 0
+    while offset < len(data):
+        read = rng.randint(1, 4000)
+        pending += data[offset:offset + read]
+        offset += read
+        decoded = parser.parse(pending)
+        found.add(decoded)
+        pending = pending[decoded.consumed:]
+    return found
+
+
+@pytest.mark.parametrize(("steps", "offsets"), [
+    ([*range(100, 140), *range(16370, 16400), *range(2**21 - 20, 2**21 + 20)], (0, 0, 0)),
+    ([0] * 50, (0, 0, 0)),  # no step field at all
+    (range(-60, -20), (0, 0, 0)),  # ten-byte varints
+    (range(100, 160), (0, 5000, 2**40)),  # each tag of a run at a step of its own
+], ids=["every-step-width", "step-zero", "negative", "steps-differ"])
+def test_repeating_runs_match_the_loader(tmp_path: Path, template_points: list[int],
+                                         steps: Sequence[int], offsets: Sequence[int]) -> None:
+    path = _write_with_tensorboard(tmp_path, _scalar_run_events(steps, step_offsets=offsets))
+    data = path.read_bytes()
+    want = oracle(path)
+    whole = ours(data)
+    assert template_points[0] >= 0.9 * len(want.points)  # a new step width: learned again
+    for got in (whole, _in_chunks(data, seed=1), _in_chunks(data, seed=2)):
+        assert got.points == want.points
+        assert (got.invalid, got.corrupt, got.consumed) == (want.invalid, 0, len(data))
+
+
+def _poison(event: bytearray, how: str) -> None:
+    """Change one event's bytes, keeping it as long: what the run path must notice."""
+    value_at = len(event) - 4
+    if how == "wall_time field":
+        event[0] = 0x19  # field 3, 64-bit: protobuf keeps it as an unknown field
+    elif how == "step field":
+        event[9] = 0x18  # field 3 as a varint: unknown too, and no step
+    elif how == "step varint":
+        event[10], event[11] = event[10] & 0x7F, event[11] | 0x80  # a one-byte varint, then 0x8_
+    elif how == "tag":
+        event[value_at - 2] = ord("d")  # "acc" -> "acd": another tag, as long
+    elif how == "simple_value field":
+        event[value_at - 1] = 0x1D  # field 3, 32-bit: a value without a simple_value
+    elif how in ("nan", "inf", "-inf"):
+        event[value_at:] = struct.pack("<f", float(how))
+
+
+@pytest.mark.parametrize("how", ["wall_time field", "step field", "step varint", "tag",
+                                 "simple_value field", "nan", "inf", "-inf", "data crc"])
+def test_a_record_unlike_its_run_is_decoded_as_it_is(template_points: list[int],
+                                                     how: str) -> None:
+    """One event in the middle of repeating runs differs where the run path compares: it and
+    its run are decoded record by record, exactly as without the run path."""
+    events = [bytearray(event.SerializeToString())
+              for event in _scalar_run_events(range(100, 180))]
+    victim = 3 * 40 + 1  # "acc" at step 140: two-byte steps, runs learned before it
+    assert events[victim][9:12] == b"\x10\x8c\x01"
+    _poison(events[victim], how)
+    frames = [_frame(bytes(event)) for event in events]
+    if how == "data crc":
+        frames[victim] = _flip(frames[victim], 20)
+    data = b"".join(frames)
+    want = _one_record_at_a_time(data)
+    assert len(want.points) + sum(want.invalid.values()) + want.corrupt >= len(events) - 1
+    expected_effect = {"nan": want.invalid == {"acc": 1}, "inf": want.invalid == {"acc": 1},
+                       "-inf": want.invalid == {"acc": 1}, "data crc": want.corrupt == 1,
+                       "tag": [p[:2] for p in want.points if p[0] == "acd"] == [("acd", 140)]}
+    assert expected_effect.get(how, True)
+    whole = ours(data)
+    assert template_points[0] >= 0.9 * len(want.points)
+    for got in (whole, _in_chunks(data, seed=3)):
+        assert got.points == want.points
+        assert (got.invalid, got.corrupt, got.consumed) == (want.invalid, want.corrupt, len(data))
+
+
+def test_tags_in_a_changing_order_pause_the_search_for_runs(template_points: list[int]) -> None:
+    """Runs that never repeat pause the record-by-record path's search for one; in the same
+    call, once the pause is over, the runs of tags written in a fixed order are found."""
+    rng, tags, events = random.Random(5), ["loss", "acc", "lr", "norm"], []
+    for step in range(100):
+        rng.shuffle(tags)
+        events += _scalar_run_events([step], tags)
+    fixed = _scalar_run_events(range(100, 4100))
+    data = b"".join(_frame(event.SerializeToString()) for event in events + fixed)
+    want = _one_record_at_a_time(data)
+    template_points[0] = 0
+    got = EventFileParser().parse(data)
+    assert [_as_tuple(p) for p in got.points] == want.points and len(want.points) == 400 + 12000
+    assert (got.consumed, got.corrupt_records) == (len(data), 0)
+    assert template_points[0] >= 0.8 * len(fixed)

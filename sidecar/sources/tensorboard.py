@@ -34,7 +34,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import google_crc32c
 from google.protobuf.message import DecodeError
@@ -51,6 +51,12 @@ _MASK_DELTA = 0xA282EAD8
 _U32 = 0xFFFFFFFF
 _MAX_CACHED_HEADERS = 4096
 _MAX_CACHED_KEYS = 65536
+_MAX_TEMPLATE_RECORDS = 256  # a longer repeating run of scalar events is decoded record by record
+# Tags written in a changing order never make a template: after so many runs in a row that did
+# not repeat, the record-by-record path stops looking for one for a while (looking costs it a
+# tenth of its time).
+_MAX_MISSED_REPEATS = 8
+_LEARNING_PAUSE_BYTES = 64 << 10
 _STATE_VERSION = 1
 
 if google_crc32c.implementation != "c":  # its fallback is a pure-Python loop: 100x slower
@@ -69,7 +75,9 @@ _is_finite = math.isfinite
 #     0a <value_len>  0a <tag_len> <tag>  15 <simple_value: float32>
 # with one-byte lengths (a tag under 119 bytes). The part from 2a to the tag, the *tail*, is
 # checked once per distinct tag and then only looked up. An event of any other shape takes the
-# general protobuf path, which gives the same answer.
+# general protobuf path, which gives the same answer. Such events mostly come in a run that
+# repeats every step (the same tags in the same order): once the record-by-record path has
+# seen one repeat, whole runs are decoded at a time (_Template), as long as they match it.
 _WALL_TIME_FIELD = 0x09  # field 1, 64-bit
 _STEP_FIELD = 0x10  # field 2, varint
 _SIMPLE_VALUE_FIELD = 0x15  # field 2 of Summary.Value, 32-bit
@@ -84,14 +92,12 @@ HParamValue = str | int | float | bool
 _MAX_EXACT_INT = 2**53  # a double holds every integer up to here exactly
 
 
-class ScalarPoint(NamedTuple):
-    """One scalar for `/metrics` (a named tuple: made millions of times a second, at a third
-    of a frozen dataclass's cost)."""
-
-    key: str  # tag, prefixed by the event file's folder under the --tensorboard dir ("train/loss")
-    step: int
-    value: float  # finite only: NaN and infinities are counted, never returned
-    wall_time: float  # epoch seconds: the event's wall_time
+# One scalar for `/metrics`: (key, step, value, wall_time). key: the tag, prefixed by the event
+# file's folder under the --tensorboard dir ("train/loss"); value: finite only (NaN and
+# infinities are counted, never returned); wall_time: the event's, epoch seconds. A plain tuple,
+# not a named one: made millions of times a second, and zip() builds a whole run of them in C
+# (a NamedTuple costs ten times as much each).
+ScalarPoint = tuple[str, int, float, float]
 
 
 @dataclass
@@ -139,8 +145,112 @@ def _frame_of(header: bytes) -> _Frame | None:
 # Headers already checked: a file repeats a few lengths millions of times.
 _VALID_HEADERS: dict[bytes, _Frame] = {}
 
-# ScalarPoint(...) from a tuple of its fields, without the keyword-handling __new__.
-_new_point = tuple.__new__
+# A simple scalar event as the record-by-record path found it: its 12-byte header, where its
+# tail starts (after the step field, if any), the tail and the key it names.
+_Shape = tuple[bytes, int, bytes, str]
+_SHAPE_KEY = 3
+# What _Template's struct gives per record, in file order: the header and the wall_time field
+# number (the *head*), wall_time, the step field (none at step 0), the tail and the
+# simple_value field number, simple_value, the data CRC as it is stored.
+_TEMPLATE_FIELDS = "{head}sd{step}s{tail}sf4s"
+_HEAD, _WALL, _STEP, _TAIL, _VALUE, _FOOTER = range(6)
+_STRIDE = 6
+_LANE_BYTES = 8  # _Template masks CRCs as the 64-bit lanes of one integer
+_LANE_GAP = bytes(_LANE_BYTES - _FOOTER_BYTES)
+_MAX_CACHED_STEPS = 4096
+
+
+class _Steps(dict[bytes, int]):
+    """A step field's bytes (`10 <varint>`, or none at step 0) -> the step; KeyError if they
+    are not one varint filling the field exactly. The records of one run mostly share a
+    step, so each new step is decoded once."""
+
+    def __missing__(self, step_field: bytes) -> int:
+        if not step_field:
+            step = 0  # proto3 leaves a zero step out
+        else:
+            step, end = _read_varint(step_field, 1)
+            if step_field[0] != _STEP_FIELD or end != len(step_field):
+                raise KeyError(step_field)
+        if len(self) >= _MAX_CACHED_STEPS:
+            self.clear()
+        self[step_field] = step
+        return step
+
+
+class _Template:
+    """A run of simple scalar events that repeats, identical but for each event's wall_time,
+    step and value and the data CRC: what a trainer logging the same tags in the same order
+    every step writes. A whole run is decoded with two struct calls (its fields; its records'
+    data, for the CRCs) and compared with the run it was learned from as tuples, in C; zip()
+    makes its points. Only a run that passes every check the record-by-record path makes
+    (same headers and tails, right CRCs, well-formed steps, finite values) is taken whole;
+    anything else is left to that path, which finds, skips and counts it the same as always."""
+
+    def __init__(self, shapes: list[_Shape]) -> None:
+        fields, records = ["<"], ["<"]
+        for _, tail_start, tail, _ in shapes:
+            fields.append(_TEMPLATE_FIELDS.format(
+                head=_HEADER_BYTES + 1, step=tail_start - 9, tail=len(tail) + 1))
+            records.append(f"{_HEADER_BYTES}x{tail_start + len(tail) + 5}s{_FOOTER_BYTES}x")
+        self._fields = struct.Struct("".join(fields)).unpack_from
+        self._records = struct.Struct("".join(records)).unpack_from  # each record's data
+        self.size = struct.calcsize("".join(records))
+        self._heads = tuple(header + bytes([_WALL_TIME_FIELD]) for header, _, _, _ in shapes)
+        self._tails = tuple(tail + bytes([_SIMPLE_VALUE_FIELD]) for _, _, tail, _ in shapes)
+        self._keys = tuple(key for _, _, _, key in shapes)
+        self._steps = _Steps()
+        count = len(shapes)
+        self._pack_lanes = struct.Struct(f"<{count}Q").pack
+        self._lanes_bytes = _LANE_BYTES * count - _FOOTER_BYTES  # the last lane's high half: 0
+        self._low17, self._high15, self._u32s, self._deltas = (
+            int.from_bytes(struct.pack("<Q", mask) * count, "little")
+            for mask in (0x1FFFF, 0xFFFE0000, _U32, _MASK_DELTA))
+
+    def decode(self, data: bytes, pos: int, points: list[ScalarPoint]) -> int:
+        """Decode runs from `pos` on while each matches whole; returns where the first run
+        that does not (or is cut) starts."""
+        last = len(data) - self.size
+        while pos <= last:
+            fields = self._fields(data, pos)
+            if (fields[_HEAD::_STRIDE] != self._heads or fields[_TAIL::_STRIDE] != self._tails
+                    or not self._crcs_match(data, pos, fields[_FOOTER::_STRIDE])):
+                return pos
+            values = fields[_VALUE::_STRIDE]
+            # float32s, however many, cannot add up to an infinity in a double: the sum is
+            # finite exactly when every value is
+            if not _is_finite(sum(values)):
+                return pos
+            try:
+                steps = list(map(self._steps.__getitem__, fields[_STEP::_STRIDE]))
+            except KeyError:
+                return pos
+            points += zip(self._keys, steps, values, fields[_WALL::_STRIDE], strict=True)
+            pos += self.size
+        return pos
+
+    def _crcs_match(self, data: bytes, pos: int, footers: tuple[bytes, ...]) -> bool:
+        """Whether each record's masked CRC32C is its footer. The CRCs are masked all at once,
+        as the 64-bit lanes of one integer: masked_crc32c's rotation and addition never carry
+        a bit from one lane into the next. The footers are laid out the same way, each
+        followed by four zero bytes."""
+        raw = int.from_bytes(self._pack_lanes(*map(_crc32c_value, self._records(data, pos))),
+                             "little")
+        masked = (((raw >> 15) & self._low17) | ((raw << 17) & self._high15)) + self._deltas
+        return (masked & self._u32s).to_bytes(self._lanes_bytes, "little") == (
+            _LANE_GAP.join(footers))
+
+
+def _run_follows(shapes: list[_Shape], data: bytes, pos: int) -> bool:
+    """Whether the records from `pos` on have the headers and tails of `shapes`, in order. A
+    template is made only from a run seen twice, whole: a trainer that writes its tags in a
+    changing order does not make (and drop) one template a step."""
+    for header, tail_start, tail, _ in shapes:
+        if not (data.startswith(header, pos)
+                and data.startswith(tail, pos + _HEADER_BYTES + tail_start)):
+            return False
+        pos += _HEADER_BYTES + tail_start + len(tail) + 5 + _FOOTER_BYTES
+    return True
 
 
 class EventFileParser:
@@ -153,6 +263,7 @@ class EventFileParser:
         self._plugins: dict[str, str] = {}  # tag -> plugin its first value named, or ""
         self._resyncing = False  # inside garbage, looking for the next valid header
         self._keys: dict[bytes, str] = {}  # summary framing + tag bytes (fast path) -> key
+        self._template: _Template | None = None  # the last repeating run of scalar events
         if state:
             self._load_state(state)
 
@@ -183,7 +294,7 @@ class EventFileParser:
                     break
                 self._resyncing = False
             with _collector_paused():
-                pos = self._records(data, pos, out)
+                pos = self._decode(data, pos, out)
             if not self._resyncing:
                 break
             out.corrupt_records += 1
@@ -191,9 +302,21 @@ class EventFileParser:
         out.consumed = pos
         return out
 
-    def _records(self, data: bytes, pos: int, out: Decoded) -> int:
-        """Decode records from `pos` on; returns where it stopped: at a cut record, at the end,
-        or at an invalid header (then `_resyncing` is set). The hot loop: kept flat."""
+    def _decode(self, data: bytes, pos: int, out: Decoded) -> int:
+        """Decode records from `pos` on: whole runs at a time while they match the learned
+        template, one by one where they do not; returns where `_records` stopped."""
+        while True:
+            if self._template is not None:
+                pos = self._template.decode(data, pos, out.points)
+            pos, learned = self._records(data, pos, out)
+            if not learned:
+                return pos
+
+    def _records(self, data: bytes, pos: int, out: Decoded) -> tuple[int, bool]:
+        """Decode records one by one from `pos` on; returns where it stopped: at a cut record,
+        at the end, at an invalid header (then `_resyncing` is set), or after the first record
+        that closed a repeating run of simple scalar events (then True: that run is the new
+        `_template`, to be tried from there). The hot loop: kept flat."""
         append = out.points.append
         n = len(data)
         headers = _VALID_HEADERS
@@ -201,30 +324,32 @@ class EventFileParser:
         crc32c = _crc32c_value
         unpack_u32 = _unpack_u32
         is_finite = _is_finite
-        point_class = ScalarPoint
-        new_point = _new_point
+        run: list[_Shape] = []  # the simple scalar events decoded since the last other record
+        misses = 0  # runs in a row that did not repeat: after a few, a pause from looking
+        resume_at = 0  # where that pause ends
         while True:
             header_end = pos + _HEADER_BYTES
             if header_end > n:
-                return pos
+                return pos, False
             header = data[pos:header_end]
             frame = headers.get(header)
             if frame is None:
                 frame = _frame_of(header)
                 if frame is None:
                     self._resyncing = True
-                    return pos
+                    return pos, False
                 if len(headers) < _MAX_CACHED_HEADERS:
                     headers[header] = frame
             length, wall_and_value = frame
             end = header_end + length
             if end + _FOOTER_BYTES > n:
-                return pos
+                return pos, False
             record = data[header_end:end]
             crc = crc32c(record)  # masked inline: this runs for every record
             if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & _U32 != unpack_u32(data, end)[0]:
                 out.corrupt_records += 1
                 pos = end + _FOOTER_BYTES
+                run.clear()
                 continue
             pos = end + _FOOTER_BYTES
 
@@ -248,10 +373,26 @@ class EventFileParser:
                     wall_time, value = wall_and_value(record)
                     if not is_finite(value):
                         out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
+                        run.clear()
                         continue
-                    append(new_point(point_class, (key, step, value, wall_time)))
+                    append((key, step, value, wall_time))
+                    if misses == _MAX_MISSED_REPEATS:  # tags in a changing order: a pause
+                        if pos < resume_at:
+                            continue
+                        misses = 0
+                    shape = (header, tail_start, tail, key)
+                    if run and (key is run[0][_SHAPE_KEY] or len(run) == _MAX_TEMPLATE_RECORDS):
+                        repeat = [*run[1:], shape]  # the run as it starts after this record
+                        if shape == run[0] and _run_follows(repeat, data, pos):
+                            self._template = _Template(repeat)
+                            return pos, True
+                        misses += 1  # not a repeat: a new run starts here
+                        resume_at = pos + _LEARNING_PAUSE_BYTES
+                        run.clear()
+                    run.append(shape)
                     continue
                 self._learn_simple_tail(tail)
+            run.clear()
             if not self._decode_event(record, out):
                 out.corrupt_records += 1
 
@@ -306,7 +447,7 @@ class EventFileParser:
     def _emit(self, out: Decoded, tag: str, step: int, value: float, wall_time: float) -> None:
         key = self._prefix + tag
         if _is_finite(value):
-            out.points.append(ScalarPoint(key, step, value, wall_time))
+            out.points.append((key, step, value, wall_time))
         else:
             out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
 
