@@ -30,9 +30,8 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -173,8 +172,7 @@ def find_python(explicit: Path | None, command: Sequence[str],
     return None
 
 
-@dataclass(frozen=True)
-class PythonInfo:
+class PythonInfo(NamedTuple):
     """The trainer's interpreter as it describes itself (or as its folders suggest)."""
 
     executable: Path

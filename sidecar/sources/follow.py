@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sidecar.aio import wait_set
 from sidecar.log import log
@@ -69,8 +69,7 @@ def descriptor_budget() -> int:
     return max(MIN_OPEN_FILES, min(MAX_OPEN_FILES, soft // DESCRIPTOR_SHARE))
 
 
-@dataclass(frozen=True)
-class SourceSpec:
+class SourceSpec(NamedTuple):
     """A kind of file to follow: which paths, and how to make a parser for one file."""
 
     kind: str  # "log", "jsonl", "tensorboard"
@@ -101,8 +100,7 @@ class SourceStats:
     truncations: int = 0
 
 
-@dataclass(frozen=True)
-class FileState:
+class FileState(NamedTuple):
     """One followed file at one moment, for the status endpoint."""
 
     path: str
@@ -117,8 +115,7 @@ class FileState:
         return max(self.size - self.offset, 0)
 
 
-@dataclass(frozen=True)
-class MatchState:
+class MatchState(NamedTuple):
     """What one pattern of one source names, for the status endpoint."""
 
     source: str  # the option and the pattern: "--jsonl out/*.jsonl"
