@@ -282,6 +282,7 @@ def _cut(entry: tuple[str, Ticket | None, Piece | None], at: int
     the piece acknowledged."""
     text, ticket, piece = entry
     cut = text.rfind("\n", 0, at) + 1 or at
-    first = (text[:cut], ticket.hold() if ticket is not None else None,
-             Piece(piece.order, text[:cut]) if piece is not None else None)
+    head = text[:cut]
+    first = (head, ticket.hold() if ticket is not None else None,
+             Piece(piece.order, head) if piece is not None else None)
     return first, (text[cut:], ticket, piece)
