@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.sources import tensorboard as tensorboard_source
 from sidecar.sources.tensorboard import (
@@ -764,3 +766,46 @@ def test_tags_in_a_changing_order_pause_the_search_for_runs(template_points: lis
     assert [_as_tuple(p) for p in got.points] == want.points and len(want.points) == 400 + 12000
     assert (got.consumed, got.corrupt_records) == (len(data), 0)
     assert template_points[0] >= 0.8 * len(fixed)
+
+
+_CHANGES = ["wall_time field", "step field", "step varint", "tag", "simple_value field", "nan",
+            "inf", "data crc", "drop", "swap", "text"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(first_step=st.sampled_from([0, 1, 120, 16380, 2**21 - 3, -3]),
+       steps=st.integers(2, 25), changes=st.lists(
+           st.tuples(st.integers(0, 10**6), st.sampled_from(_CHANGES)), max_size=6),
+       reads=st.lists(st.integers(1, 3000), min_size=1, max_size=8))
+def test_runs_with_any_changes_read_as_record_by_record(first_step: int, steps: int,
+                                                        changes: list[tuple[int, str]],
+                                                        reads: list[int]) -> None:
+    """Repeating runs with events changed, dropped, swapped or put between them, read by one
+    parser in reads of any size: the same as the record-by-record path reads them."""
+    events = [bytearray(event.SerializeToString())
+              for event in _scalar_run_events(range(first_step, first_step + steps))]
+    for where, how in changes:
+        index = where % len(events)
+        if how == "drop" and len(events) > 1:
+            del events[index]
+        elif how == "swap":
+            events[index - 1], events[index] = events[index], events[index - 1]
+        elif how == "text":
+            events.insert(index, bytearray(b"\x09" + bytes(8) + b"\x1a\x05hello"))
+        elif how != "drop":
+            _poison(events[index], how)
+    frames = [_frame(bytes(event)) for event in events]
+    for where, how in changes:
+        if how == "data crc":
+            frames[where % len(frames)] = _flip(frames[where % len(frames)], 20)
+    data = b"".join(frames)
+    want = _one_record_at_a_time(data)
+    parser, got, offset, pending = EventFileParser(), Found(), 0, b""
+    for read in [*reads, len(data)]:
+        pending += data[offset:offset + read]
+        offset += read
+        decoded = parser.parse(pending)
+        got.add(decoded)
+        pending = pending[decoded.consumed:]
+    assert got.points == want.points
+    assert (got.invalid, got.corrupt, got.consumed) == (want.invalid, want.corrupt, len(data))
