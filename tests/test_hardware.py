@@ -522,6 +522,17 @@ def test_trainer_tree_cpu_counts_new_processes_and_never_goes_negative() -> None
     assert pids is None and not any(k.startswith("trainer/") for k in third.gauges)
 
 
+def kept_stat_files() -> set[int]:
+    """The pids whose /proc/PID/stat this process has open."""
+    pids = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            parts = os.readlink(f"/proc/self/fd/{fd}").split("/")
+            if len(parts) == 4 and parts[1] == "proc" and parts[3] == "stat":
+                pids.add(int(parts[2]))
+    return pids
+
+
 def test_the_trainer_tree_is_found_as_psutil_finds_it_and_follows_exits_and_orphans() -> None:
     """ParentTable keeps parents between samples: new processes, exited ones and an orphan
     re-parented away from the tree are each seen at the next look."""
@@ -542,6 +553,8 @@ def test_the_trainer_tree_is_found_as_psutil_finds_it_and_follows_exits_and_orph
                    "the inner shell exited and its child was re-parented")
         assert sorted(table.descendants(tree.pid) or []) == descendants()
         assert orphan not in (table.descendants(tree.pid) or [])
+        # the files kept open of the tree's stats: neither the exited nor the orphan's
+        assert kept_stat_files() & {inner, orphan, tree.pid} == {tree.pid}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(orphan, 9)
@@ -570,22 +583,34 @@ def test_the_trainer_tree_lists_proc_again_only_once_a_process_was_created(
     assert table.descendants(10) == [11]
     newest(13)
     assert table.descendants(10) == [11, 13]
-    (tmp_path / "loadavg").unlink()  # unreadable: /proc is listed every time
+    (tmp_path / "loadavg").write_text("garbled\n")  # no newest pid: /proc is listed every time
     stage(14, 13)
     assert table.descendants(10) == [11, 13, 14]
 
 
-def test_the_trainer_tree_reads_each_process_as_psutil_does() -> None:
-    """HostProbe reads a process from its stat file alone; the figures are psutil's."""
-    [reading] = HostProbe().process_tree(os.getpid()) or []
-    me = psutil.Process()
-    with me.oneshot():
-        cpu = me.cpu_times()
-        assert (reading.pid, reading.threads) == (me.pid, me.num_threads())
-        assert reading.started_s == pytest.approx(me.create_time(), abs=0.02)
-        assert reading.rss_bytes == pytest.approx(me.memory_info().rss, rel=0.05)
-        assert reading.cpu_s == pytest.approx(cpu.user + cpu.system, abs=0.05)
-        assert reading.open_files == me.num_fds()
+def test_the_trainer_tree_reads_each_process_as_psutil_does(tmp_path: Path) -> None:
+    """HostProbe reads a process from its stat file and its fd folder's size alone; the
+    figures are psutil's, for a trainer with threads and many files open."""
+    code = ("import sys, threading, time\n"
+            f"files = [open({str(tmp_path)!r} + f'/f{{i}}', 'w') for i in range(40)]\n"
+            "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "print('ready', flush=True)\ntime.sleep(30)\n")
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          text=True) as trainer:
+        try:
+            assert trainer.stdout is not None and trainer.stdout.readline() == "ready\n"
+            [reading] = HostProbe().process_tree(trainer.pid) or []
+            it = psutil.Process(trainer.pid)
+            with it.oneshot():
+                cpu = it.cpu_times()
+                assert (reading.pid, reading.threads) == (trainer.pid, it.num_threads())
+                assert reading.threads == 2
+                assert reading.started_s == pytest.approx(it.create_time(), abs=0.02)
+                assert reading.rss_bytes == pytest.approx(it.memory_info().rss, rel=0.05)
+                assert reading.cpu_s == pytest.approx(cpu.user + cpu.system, abs=0.05)
+                assert reading.open_files == it.num_fds() >= 43  # stdin, stdout, stderr, 40
+        finally:
+            trainer.kill()
     assert HostProbe().process_tree(2**22 + 1) is None  # beyond pid_max: no such process
 
 

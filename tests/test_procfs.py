@@ -4,6 +4,7 @@ the same files, staged where psutil reads them too (psutil.PROCFS_PATH) and on t
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -33,7 +34,7 @@ def test_cpu_times_and_boot_time_are_psutils(staged: Path) -> None:
         "cpu0 5066 26 2010 48655 604 0 155 20 0 0\n"
         "cpu1 5066 26 2009 48656 603 0 156 20 0 0\n"
         "intr 20331 0 9\nctxt 4242\nbtime 1764582000\nprocesses 1234\n")
-    stat = procfs.cpu_ticks(str(staged))
+    stat = procfs.CpuStat(str(staged)).read()
     for ticks, reference in [(stat.machine, psutil.cpu_times()),
                              *zip(stat.cores, psutil.cpu_times(percpu=True), strict=True)]:
         expected = _cpu_times(reference)
@@ -66,20 +67,18 @@ def test_memory_and_swap_are_psutils(staged: Path, available: int) -> None:
         swap_free=3_500_000))
     (staged / "vmstat").write_text("pswpin 10\npswpout 20\n")
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
-    assert procfs.memory(str(staged)) == (vm.total, vm.used, vm.available)
-    assert procfs.swap(str(staged)) == (sw.total, sw.used)
-    assert procfs.memory_and_swap(str(staged)) == ((vm.total, vm.used, vm.available),
-                                                   (sw.total, sw.used))
+    assert procfs.MemInfo(str(staged)).read() == ((vm.total, vm.used, vm.available),
+                                                  (sw.total, sw.used))
 
 
 def test_memory_psutil_estimates_is_left_to_psutil(staged: Path) -> None:
     text = MEMINFO.format(total=65_000_000, free=8_000_000, available=0, swap_total=0,
                           swap_free=0)
     (staged / "meminfo").write_text(text)
-    assert procfs.memory(str(staged)) is None  # a kernel reporting 0: psutil estimates it
+    meminfo = procfs.MemInfo(str(staged))
+    assert meminfo.read()[0] is None  # a kernel reporting 0: psutil estimates it
     (staged / "meminfo").write_text(text.replace("MemAvailable:        0 kB\n", ""))
-    assert procfs.memory(str(staged)) is None  # before Linux 3.14
-    assert procfs.swap(str(staged)) == (0, 0)
+    assert meminfo.read() == (None, (0, 0))  # before Linux 3.14
 
 
 def test_disk_io_counts_whole_devices_as_psutil_does(staged: Path) -> None:
@@ -114,6 +113,31 @@ def test_network_interfaces_are_psutils(staged: Path) -> None:
     gone = "vanished0: 5 1 0 0 0 0 0 0 7 1 0 0 0 0 0 0"
     (staged / "net" / "dev").write_text("\n".join([*real, gone]) + "\n")
     assert procfs.NetIo(str(staged)).read() == _psutil_net_io()
+
+
+def test_a_kept_open_net_dev_follows_interfaces_coming_and_going(staged: Path) -> None:
+    """NetIo keeps /proc/net/dev open: each read is the file as it is now, whole, however
+    much it grew (a hundred interfaces appeared ahead of the real ones) or shrank."""
+    lines = Path("/proc/net/dev").read_text().splitlines()
+    header, real = lines[:2], lines[2:]
+    net_dev = staged / "net" / "dev"
+    netio = procfs.NetIo(str(staged))
+    many = [f"veth{i}: {i} 1 0 0 0 0 0 0 {i} 1 0 0 0 0 0 0" for i in range(100)]
+    for lines in ([*header, *real], [*header, *many, *real], header, [*header, *real]):
+        net_dev.write_text("\n".join(lines) + "\n")
+        assert netio.read() == _psutil_net_io()
+    assert len("\n".join(many)) > 4096  # more than a first read of a page takes
+
+
+def test_a_kept_open_proc_file_is_made_anew_at_each_read() -> None:
+    """Linux writes a /proc file's text again for a read from its start: a kept-open
+    /proc/loadavg shows the newest pid moving on once a process was created."""
+    loadavg = procfs.ProcFile("/proc/loadavg")
+    newest = int(loadavg.read().split()[-1])
+    with subprocess.Popen(["true"]) as created:
+        created.wait()
+    assert int(loadavg.read().split()[-1]) != newest
+    loadavg.close()
 
 
 def test_nowrap_is_psutils() -> None:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import psutil
 
@@ -94,9 +94,9 @@ class Rates:
 # ---- the host -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CpuTimes:
-    """Cumulative CPU seconds: busy (everything but idle and iowait) and total."""
+class CpuTimes(NamedTuple):
+    """Cumulative CPU seconds: busy (everything but idle and iowait) and total. A tuple: a
+    sample makes one a core."""
 
     busy: float
     total: float
@@ -123,6 +123,8 @@ class HostProbe:
 
     def __init__(self) -> None:
         self._parents = ParentTable()
+        self._stat = procfs.CpuStat()
+        self._meminfo = procfs.MemInfo()
         self._disk_io = procfs.DiskIo()
         self._net_io = procfs.NetIo()
         self._boot_s: float | None = None  # psutil.boot_time() from the last /proc/stat read
@@ -131,7 +133,7 @@ class HostProbe:
     def cpu_times(self) -> tuple[CpuTimes, list[CpuTimes]]:
         """The whole machine's and each core's."""
         try:
-            stat = procfs.cpu_ticks()
+            stat = self._stat.read()
         except OSError:
             return _cpu_times(psutil.cpu_times()), [_cpu_times(c) for c in psutil.cpu_times(True)]
         self._boot_s = stat.boot_s
@@ -143,7 +145,7 @@ class HostProbe:
     def memory(self) -> tuple[int, int, int]:
         """Total, used and available bytes."""
         try:
-            found, self._swap = procfs.memory_and_swap()
+            found, self._swap = self._meminfo.read()
         except OSError:
             found, self._swap = None, None
         return _psutil_memory() if found is None else found
@@ -151,7 +153,12 @@ class HostProbe:
     def swap(self) -> tuple[int, int]:
         """Total and used bytes: from memory()'s read of /proc/meminfo, called just before."""
         found, self._swap = self._swap, None
-        return _procfs_or(procfs.swap, _psutil_swap) if found is None else found
+        if found is None:
+            try:
+                found = self._meminfo.read()[1]
+            except OSError:
+                found = None
+        return _psutil_swap() if found is None else found
 
     def disk_io(self) -> tuple[int, int] | None:
         """Bytes read and written by all disks since boot."""
@@ -177,7 +184,8 @@ class HostProbe:
         below = self._parents.descendants(pid)
         if below is not None:  # Linux: each process from one read of its stat file
             boot_s = psutil.boot_time() if self._boot_s is None else self._boot_s
-            readings = [r for r in (_proc_reading(p, boot_s) for p in [pid, *below])
+            lines = self._parents.stat_lines
+            readings = [r for r in (_proc_reading(p, boot_s, lines.get(p)) for p in [pid, *below])
                         if r is not None]
             return readings if readings and readings[0].pid == pid else None
         try:  # no /proc to list: psutil's own walk
@@ -196,17 +204,8 @@ class HostProbe:
         return readings
 
 
-def _procfs_or(read: Callable[[], T | None], fallback: Callable[[], T]) -> T:
-    """What `read()` finds in /proc, else psutil's `fallback()` where /proc cannot say."""
-    try:
-        found = read()
-    except OSError:
-        found = None
-    return fallback() if found is None else found
-
-
 def _ticks_to_seconds(ticks: procfs.CpuTicks) -> CpuTimes:
-    return CpuTimes(busy=ticks.busy / _CLOCK_TICKS, total=ticks.total / _CLOCK_TICKS)
+    return CpuTimes(ticks.busy / _CLOCK_TICKS, ticks.total / _CLOCK_TICKS)
 
 
 def _psutil_memory() -> tuple[int, int, int]:
@@ -239,18 +238,25 @@ class ParentTable:
     processes every time (an orphan is re-parented). /proc is listed again only when a process
     was created since the last look (the newest pid of /proc/loadavg moved on): otherwise no
     process can have joined the tree, and the tree's own are all there is to read. Set
-    operations on a listing find what appeared and what went: Python touches only those."""
+    operations on a listing find what appeared and what went: Python touches only those.
+
+    The tree's stat files are kept open (`procfs.ProcFile`) and their lines handed on in
+    `stat_lines`, so that a process's reading needs no second read. An exited process's file
+    fails its next read and is dropped: a new process given the same pid is opened anew."""
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self._proc = proc
+        self._loadavg = procfs.ProcFile(f"{proc}/loadavg")
         self._parents: dict[str, tuple[int, int]] = {}  # /proc entry -> (pid, its parent)
         self._other: set[str] = set()  # /proc's entries that are not processes
-        self._tree: set[str] = set()
+        self._tree: set[str] = set()  # the root and its descendants at the last look
+        self._files: dict[str, procfs.ProcFile] = {}  # their stat files
         self._looked: tuple[int, int] | None = None  # (newest pid, root) at the last look
+        self.stat_lines: dict[int, bytes] = {}  # the stat line of each of them, this look
 
     def descendants(self, root: int) -> list[int] | None:
         """`root`'s descendants, parents before children; None where /proc cannot be listed."""
-        newest = _newest_pid(self._proc)
+        newest = self._newest_pid()
         if newest is None or (newest, root) != self._looked:
             try:
                 self._learn(set(os.listdir(self._proc)))
@@ -258,12 +264,15 @@ class ParentTable:
                 return None
         self._looked = None if newest is None else (newest, root)
         parents = self._parents
-        for name in self._tree:
-            parent = _parent_of(self._proc, name)
-            if parent is None:  # it has just exited
+        lines: dict[int, bytes] = {}
+        for name in self._tree | {str(root)}:
+            line = self._tree_stat(name)
+            parent = None if line is None else _parent_of(line)
+            if line is None or parent is None:  # it has just exited
                 parents.pop(name, None)
             else:
                 parents[name] = (int(name), parent)
+                lines[int(name)] = line
         children: dict[int, list[int]] = collections.defaultdict(list)
         for pid, parent in parents.values():
             children[parent].append(pid)
@@ -273,7 +282,10 @@ class ParentTable:
             below = children.get(stack.pop(), ())
             found.extend(below)
             stack.extend(below)
-        self._tree = {str(pid) for pid in found}
+        self._tree = {str(pid) for pid in [root, *found]}
+        for name in self._files.keys() - self._tree:
+            self._files.pop(name).close()
+        self.stat_lines = lines
         return found
 
     def _learn(self, listed: set[str]) -> None:
@@ -285,26 +297,38 @@ class ParentTable:
             if not name.isdigit():
                 self._other.add(name)
                 continue
-            parent = _parent_of(self._proc, name)
-            if parent is not None:  # else it has just exited
+            try:
+                parent = _parent_of(_read_stat(f"{self._proc}/{name}/stat"))
+            except OSError:  # it has just exited
+                continue
+            if parent is not None:
                 parents[name] = (int(name), parent)
 
+    def _tree_stat(self, name: str) -> bytes | None:
+        """The stat line of the tree's process `name`, from its kept file; None once gone."""
+        file = self._files.get(name)
+        if file is None:
+            file = self._files[name] = procfs.ProcFile(f"{self._proc}/{name}/stat")
+        try:
+            return file.read()
+        except OSError:
+            del self._files[name]
+            return None
 
-def _newest_pid(proc: Path) -> int | None:
-    """The pid most recently handed out (the last field of /proc/loadavg), None unreadable."""
+    def _newest_pid(self) -> int | None:
+        """The pid most recently handed out (the last field of /proc/loadavg), None unreadable."""
+        try:
+            return int(self._loadavg.read().split()[-1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+def _parent_of(stat_line: bytes) -> int | None:
+    """The parent pid in a /proc/PID/stat line (after the command name, which may hold spaces
+    and parentheses: the last `)` ends it); None where the line is not one."""
     try:
-        return int(procfs.read_file(f"{proc}/loadavg").split()[-1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _parent_of(proc: Path, pid: str) -> int | None:
-    """The parent pid from /proc/PID/stat (after the command name, which may hold spaces and
-    parentheses: the last `)` ends it); None once the process is gone."""
-    try:
-        stat_line = _read_stat(f"{proc}/{pid}/stat")
         return int(stat_line[stat_line.rindex(b")") + 2:].split(b" ", 2)[1])
-    except (OSError, ValueError, IndexError):
+    except (ValueError, IndexError):
         return None
 
 
@@ -321,13 +345,14 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _proc_reading(pid: int, boot_s: float) -> ProcessReading | None:
+def _proc_reading(pid: int, boot_s: float, stat_line: bytes | None) -> ProcessReading | None:
     """One process from /proc/PID/stat (times, threads, start, RSS) and its fd folder, as
     psutil reads them but from one file: psutil's oneshot took 0.34 ms a process. `boot_s` is
     the boot time psutil adds (btime of /proc/stat), read once for the whole tree, not once a
-    process. None once the process is gone."""
+    process; `stat_line` the stat line where it was just read. None once the process is gone."""
     try:
-        stat_line = _read_stat(f"/proc/{pid}/stat")
+        if stat_line is None:
+            stat_line = _read_stat(f"/proc/{pid}/stat")
         # after "pid (comm) ": state ppid ... utime(14) stime(15) ... num_threads(20)
         # itrealvalue starttime(22) vsize rss(24), counted from 1 with pid as field 1
         fields = stat_line[stat_line.rindex(b")") + 2:].split()
@@ -335,13 +360,20 @@ def _proc_reading(pid: int, boot_s: float) -> ProcessReading | None:
         threads, started, rss_pages = int(fields[17]), int(fields[19]), int(fields[21])
     except (OSError, ValueError, IndexError):
         return None
-    try:
-        open_files: int | None = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        open_files = None
     return ProcessReading(pid=pid, started_s=boot_s + started / _CLOCK_TICKS,
                           cpu_s=(utime + stime) / _CLOCK_TICKS, rss_bytes=rss_pages * _PAGE_BYTES,
-                          threads=threads, open_files=open_files)
+                          threads=threads, open_files=_open_files(pid))
+
+
+def _open_files(pid: int) -> int | None:
+    """How many files the process has open, as psutil's num_fds() counts its fd folder's
+    entries: the folder's size says it since Linux 6.2, in one stat instead of a listing of
+    every descriptor (0 before: then listed). None where the folder cannot be read."""
+    folder = f"/proc/{pid}/fd"
+    try:
+        return os.stat(folder).st_size or len(os.listdir(folder))
+    except OSError:
+        return None
 
 
 def _cpu_times(times: Any) -> CpuTimes:
@@ -362,6 +394,11 @@ def _num_fds(proc: psutil.Process) -> int | None:
         return None
 
 
+_LOAD_KEYS = ("cpu/load_average_1m", "cpu/load_average_5m", "cpu/load_average_15m")
+_MEMORY_KEYS = ("memory/total_bytes", "memory/used_bytes", "memory/available_bytes")
+_SWAP_KEYS = ("swap/total_bytes", "swap/used_bytes")
+
+
 class HostCollector:
     """CPU, load, memory, swap, disk and network rates, and the trainer's process tree."""
 
@@ -375,56 +412,53 @@ class HostCollector:
     def read(self, now_s: float, wall_s: float) -> tuple[Readings, frozenset[int] | None]:
         """This moment's readings, and the trainer's pids (None when there is no trainer)."""
         out = Readings()
-        self._read_cpu(out)
-        load = self.probe.load_average()
-        for window, value in zip(("1m", "5m", "15m"), load, strict=True):
-            out.gauges[f"cpu/load_average_{window}"] = value
-        total, used, available = self.probe.memory()
-        out.gauges.update({"memory/total_bytes": total, "memory/used_bytes": used,
-                           "memory/available_bytes": available})
-        swap_total, swap_used = self.probe.swap()
-        out.gauges.update({"swap/total_bytes": swap_total, "swap/used_bytes": swap_used})
+        gauges, counters = out.gauges, out.counters
+        self._read_cpu(gauges)
+        gauges.update(zip(_LOAD_KEYS, self.probe.load_average(), strict=True))
+        gauges.update(zip(_MEMORY_KEYS, self.probe.memory(), strict=True))
+        gauges.update(zip(_SWAP_KEYS, self.probe.swap(), strict=True))
         disk = self.probe.disk_io()
         if disk is not None:
-            out.counters["disk/read_bytes"] = (disk[0], now_s)
-            out.counters["disk/write_bytes"] = (disk[1], now_s)
+            counters["disk/read_bytes"] = (disk[0], now_s)
+            counters["disk/write_bytes"] = (disk[1], now_s)
         for name, (rx, tx) in self.probe.net_io().items():
-            out.counters[f"net/{name}/rx_bytes"] = (rx, now_s)
-            out.counters[f"net/{name}/tx_bytes"] = (tx, now_s)
-        return out, self._read_trainer(out, now_s, wall_s)
+            counters[f"net/{name}/rx_bytes"] = (rx, now_s)
+            counters[f"net/{name}/tx_bytes"] = (tx, now_s)
+        return out, self._read_trainer(gauges, now_s, wall_s)
 
-    def _read_cpu(self, out: Readings) -> None:
+    def _read_cpu(self, gauges: dict[str, float]) -> None:
         current = self.probe.cpu_times()
         previous, self._cpu = self._cpu, current
         if previous is None:
             return
         total = _busy_percent(previous[0], current[0])
         if total is not None:
-            out.gauges["cpu/utilization_percent"] = total
+            gauges["cpu/utilization_percent"] = total
         if len(previous[1]) == len(current[1]):  # a core came or went: skip this interval
             cores = [_busy_percent(p, c) for p, c in zip(previous[1], current[1], strict=True)]
             known = [c for c in cores if c is not None]
             if known:
-                out.gauges["cpu/busiest_core_utilization_percent"] = max(known)
+                gauges["cpu/busiest_core_utilization_percent"] = max(known)
 
-    def _read_trainer(self, out: Readings, now_s: float, wall_s: float) -> frozenset[int] | None:
+    def _read_trainer(self, gauges: dict[str, float], now_s: float,
+                      wall_s: float) -> frozenset[int] | None:
         pid = self.trainer_pid() if self.trainer_pid is not None else None
         tree = self.probe.process_tree(pid) if pid is not None else None
         if not tree:
             self._tree, self._tree_at = {}, None
             return None
-        out.gauges["trainer/processes_count"] = len(tree)
-        out.gauges["trainer/rss_bytes"] = sum(p.rss_bytes for p in tree)
-        out.gauges["trainer/threads_count"] = sum(p.threads for p in tree)
+        gauges["trainer/processes_count"] = len(tree)
+        gauges["trainer/rss_bytes"] = sum(p.rss_bytes for p in tree)
+        gauges["trainer/threads_count"] = sum(p.threads for p in tree)
         fds = [p.open_files for p in tree]
         if all(n is not None for n in fds):
-            out.gauges["trainer/open_files_count"] = sum(n for n in fds if n is not None)
+            gauges["trainer/open_files_count"] = sum(n for n in fds if n is not None)
         cpu = {(p.pid, p.started_s): p.cpu_s for p in tree}
         previous, previous_at = self._tree, self._tree_at
         self._tree, self._tree_at = cpu, (now_s, wall_s)
         if previous_at is not None and now_s - previous_at[0] >= MIN_RATE_INTERVAL_S:
             used = _tree_cpu_delta(previous, cpu, previous_at[1])
-            out.gauges["trainer/cpu_percent"] = 100.0 * used / (now_s - previous_at[0])
+            gauges["trainer/cpu_percent"] = 100.0 * used / (now_s - previous_at[0])
         return frozenset(p.pid for p in tree)
 
 

@@ -2,13 +2,14 @@
 
 psutil answered the sampler's host questions with 1.4 ms of CPU a sample: two reads of
 /proc/stat, two of /proc/meminfo plus all of /proc/vmstat for swap, an access() per disk line of
-/proc/diskstats, four ioctls and a socket per network interface, a namedtuple for everything. The
-functions here read each file once and keep only what the sampler posts, with psutil's
-arithmetic: the same fields summed, the same disks counted (whole devices, not partitions), the
-same interfaces (running, not loopback), and psutil's "nowrap" correction of counters that went
-down (`NoWrap`). Each raises OSError where its file cannot be read (not Linux, no /proc), so the
-caller can ask psutil instead; values psutil estimates from several sources (MemAvailable missing
-on an old kernel) are left to psutil too (None).
+/proc/diskstats, four ioctls and a socket per network interface, a namedtuple for everything.
+The readers here keep each file open (`ProcFile`: one pread a sample instead of open, read, read,
+close, which cost as much again as the read itself) and keep only what the sampler posts, with
+psutil's arithmetic: the same fields summed, the same disks counted (whole devices, not
+partitions), the same interfaces (running, not loopback), and psutil's "nowrap" correction of
+counters that went down (`NoWrap`). Each raises OSError where its file cannot be read (not
+Linux, no /proc), so the caller can ask psutil instead; values psutil estimates from several
+sources (MemAvailable missing on an old kernel) are left to psutil too (None).
 """
 
 from __future__ import annotations
@@ -42,6 +43,44 @@ def read_file(path: str) -> bytes:
         os.close(fd)
 
 
+class ProcFile:
+    """A /proc or /sys file kept open and read whole from its start at each `read()`.
+
+    The kernel makes such a file's text anew on a read at offset 0 (seq_file, sysfs), so one
+    pread gives what a fresh open would, without the path walk, open and close. The buffer
+    grows until a read comes back short of it: then the read holds the whole file. A read that
+    fails (the file went: a sysfs device removed, an exited process) closes the file; the next
+    read opens the path again, and raises OSError while it is not there.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._size = _FIRST_READ_BYTES
+
+    def read(self) -> bytes:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while len(data := os.pread(self._fd, self._size, 0)) == self._size:
+                self._size *= 2
+        except OSError:
+            self.close()
+            raise
+        return data
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+_FIRST_READ_BYTES = 4096  # a page: what most of these files fit in
+
+
 class CpuTicks(NamedTuple):
     """Cumulative clock ticks of one CPU line of /proc/stat: busy (all but idle and iowait),
     and total (the fields psutil sums)."""
@@ -59,62 +98,62 @@ class Stat(NamedTuple):
     boot_s: float | None
 
 
-def cpu_ticks(proc: str = PROC) -> Stat:
-    """The whole machine's and each core's ticks, and the boot time, from one read."""
-    machine: CpuTicks | None = None
-    cores = []
-    boot_s = None
-    for line in read_file(f"{proc}/stat").split(b"\n"):
-        if line.startswith(b"btime "):
-            boot_s = float(line.split()[1])
-        if not line.startswith(b"cpu"):
-            continue
-        fields = line.split()
-        values = [int(v) for v in fields[1:_CPU_FIELDS + 1]]
-        total = sum(values)
-        ticks = CpuTicks(total - values[_IDLE] - values[_IOWAIT], total)
-        if fields[0] == b"cpu":
-            machine = ticks
-        else:
-            cores.append(ticks)
-    if machine is None:
-        raise OSError(errno.ENODATA, f"no cpu line in {proc}/stat")
-    return Stat(machine, cores, boot_s)
+class CpuStat:
+    """The whole machine's and each core's ticks, and the boot time, from one read of
+    /proc/stat."""
+
+    def __init__(self, proc: str = PROC) -> None:
+        self._file = ProcFile(f"{proc}/stat")
+
+    def read(self) -> Stat:
+        data = self._file.read()
+        machine: CpuTicks | None = None
+        cores = []
+        for line in data.split(b"\n"):
+            if not line.startswith(b"cpu"):
+                break  # the cpu lines come first (fs/proc/stat.c)
+            fields = line.split(None, _CPU_FIELDS + 1)
+            values = list(map(int, fields[1:_CPU_FIELDS + 1]))
+            total = sum(values)
+            ticks = CpuTicks(total - values[_IDLE] - values[_IOWAIT], total)
+            if fields[0] == b"cpu":
+                machine = ticks
+            else:
+                cores.append(ticks)
+        if machine is None:
+            raise OSError(errno.ENODATA, f"no cpu line in {self._file.path}")
+        at = data.find(b"\nbtime ")
+        boot_s = float(data[at + 7:data.index(b"\n", at + 7)]) if at >= 0 else None
+        return Stat(machine, cores, boot_s)
 
 
-def meminfo(names: tuple[bytes, ...], proc: str = PROC) -> dict[bytes, int]:
-    """The named /proc/meminfo lines (`b"MemTotal"` ...) in bytes; a name absent is left out."""
-    data = b"\n" + read_file(f"{proc}/meminfo")
+class MemInfo:
+    """Memory as psutil.virtual_memory() gives it (total, used, available bytes) and swap as
+    psutil.swap_memory() does (total, used), from one read of /proc/meminfo. Memory is None
+    where psutil would estimate the available memory itself (no MemAvailable, or a kernel
+    reporting 0); swap is None without its lines."""
+
+    def __init__(self, proc: str = PROC) -> None:
+        self._file = ProcFile(f"{proc}/meminfo")
+
+    def read(self) -> tuple[tuple[int, int, int] | None, tuple[int, int] | None]:
+        found = _meminfo_lines(b"\n" + self._file.read())
+        return _memory(found), _swap(found)
+
+
+_MEMINFO_NAMES = (b"MemTotal", b"MemFree", b"MemAvailable", b"SwapTotal", b"SwapFree")
+
+
+def _meminfo_lines(data: bytes) -> dict[bytes, int]:
+    """The /proc/meminfo lines the sampler uses, in bytes; a name absent is left out."""
     found = {}
-    for name in names:
+    for name in _MEMINFO_NAMES:
         at = data.find(b"\n" + name + b":")
         if at >= 0:
             start = at + len(name) + 2
             end = data.find(b"\n", start)
             found[name] = int(data[start:end if end >= 0 else None].split()[0]) * 1024  # kB
     return found
-
-
-def memory(proc: str = PROC) -> tuple[int, int, int] | None:
-    """Total, used and available bytes as psutil.virtual_memory() gives them; None where psutil
-    would estimate the available memory itself (no MemAvailable, or a kernel reporting 0)."""
-    return _memory(meminfo(_MEMORY, proc))
-
-
-def swap(proc: str = PROC) -> tuple[int, int] | None:
-    """Total and used swap bytes as psutil.swap_memory() gives them; None without the lines."""
-    return _swap(meminfo(_SWAP, proc))
-
-
-def memory_and_swap(proc: str = PROC) -> tuple[tuple[int, int, int] | None,
-                                               tuple[int, int] | None]:
-    """memory() and swap() from one read of /proc/meminfo."""
-    found = meminfo(_MEMORY + _SWAP, proc)
-    return _memory(found), _swap(found)
-
-
-_MEMORY = (b"MemTotal", b"MemFree", b"MemAvailable")
-_SWAP = (b"SwapTotal", b"SwapFree")
 
 
 def _memory(mem: dict[bytes, int]) -> tuple[int, int, int] | None:
@@ -167,14 +206,14 @@ class DiskIo:
     NoWrap before the sum. Whether a name is a whole device is asked once per name."""
 
     def __init__(self, proc: str = PROC, sys_block: str = "/sys/block") -> None:
-        self._proc = proc
+        self._file = ProcFile(f"{proc}/diskstats")
         self._sys_block = sys_block
         self._whole: dict[str, bool] = {}
         self._nowrap = NoWrap()
 
     def read(self) -> tuple[int, int] | None:
         disks = {}
-        for line in read_file(f"{self._proc}/diskstats").decode().splitlines():
+        for line in self._file.read().decode().splitlines():
             name, read_sectors, written_sectors = _diskstats_line(line.split())
             if self._is_whole(name):
                 disks[name] = (read_sectors * SECTOR_BYTES, written_sectors * SECTOR_BYTES)
@@ -206,31 +245,39 @@ def _diskstats_line(fields: list[str]) -> tuple[str, int, int]:
 class NetIo:
     """Bytes received and sent per interface that is running and not loopback, as psutil's
     net_io_counters(pernic=True) and net_if_stats() give them: /proc/net/dev, each interface's
-    flags from one ioctl, and NoWrap over every interface, as psutil applies it."""
+    flags from one ioctl (on a socket kept for them), and NoWrap over every interface, as psutil
+    applies it."""
 
     def __init__(self, proc: str = PROC) -> None:
-        self._proc = proc
+        self._file = ProcFile(f"{proc}/net/dev")
         self._nowrap = NoWrap()
+        self._socket: int | None = None  # its descriptor: closed with the reader
 
     def read(self) -> dict[str, tuple[int, int]]:
         counters = {}
-        for line in read_file(f"{self._proc}/net/dev").decode().splitlines()[2:]:
+        for line in self._file.read().decode().splitlines()[2:]:
             name, _, rest = line.rpartition(":")
             fields = rest.split()
             counters[name.strip()] = (int(fields[0]), int(fields[8]))  # bytes received, sent
         adjusted = self._nowrap.adjust(counters)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            return {name: (rx, tx) for name, (rx, tx) in adjusted.items()
-                    if _counted(sock, name)}
+        if self._socket is None:
+            self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM).detach()
+        sock = self._socket
+        return {name: (rx, tx) for name, (rx, tx) in adjusted.items() if _counted(sock, name)}
+
+    def __del__(self) -> None:
+        if self._socket is not None:
+            os.close(self._socket)
 
 
-def _counted(sock: socket.socket, name: str) -> bool:
+def _counted(sock: int, name: str) -> bool:
     """Whether psutil's filter (up, not loopback) keeps the interface; a vanished one is not."""
+    if name == "lo":
+        return False
     try:
-        request = _IFREQ.pack(name.encode(), 0)
-        flags = _IFREQ.unpack(fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, request))[1]
+        flags = _IFREQ.unpack(fcntl.ioctl(sock, _SIOCGIFFLAGS, _IFREQ.pack(name.encode(), 0)))[1]
     except OSError as exc:
         if exc.errno == errno.ENODEV:
             return False
         raise
-    return name != "lo" and bool(flags & _IFF_RUNNING) and not flags & _IFF_LOOPBACK
+    return bool(flags & _IFF_RUNNING) and not flags & _IFF_LOOPBACK
