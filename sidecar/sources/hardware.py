@@ -698,9 +698,14 @@ class HardwareSampler:
         self._stalled: set[str] = set()  # parts said to hang, until they answer again
         self._xid: XidWatcher | None = None
         self.xids: collections.deque[XidEvent] = collections.deque(maxlen=MAX_XIDS_KEPT)
-        self.gpu_gauges: dict[str, float] = {}  # the last sample's GPU gauges, for a stall line
+        self._gpu_readings: list[Readings] = []  # the last sample's, for gpu_gauges
         self._stats = SamplerStats()
         self._started = False
+
+    @property
+    def gpu_gauges(self) -> dict[str, float]:
+        """The last sample's GPU gauges, for a stall line."""
+        return {k: v for readings in self._gpu_readings for k, v in readings.gauges.items()}
 
     @property
     def stats(self) -> SamplerStats:
@@ -782,15 +787,10 @@ class HardwareSampler:
         in_order = [self._host_part, self._disk_part, *gpu_parts]  # the order points go out in
         sweep = _Sweep(self._ready([self._host_part, *gpu_parts, self._disk_part]))
         await self._run(sweep)
-        readings = Readings()
-        for part in in_order:
-            self._collect(part, sweep, readings)
-        self.gpu_gauges = {}
-        for part in gpu_parts:
-            if part.name in sweep.results:
-                self.gpu_gauges.update(sweep.results[part.name].gauges)
+        results = [self._collect(part, sweep) for part in in_order]
+        self._gpu_readings = [sweep.results[p.name] for p in gpu_parts if p.name in sweep.results]
         self._forget_lost()
-        self._emit(self._points(readings, wall_s))
+        self._emit(self._points([r for r in results if r is not None], wall_s))
         self._stats.samples += 1
         self._stats.last_sample_s = time.perf_counter() - began
 
@@ -832,16 +832,15 @@ class HardwareSampler:
                         part.what, part.timeout_s)
             start = hung + 1
 
-    def _collect(self, part: _Part, sweep: _Sweep, readings: Readings) -> None:
+    def _collect(self, part: _Part, sweep: _Sweep) -> Readings | None:
         result = sweep.results.get(part.name)
-        if result is not None:
-            readings.merge(result)
-            if part.name in self._stalled:
-                self._stalled.discard(part.name)
-                log.info("%s answers again", part.what)
+        if result is not None and part.name in self._stalled:
+            self._stalled.discard(part.name)
+            log.info("%s answers again", part.what)
         error = sweep.errors.get(part.name)
         if error is not None:
             log.warning("reading %s failed: %s", part.what, error)
+        return result
 
     def _read_host(self, sweep: _Sweep) -> Readings:
         now_s = time.monotonic()
@@ -866,17 +865,23 @@ class HardwareSampler:
             self._devices.remove(device)
             del self._gpu_parts[device.key]
 
-    def _points(self, readings: Readings, wall_s: float) -> list[dict[str, Any]]:
+    def _points(self, results: list[Readings], wall_s: float) -> list[dict[str, Any]]:
+        """The reads' gauges, then their counters' rates, in the reads' order: taken from each
+        read as it is, not merged into one dict first."""
         ts = iso_ts(wall_s)
-        values: dict[str, float] = readings.gauges
-        for key in readings.restarted:
-            self._rates.forget(key)
-        for key, (value, at_s) in readings.counters.items():
-            rate = self._rates.rate(key, value, at_s)
-            if rate is not None:
-                values[f"{key}_per_second"] = rate
         finite = math.isfinite
-        points = [{"key": k, "value": v, "ts": ts} for k, v in values.items() if finite(v)]
+        points = []
+        for readings in results:
+            points += [{"key": k, "value": v, "ts": ts}
+                       for k, v in readings.gauges.items() if finite(v)]
+        rates = self._rates
+        for readings in results:
+            for key in readings.restarted:
+                rates.forget(key)
+            for key, (value, at_s) in readings.counters.items():
+                rate = rates.rate(key, value, at_s)
+                if rate is not None and finite(rate):
+                    points.append({"key": f"{key}_per_second", "value": rate, "ts": ts})
         if self._xid is not None:
             xids = self._xid.drain()
             self.xids.extend(xids)
