@@ -497,11 +497,6 @@ class MemoryInfo:
         return Memory(total, used, None)
 
 
-def memory(handle: Handle) -> Memory:
-    """Device memory: the v2 query (with the driver's reserved share), else v1."""
-    return MemoryInfo(handle).read()
-
-
 class FieldRequest:
     """A reusable nvmlDeviceGetFieldValues request, its answers read out of the array in one
     struct call: (timestamp in microseconds, value type, return code, value as 8 raw bytes
@@ -547,11 +542,6 @@ def _field_value(kind: int, raw: int) -> float:
     return float(raw)  # unsigned long (long)
 
 
-def _field_values(handle: Handle, fields: Sequence[tuple[int, int]]) -> list[
-        tuple[int, float, float]]:
-    return FieldRequest(fields).read(handle)
-
-
 @dataclass(frozen=True)
 class MigDevice:
     """One MIG instance of a GPU: its slot on the GPU, UUID and handle."""
@@ -576,6 +566,7 @@ class GpuDevice:
         self.lost: str | None = None  # why the GPU is gone, once it is
         self.errors = 0
         self.trainer_pids: frozenset[int] | None = None
+        self._on = list(QUERIES)  # the queries not turned off
         self._readers: dict[str, Reader] = {}  # query name -> its reader, once built
 
     def describe(self) -> str:
@@ -588,32 +579,36 @@ class GpuDevice:
         """Run every query still on; a lost GPU stops the read and sets `lost`."""
         self.trainer_pids = trainer_pids
         out = Readings()
-        for query in QUERIES:
-            if self.lost:
-                break
-            if query.name in self.disabled:
-                continue
+        readers = self._readers
+        for query in self._on:
             try:
-                reader = self._readers.get(query.name)
-                if reader is None:
-                    reader = self._readers[query.name] = query.build(self)
-                reader(out)
+                (readers.get(query.name) or self._build(query))(out)
             except NvmlError as exc:
-                self._failed(query.name, exc)
+                self._failed(query, exc)
+                if self.lost:
+                    break
             except Exception as exc:  # a binding unlike the one expected: this query alone stops
                 log.warning("%s: %s turned off: %r", self.describe(), query.name, exc)
-                self.disabled[query.name] = repr(exc)
+                self._turn_off(query, repr(exc))
         return out
 
-    def _failed(self, query: str, exc: NvmlError) -> None:
+    def _build(self, query: Query) -> Reader:
+        reader = self._readers[query.name] = query.build(self)
+        return reader
+
+    def _failed(self, query: Query, exc: NvmlError) -> None:
         if exc.lost:
             self.lost = str(exc)
         elif exc.unsupported:
-            self.disabled[query] = str(exc)
-            log.debug("%s: %s turned off: %s", self.describe(), query, exc)
+            self._turn_off(query, str(exc))
+            log.debug("%s: %s turned off: %s", self.describe(), query.name, exc)
         else:
             self.errors += 1
-            log.debug("%s: %s left out of this sample: %s", self.describe(), query, exc)
+            log.debug("%s: %s left out of this sample: %s", self.describe(), query.name, exc)
+
+    def _turn_off(self, query: Query, why: str) -> None:
+        self.disabled[query.name] = why
+        self._on = [q for q in self._on if q is not query]
 
 
 @dataclass(frozen=True)
@@ -694,7 +689,7 @@ def _scalars(*scalars: _Scalar) -> Callable[[GpuDevice], Reader]:
 
 def _nvlink(dev: GpuDevice) -> Reader:
     """NVLink data counters (KiB) summed over the links; the sampler makes rates of them."""
-    ((ret, count, _),) = _field_values(dev.handle, [(_FI_NVLINK_LINK_COUNT, 0)])
+    ((ret, count, _),) = FieldRequest([(_FI_NVLINK_LINK_COUNT, 0)]).read(dev.handle)
     links = int(count) if ret == 0 else 0
     if not links:
         raise NvmlError(NOT_SUPPORTED, "no NVLink")
@@ -1090,7 +1085,7 @@ def _gpu_info(index: int) -> dict[str, Any]:
     reads: tuple[tuple[str, Callable[[], Any]], ...] = (
         ("name", lambda: device_name(handle)),
         ("uuid", lambda: device_uuid(handle)),
-        ("memory_total_bytes", lambda: memory(handle).total),
+        ("memory_total_bytes", lambda: MemoryInfo(handle).read().total),
         ("compute_capability", lambda: compute_capability(handle)),
     )
     for key, read in reads:
