@@ -872,8 +872,12 @@ class HardwareSampler:
         finite = math.isfinite
         points = []
         for readings in results:
-            points += [{"key": k, "value": v, "ts": ts}
-                       for k, v in readings.gauges.items() if finite(v)]
+            gauges = readings.gauges
+            if finite(sum(gauges.values())):  # a NaN or infinity would make the sum one
+                points += [{"key": k, "value": v, "ts": ts} for k, v in gauges.items()]
+            else:
+                points += [{"key": k, "value": v, "ts": ts} for k, v in gauges.items()
+                           if finite(v)]
         rates = self._rates
         for readings in results:
             for key in readings.restarted:
