@@ -554,26 +554,39 @@ IB_ERRORS = (
 
 
 class InfinibandCollector:
-    """Per device and port traffic and error counters from <sysfs>/class/infiniband."""
+    """Per device and port traffic and error counters from <sysfs>/class/infiniband.
+
+    A port has twenty counter files: each is kept open (`procfs.ProcFile`), read again from
+    its start each sample; a port that went (its files fail) has them opened anew by path."""
 
     def __init__(self, sysfs_root: Path) -> None:
         self.root = sysfs_root / "class" / "infiniband"
         self._saturated: set[str] = set()
+        self._files: dict[str, procfs.ProcFile] = {}
 
     def read(self, now_s: float) -> Readings:
         out = Readings()
         for device, port, folder in self._ports():
             prefix = f"ib/{device}/{port}"
             for filename, key, scale in IB_TRAFFIC:
-                value = _read_int(f"{folder}/counters/{filename}")
+                value = self._read_int(f"{folder}/counters/{filename}")
                 if value is None or self._saturated_now(f"{prefix}/{filename}", value):
                     continue
                 out.counters[f"{prefix}/{key}"] = (value * scale, now_s)
             for kind, filename in IB_ERRORS:
-                value = _read_int(f"{folder}/{kind}/{filename}")
+                value = self._read_int(f"{folder}/{kind}/{filename}")
                 if value is not None:
                     out.gauges[f"{prefix}/{filename.lower()}_count"] = value
         return out
+
+    def _read_int(self, path: str) -> int | None:
+        file = self._files.get(path)
+        if file is None:
+            file = self._files[path] = procfs.ProcFile(path)
+        try:
+            return int(file.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
 
     def _ports(self) -> list[tuple[str, str, str]]:
         """(device, port, folder) of every port, in name order; none without InfiniBand."""
@@ -598,13 +611,6 @@ class InfinibandCollector:
             log.info("%s is stuck at its maximum (a 32-bit counter saturates): "
                      "its rate is left out", what)
         return True
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        return int(procfs.read_file(path).split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 # ---- the sampler --------------------------------------------------------------------------
