@@ -257,7 +257,8 @@ class ParentTable:
     def descendants(self, root: int) -> list[int] | None:
         """`root`'s descendants, parents before children; None where /proc cannot be listed."""
         newest = self._newest_pid()
-        if newest is None or (newest, root) != self._looked:
+        listed = newest is None or (newest, root) != self._looked
+        if listed:
             try:
                 self._learn(set(os.listdir(self._proc)))
             except OSError:
@@ -273,8 +274,10 @@ class ParentTable:
             else:
                 parents[name] = (int(name), parent)
                 lines[int(name)] = line
+        # with no process created, the tree can only have lost some: its own are all to look at
+        candidates = parents.values() if listed else sorted(parents[str(p)] for p in lines)
         children: dict[int, list[int]] = collections.defaultdict(list)
-        for pid, parent in parents.values():
+        for pid, parent in candidates:
             children[parent].append(pid)
         found: list[int] = []
         stack = [root]
