@@ -649,11 +649,17 @@ class _Sweep:
     wake-ups and GIL hand-offs than eight GPUs' reads themselves. `current` tells the loop which
     read runs and since when, so that it tells a read that hangs from a sample that is merely
     long; it then leaves the hung read to that thread and hands the reads after it to another.
+
+    The thread also makes each read's gauges into the payload's points (`gauge_points`), while
+    they are in its CPU's cache: the loop's thread, finding them in the other core's, took
+    twice as long over it.
     """
 
-    def __init__(self, parts: Sequence[_Part]) -> None:
+    def __init__(self, parts: Sequence[_Part], ts: str) -> None:
         self.parts = parts
+        self.ts = ts  # the sample's time, as its points carry it
         self.results: dict[str, Readings] = {}
+        self.gauge_points: dict[str, list[dict[str, Any]]] = {}
         self.errors: dict[str, Exception] = {}
         self.trainer_pids: frozenset[int] | None = None  # the host read's, for the GPUs' reads
         self.current = (0, time.monotonic())  # the read running, and when it began
@@ -667,9 +673,20 @@ class _Sweep:
             part = self.parts[index]
             self.current = (index, time.monotonic())
             try:
-                self.results[part.name] = part.read(self)
+                readings = part.read(self)
             except Exception as exc:  # one failing read never stops the others
                 self.errors[part.name] = exc
+                continue
+            self.gauge_points[part.name] = _gauge_points(readings.gauges, self.ts)
+            self.results[part.name] = readings
+
+
+def _gauge_points(gauges: dict[str, float], ts: str) -> list[dict[str, Any]]:
+    """The payload's points of a read's gauges, but those not finite (never sent)."""
+    finite = math.isfinite
+    if finite(sum(gauges.values())):  # a NaN or infinity would make the sum one
+        return [{"key": k, "value": v, "ts": ts} for k, v in gauges.items()]
+    return [{"key": k, "value": v, "ts": ts} for k, v in gauges.items() if finite(v)]
 
 
 class HardwareSampler:
@@ -791,15 +808,15 @@ class HardwareSampler:
         """Read everything once and emit the sample."""
         await self.start()
         began = time.perf_counter()
-        wall_s = time.time()
         gpu_parts = [self._gpu_parts[d.key] for d in self._devices]
         in_order = [self._host_part, self._disk_part, *gpu_parts]  # the order points go out in
-        sweep = _Sweep(self._ready([self._host_part, *gpu_parts, self._disk_part]))
+        sweep = _Sweep(self._ready([self._host_part, *gpu_parts, self._disk_part]),
+                       iso_ts(time.time()))
         await self._run(sweep)
-        results = [self._collect(part, sweep) for part in in_order]
+        answered = [part.name for part in in_order if self._collect(part, sweep)]
         self._gpu_readings = [sweep.results[p.name] for p in gpu_parts if p.name in sweep.results]
         self._forget_lost()
-        self._emit(self._points([r for r in results if r is not None], wall_s))
+        self._emit(self._points(sweep, answered))
         self._stats.samples += 1
         self._stats.last_sample_s = time.perf_counter() - began
 
@@ -841,15 +858,16 @@ class HardwareSampler:
                         part.what, part.timeout_s)
             start = hung + 1
 
-    def _collect(self, part: _Part, sweep: _Sweep) -> Readings | None:
-        result = sweep.results.get(part.name)
-        if result is not None and part.name in self._stalled:
+    def _collect(self, part: _Part, sweep: _Sweep) -> bool:
+        """Whether the part was read; says so when it answers again, or why it failed."""
+        read = part.name in sweep.results
+        if read and part.name in self._stalled:
             self._stalled.discard(part.name)
             log.info("%s answers again", part.what)
         error = sweep.errors.get(part.name)
         if error is not None:
             log.warning("reading %s failed: %s", part.what, error)
-        return result
+        return read
 
     def _read_host(self, sweep: _Sweep) -> Readings:
         now_s = time.monotonic()
@@ -874,26 +892,19 @@ class HardwareSampler:
             self._devices.remove(device)
             del self._gpu_parts[device.key]
 
-    def _points(self, results: list[Readings], wall_s: float) -> list[dict[str, Any]]:
-        """The reads' gauges, then their counters' rates, in the reads' order: taken from each
-        read as it is, not merged into one dict first."""
-        ts = iso_ts(wall_s)
-        finite = math.isfinite
+    def _points(self, sweep: _Sweep, parts: list[str]) -> list[dict[str, Any]]:
+        """The parts' gauges, then their counters' rates, in the parts' order."""
         points = []
-        for readings in results:
-            gauges = readings.gauges
-            if finite(sum(gauges.values())):  # a NaN or infinity would make the sum one
-                points += [{"key": k, "value": v, "ts": ts} for k, v in gauges.items()]
-            else:
-                points += [{"key": k, "value": v, "ts": ts} for k, v in gauges.items()
-                           if finite(v)]
-        rates = self._rates
-        for readings in results:
+        for name in parts:
+            points += sweep.gauge_points[name]
+        rates, ts = self._rates, sweep.ts
+        for name in parts:
+            readings = sweep.results[name]
             for key in readings.restarted:
                 rates.forget(key)
             for key, (value, at_s) in readings.counters.items():
                 rate = rates.rate(key, value, at_s)
-                if rate is not None and finite(rate):
+                if rate is not None and math.isfinite(rate):
                     points.append({"key": f"{key}_per_second", "value": rate, "ts": ts})
         if self._xid is not None:
             xids = self._xid.drain()
