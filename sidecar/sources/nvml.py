@@ -706,7 +706,7 @@ def _nvlink(dev: GpuDevice) -> Reader:
         ok = every if not any(rets) else frozenset(i for i, r in enumerate(rets) if r == 0)
         if not ok:
             raise NvmlError(rets[0], "NVLink throughput fields failed")
-        if ok != summed:  # a different set of links adds up to a different counter
+        if ok is not summed and ok != summed:  # another set of links: another counter
             out.restarted |= {tx_key, rx_key}
             summed = ok
         values = raws if _UNSIGNED_64.issuperset(kinds) else [
