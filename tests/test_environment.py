@@ -4,11 +4,13 @@ folders, the host facts, and which node posts what (CONTRACT 6)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from sidecar.node import Node, node_count, resolve_node
@@ -16,6 +18,7 @@ from sidecar.sources import environment, nvml
 from sidecar.sources.environment import (
     environment_snapshot,
     find_python,
+    host_facts,
     infiniband_devices,
     kubernetes_info,
     post_environment,
@@ -31,6 +34,44 @@ def dist_info(site: Path, name: str, version: str, metadata: bool = True) -> Non
         (folder / "METADATA").write_text(
             f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nSummary: x\n\n"
             "Version: 0.0.0 in the long description is not a header\n")
+
+
+def _psutil_network() -> dict[str, tuple[bool, int, int | None, set[str]]]:
+    """The interfaces as psutil sees them: the oracle for what sysfs and /proc give."""
+    stats, addresses = psutil.net_if_stats(), psutil.net_if_addrs()
+    return {name: (stat.isup, stat.mtu, stat.speed or None,
+                   {a.address for a in addresses.get(name, [])
+                    if a.family in (socket.AF_INET, socket.AF_INET6)})
+            for name, stat in stats.items() if "loopback" not in stat.flags.split(",")}
+
+
+def _network(facts: dict[str, Any]) -> dict[str, tuple[bool, int, int | None, set[str]]]:
+    return {i["name"]: (i["up"], i["mtu"], i["speed_mbps"], set(i["addresses"]))
+            for i in facts["network"]}
+
+
+def test_host_facts_read_from_sysfs_and_proc_are_psutils() -> None:
+    facts = host_facts()
+    assert facts["cpu"]["logical_cores"] == psutil.cpu_count()
+    assert facts["cpu"]["physical_cores"] == psutil.cpu_count(logical=False)
+    assert facts["memory_total_bytes"] == psutil.virtual_memory().total
+    assert _network(facts) == _psutil_network()
+
+
+def test_host_facts_fall_back_to_psutil_where_sysfs_and_proc_say_nothing(tmp_path: Path) -> None:
+    facts = host_facts(sysfs_root=tmp_path, proc_root=tmp_path)
+    assert facts["cpu"]["physical_cores"] == psutil.cpu_count(logical=False)
+    assert facts["memory_total_bytes"] == psutil.virtual_memory().total
+    assert _network(facts) == _psutil_network()
+
+
+def test_host_facts_do_not_load_psutil() -> None:
+    """psutil's import was a twentieth of `sidecar watch`'s start-up, for three numbers."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from sidecar.sources import environment; "
+         "environment.host_facts(); print('psutil' in sys.modules)"],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"
 
 
 def test_the_snapshot_tries_the_library_nvml_loads_and_waits_as_long() -> None:
