@@ -651,8 +651,8 @@ class _Sweep:
     long; it then leaves the hung read to that thread and hands the reads after it to another.
 
     The thread also makes each read's gauges into the payload's points (`gauge_points`), while
-    they are in its CPU's cache: the loop's thread, finding them in the other core's, took
-    twice as long over it.
+    they are in its CPU's cache: the loop's thread, finding them in the other core's, took up
+    to twice as long over the same points.
     """
 
     def __init__(self, parts: Sequence[_Part], ts: str) -> None:
