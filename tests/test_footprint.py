@@ -26,6 +26,7 @@ NOT_FOR_A_DAEMON = (
     "importlib.metadata",
     "pynvml",  # only where libnvidia-ml.so.1 loads
     "tenacity",  # the first failed attempt
+    "psutil",  # where /proc cannot answer
 )
 
 DAEMON_IMPORTS = """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -171,3 +172,31 @@ def test_the_host_probe_reads_this_machine_as_psutil_does() -> None:
     assert (disk is None) == (reference is None)
     if disk is not None and reference is not None:
         assert disk[0] == pytest.approx(reference.read_bytes, abs=64 << 20)
+
+
+def test_disk_usage_and_load_average_are_psutils() -> None:
+    probe = HostProbe()
+    total, used, free = probe.disk_usage("/")
+    reference = psutil.disk_usage("/")
+    assert total == reference.total
+    assert used == pytest.approx(reference.used, abs=64 << 20)  # the disk moves between reads
+    assert free == pytest.approx(reference.free, abs=64 << 20)
+    assert probe.load_average() == pytest.approx(psutil.getloadavg(), abs=0.5)
+
+
+SAMPLE_THE_HOST = """
+import os, sys
+from sidecar.sources.hardware import HostProbe
+probe = HostProbe()
+probe.cpu_times(); probe.load_average(); probe.memory(); probe.swap(); probe.disk_io()
+probe.net_io(); probe.disk_usage("/"); probe.process_tree(os.getpid())
+print("psutil" in sys.modules)
+"""
+
+
+def test_a_host_with_proc_never_loads_psutil() -> None:
+    """psutil answers only where /proc cannot: its import was a twentieth of the start-up and
+    a megabyte of a daemon that reads /proc anyway."""
+    done = subprocess.run([sys.executable, "-c", SAMPLE_THE_HOST], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"

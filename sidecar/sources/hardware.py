@@ -29,9 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
-
-import psutil
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from sidecar.log import log
 from sidecar.records import iso_ts
@@ -47,6 +45,9 @@ from sidecar.sources.nvml import (
 )
 from sidecar.supervise import fault_point
 from sidecar.threads import Worker, off_loop
+
+if TYPE_CHECKING:
+    import psutil
 
 __all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "Rates",
            "SamplerStats", "Worker", "gpu_filter_from_env", "off_loop"]
@@ -135,12 +136,13 @@ class HostProbe:
         try:
             stat = self._stat.read()
         except OSError:
-            return _cpu_times(psutil.cpu_times()), [_cpu_times(c) for c in psutil.cpu_times(True)]
+            ps = _psutil()
+            return _cpu_times(ps.cpu_times()), [_cpu_times(c) for c in ps.cpu_times(True)]
         self._boot_s = stat.boot_s
         return _ticks_to_seconds(stat.machine), [_ticks_to_seconds(c) for c in stat.cores]
 
     def load_average(self) -> tuple[float, float, float]:
-        return psutil.getloadavg()
+        return os.getloadavg()
 
     def memory(self) -> tuple[int, int, int]:
         """Total, used and available bytes."""
@@ -176,26 +178,28 @@ class HostProbe:
 
     def disk_usage(self, path: str) -> tuple[int, int, int]:
         """Total, used and available bytes of the file system holding `path`."""
-        usage = psutil.disk_usage(path)
-        return usage.total, usage.used, usage.free
+        fs = os.statvfs(path)  # psutil.disk_usage's arithmetic
+        return (fs.f_blocks * fs.f_frsize, (fs.f_blocks - fs.f_bfree) * fs.f_frsize,
+                fs.f_bavail * fs.f_frsize)
 
     def process_tree(self, pid: int) -> list[ProcessReading] | None:
         """The process `pid` and its descendants; None once it has gone."""
         below = self._parents.descendants(pid)
         if below is not None:  # Linux: each process from one read of its stat file
-            boot_s = psutil.boot_time() if self._boot_s is None else self._boot_s
+            boot_s = _psutil().boot_time() if self._boot_s is None else self._boot_s
             lines = self._parents.stat_lines
             readings = [r for r in (_proc_reading(p, boot_s, lines.get(p)) for p in [pid, *below])
                         if r is not None]
             return readings if readings and readings[0].pid == pid else None
+        ps = _psutil()
         try:  # no /proc to list: psutil's own walk
-            root = psutil.Process(pid)
+            root = ps.Process(pid)
             processes = [root, *root.children(recursive=True)]
-        except psutil.Error:
+        except ps.Error:
             return None
         readings = []
         for proc in processes:
-            with contextlib.suppress(psutil.Error), proc.oneshot():
+            with contextlib.suppress(ps.Error), proc.oneshot():
                 cpu = proc.cpu_times()
                 readings.append(ProcessReading(
                     pid=proc.pid, started_s=proc.create_time(), cpu_s=cpu.user + cpu.system,
@@ -208,24 +212,32 @@ def _ticks_to_seconds(ticks: procfs.CpuTicks) -> CpuTimes:
     return CpuTimes(ticks.busy / _CLOCK_TICKS, ticks.total / _CLOCK_TICKS)
 
 
+def _psutil() -> Any:
+    """psutil, imported where /proc cannot answer: a node with /proc never loads it."""
+    import psutil
+
+    return psutil
+
+
 def _psutil_memory() -> tuple[int, int, int]:
-    vm = psutil.virtual_memory()
+    vm = _psutil().virtual_memory()
     return vm.total, vm.used, vm.available
 
 
 def _psutil_swap() -> tuple[int, int]:
-    sw = psutil.swap_memory()
+    sw = _psutil().swap_memory()
     return sw.total, sw.used
 
 
 def _psutil_disk_io() -> tuple[int, int] | None:
-    io = psutil.disk_io_counters()
+    io = _psutil().disk_io_counters()
     return None if io is None else (io.read_bytes, io.write_bytes)
 
 
 def _psutil_net_io() -> dict[str, tuple[int, int]]:
-    stats = psutil.net_if_stats()
-    counters = psutil.net_io_counters(pernic=True)
+    ps = _psutil()
+    stats = ps.net_if_stats()
+    counters = ps.net_io_counters(pernic=True)
     return {name: (c.bytes_recv, c.bytes_sent) for name, c in counters.items()
             if name in stats and stats[name].isup and not _loopback(name, stats[name])}
 
@@ -393,7 +405,7 @@ def _loopback(name: str, stats: Any) -> bool:
 def _num_fds(proc: psutil.Process) -> int | None:
     try:
         return proc.num_fds()
-    except (psutil.Error, AttributeError):
+    except (_psutil().Error, AttributeError):
         return None
 
 
