@@ -22,14 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import fcntl
 import json
 import os
 import platform
 import re
 import shutil
 import socket
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -39,6 +37,7 @@ from sidecar import __version__
 from sidecar.log import log
 from sidecar.node import Node
 from sidecar.records import iso_ts
+from sidecar.sources import procfs
 from sidecar.threads import off_loop
 
 Emit = Callable[[str, dict[str, Any]], None]
@@ -46,8 +45,6 @@ Emit = Callable[[str, dict[str, Any]], None]
 PYTHON_PROBE_TIMEOUT_S = 10.0  # a trainer image's interpreter starting cold, .pth files and all
 READ_TIMEOUT_S = 20.0  # host facts and package metadata, read on a thread
 NVML_LIBRARY = "libnvidia-ml.so.1"  # nvml.LIBRARY, tried first: nvml.py loads only where it does
-IFF_LOOPBACK, IFF_RUNNING = 0x8, 0x40  # <linux/if.h>: an interface's flags
-SIOCGIFFLAGS, SIOCGIFADDR = 0x8913, 0x8915  # <linux/sockios.h>: its flags, its IPv4 address
 IPV6_SCOPE_LINK = 0x20  # /proc/net/if_inet6's scope of a link-local address
 NVML_TIMEOUT_S = 5.0  # nvml.NVML_TIMEOUT_S: the driver's description, as long as one GPU's read
 MAX_HEADER_LINES = 200  # Name and Version come first in METADATA; never read a long description
@@ -310,18 +307,14 @@ def host_facts(sysfs_root: Path = Path("/sys"), proc_root: Path = Path("/proc"))
     if model:
         cpu["model"] = model
     facts["cpu"] = {k: v for k, v in cpu.items() if v is not None}
-    facts["memory_total_bytes"] = _memory_total(proc_root) or _psutil().virtual_memory().total
+    try:
+        facts["memory_total_bytes"] = procfs.memory_total(str(proc_root))
+    except OSError:
+        facts["memory_total_bytes"] = procfs.psutil_module().virtual_memory().total
     with _noted("network interfaces"):
         facts["network"] = _interfaces(sysfs_root, proc_root)
     facts["infiniband"] = infiniband_devices(sysfs_root)
     return facts
-
-
-def _psutil() -> Any:
-    """psutil, for the facts sysfs and /proc do not give."""
-    import psutil
-
-    return psutil
 
 
 def _physical_cores(sysfs_root: Path) -> int | None:
@@ -332,16 +325,7 @@ def _physical_cores(sysfs_root: Path) -> int | None:
         siblings.discard(None)
         if siblings:
             return len(siblings)
-    return _psutil().cpu_count(logical=False)  # type: ignore[no-any-return]
-
-
-def _memory_total(proc_root: Path) -> int | None:
-    """MemTotal of /proc/meminfo in bytes (psutil's virtual_memory().total)."""
-    for line in (_read_text(proc_root / "meminfo") or "").splitlines():
-        key, _, value = line.partition(":")
-        if key == "MemTotal" and value.split()[:1] and value.split()[0].isdigit():
-            return int(value.split()[0]) * 1024  # kB
-    return None
+    return procfs.psutil_module().cpu_count(logical=False)  # type: ignore[no-any-return]
 
 
 def _cpu_model() -> str | None:
@@ -358,7 +342,7 @@ def _cpu_model() -> str | None:
 
 def _interfaces(sysfs_root: Path, proc_root: Path) -> list[dict[str, Any]]:
     """Each network interface but loopback: up (running, as psutil says), MTU, speed and its IP
-    addresses (IPv4 by SIOCGIFADDR, IPv6 from /proc/net/if_inet6)."""
+    addresses (IPv4 by procfs's ioctl, IPv6 from /proc/net/if_inet6)."""
     net = sysfs_root / "class" / "net"
     names = sorted(entry.name for entry in net.iterdir()) if net.is_dir() else []
     if not names:
@@ -367,18 +351,19 @@ def _interfaces(sysfs_root: Path, proc_root: Path) -> list[dict[str, Any]]:
     interfaces = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for name in names:
-            flags = _ioctl(sock, SIOCGIFFLAGS, name)
-            if name == "lo" or (flags and struct.unpack_from("H", flags, 16)[0] & IFF_LOOPBACK):
+            try:
+                flags = procfs.interface_flags(sock.fileno(), name)
+            except OSError:  # gone since it was listed
+                flags = 0
+            if name == "lo" or flags & procfs.IFF_LOOPBACK:
                 continue
-            ipv4 = _ioctl(sock, SIOCGIFADDR, name)
+            ipv4 = procfs.interface_ipv4(sock.fileno(), name)
             speed = _read_int(net / name / "speed")
             interfaces.append({
-                "name": name,
-                "up": bool(flags and struct.unpack_from("H", flags, 16)[0] & IFF_RUNNING),
+                "name": name, "up": bool(flags & procfs.IFF_RUNNING),
                 "mtu": _read_int(net / name / "mtu") or 0,
                 "speed_mbps": speed if speed is not None and speed > 0 else None,
-                "addresses": ([socket.inet_ntoa(ipv4[20:24])] if ipv4 else [])
-                + ipv6.get(name, []),
+                "addresses": ([ipv4] if ipv4 else []) + ipv6.get(name, []),
             })
     return interfaces
 
@@ -390,14 +375,6 @@ def _read_int(path: Path) -> int | None:
     try:
         return int(text) if text is not None else None
     except ValueError:
-        return None
-
-
-def _ioctl(sock: socket.socket, request: int, name: str) -> bytes | None:
-    """The struct ifreq an interface request answers; None when it fails (no address)."""
-    try:
-        return fcntl.ioctl(sock.fileno(), request, struct.pack("40s", name.encode()[:15]))
-    except OSError:
         return None
 
 
@@ -421,7 +398,7 @@ def _ipv6_addresses(proc_root: Path) -> dict[str, list[str]]:
 
 def _psutil_interfaces() -> list[dict[str, Any]]:
     """The same as psutil sees them, where sysfs lists none."""
-    psutil = _psutil()
+    psutil = procfs.psutil_module()
     stats = psutil.net_if_stats()
     addresses = psutil.net_if_addrs()
     interfaces = []

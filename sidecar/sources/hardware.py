@@ -136,7 +136,7 @@ class HostProbe:
         try:
             stat = self._stat.read()
         except OSError:
-            ps = _psutil()
+            ps = procfs.psutil_module()
             return _cpu_times(ps.cpu_times()), [_cpu_times(c) for c in ps.cpu_times(True)]
         self._boot_s = stat.boot_s
         return _ticks_to_seconds(stat.machine), [_ticks_to_seconds(c) for c in stat.cores]
@@ -186,12 +186,12 @@ class HostProbe:
         """The process `pid` and its descendants; None once it has gone."""
         below = self._parents.descendants(pid)
         if below is not None:  # Linux: each process from one read of its stat file
-            boot_s = _psutil().boot_time() if self._boot_s is None else self._boot_s
+            boot_s = procfs.psutil_module().boot_time() if self._boot_s is None else self._boot_s
             lines = self._parents.stat_lines
             readings = [r for r in (_proc_reading(p, boot_s, lines.get(p)) for p in [pid, *below])
                         if r is not None]
             return readings if readings and readings[0].pid == pid else None
-        ps = _psutil()
+        ps = procfs.psutil_module()
         try:  # no /proc to list: psutil's own walk
             root = ps.Process(pid)
             processes = [root, *root.children(recursive=True)]
@@ -212,30 +212,23 @@ def _ticks_to_seconds(ticks: procfs.CpuTicks) -> CpuTimes:
     return CpuTimes(ticks.busy / _CLOCK_TICKS, ticks.total / _CLOCK_TICKS)
 
 
-def _psutil() -> Any:
-    """psutil, imported where /proc cannot answer: a node with /proc never loads it."""
-    import psutil
-
-    return psutil
-
-
 def _psutil_memory() -> tuple[int, int, int]:
-    vm = _psutil().virtual_memory()
+    vm = procfs.psutil_module().virtual_memory()
     return vm.total, vm.used, vm.available
 
 
 def _psutil_swap() -> tuple[int, int]:
-    sw = _psutil().swap_memory()
+    sw = procfs.psutil_module().swap_memory()
     return sw.total, sw.used
 
 
 def _psutil_disk_io() -> tuple[int, int] | None:
-    io = _psutil().disk_io_counters()
+    io = procfs.psutil_module().disk_io_counters()
     return None if io is None else (io.read_bytes, io.write_bytes)
 
 
 def _psutil_net_io() -> dict[str, tuple[int, int]]:
-    ps = _psutil()
+    ps = procfs.psutil_module()
     stats = ps.net_if_stats()
     counters = ps.net_io_counters(pernic=True)
     return {name: (c.bytes_recv, c.bytes_sent) for name, c in counters.items()
@@ -405,7 +398,7 @@ def _loopback(name: str, stats: Any) -> bool:
 def _num_fds(proc: psutil.Process) -> int | None:
     try:
         return proc.num_fds()
-    except (_psutil().Error, AttributeError):
+    except (procfs.psutil_module().Error, AttributeError):
         return None
 
 

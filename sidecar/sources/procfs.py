@@ -19,16 +19,26 @@ import fcntl
 import os
 import socket
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 PROC = "/proc"
 SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's own size
 _SIOCGIFFLAGS = 0x8913  # linux/sockios.h: an interface's flags, as psutil's net_if_flags reads
-_IFF_LOOPBACK = 0x8  # linux/if.h
-_IFF_RUNNING = 0x40  # psutil's `isup` is "running" in the flags
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+IFF_LOOPBACK = 0x8  # linux/if.h
+IFF_RUNNING = 0x40  # psutil's `isup` is "running" in the flags
 _IFREQ = struct.Struct("16sh")  # struct ifreq: the name, then ifr_flags
+_IFREQ_ADDR = struct.Struct("16s4x4s16x")  # struct ifreq: the name, a sockaddr_in's address
 _CPU_FIELDS = 10  # user nice system idle iowait irq softirq steal guest guest_nice: psutil's
 _IDLE, _IOWAIT = 3, 4  # among those fields: the two psutil's idle time is made of here
+
+
+def psutil_module() -> Any:
+    """psutil, imported only where /proc and sysfs cannot answer: a Linux node never loads it
+    (its import was a twentieth of the start-up, and a megabyte)."""
+    import psutil
+
+    return psutil
 
 
 def read_file(path: str) -> bytes:
@@ -156,6 +166,15 @@ def _meminfo_lines(data: bytes) -> dict[bytes, int]:
     return found
 
 
+def memory_total(proc: str = PROC) -> int:
+    """MemTotal of /proc/meminfo in bytes, psutil's virtual_memory().total; OSError where the
+    file cannot be read or lacks the line."""
+    total = _meminfo_lines(b"\n" + read_file(f"{proc}/meminfo")).get(b"MemTotal")
+    if total is None:
+        raise OSError(errno.ENODATA, f"no MemTotal in {proc}/meminfo")
+    return total
+
+
 def _memory(mem: dict[bytes, int]) -> tuple[int, int, int] | None:
     total, available = mem.get(b"MemTotal"), mem.get(b"MemAvailable")
     if total is None or not available or b"MemFree" not in mem:
@@ -275,9 +294,25 @@ def _counted(sock: int, name: str) -> bool:
     if name == "lo":
         return False
     try:
-        flags = _IFREQ.unpack(fcntl.ioctl(sock, _SIOCGIFFLAGS, _IFREQ.pack(name.encode(), 0)))[1]
+        flags = interface_flags(sock, name)
     except OSError as exc:
         if exc.errno == errno.ENODEV:
             return False
         raise
-    return bool(flags & _IFF_RUNNING) and not flags & _IFF_LOOPBACK
+    return bool(flags & IFF_RUNNING) and not flags & IFF_LOOPBACK
+
+
+def interface_flags(sock: int, name: str) -> int:
+    """An interface's flags (SIOCGIFFLAGS on `sock`, an AF_INET datagram socket's descriptor),
+    as psutil's net_if_flags reads them; OSError where it has none (ENODEV: it went)."""
+    return int(_IFREQ.unpack(fcntl.ioctl(sock, _SIOCGIFFLAGS, _IFREQ.pack(name.encode(), 0)))[1])
+
+
+def interface_ipv4(sock: int, name: str) -> str | None:
+    """An interface's IPv4 address (SIOCGIFADDR: the first, as psutil's net_if_addrs lists it
+    first); None where it has none."""
+    try:
+        answer = fcntl.ioctl(sock, _SIOCGIFADDR, _IFREQ_ADDR.pack(name.encode(), b""))
+    except OSError:
+        return None
+    return socket.inet_ntoa(_IFREQ_ADDR.unpack(answer)[1])
