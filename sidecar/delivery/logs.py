@@ -25,6 +25,8 @@ MAX_REQUEST_BYTES = 1 << 20  # nginx's default client_max_body_size (ingress-ngi
 #   proxy-body-size too): a larger body is answered 413
 MAX_REQUEST_CHARS = LOG_BLOCK  # text in one request; denser text (non-ASCII, many escapes),
 #   whose body would pass MAX_REQUEST_BYTES, lowers it
+DENSE_TEXT_MARGIN = 16  # that lower limit is a sixteenth under the proportional one: the text
+#   after may be denser still
 MIN_FILL_SHARE = 8  # a request is topped up with the head of a text when 1/8 of it is left
 MIN_SPLIT_CHARS = 1 << 10  # a batch refused as too large is halved down to this, then dropped
 LINGER_S = 0.05  # how long a small batch waits for more text
@@ -173,8 +175,9 @@ class LogShipper:
             batch = [text for text, _, _ in self._inflight]
             body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
             size = sum(map(len, batch))
-            if len(body) > MAX_REQUEST_BYTES and self._requeue(
-                    size, size * MAX_REQUEST_BYTES // len(body) * 15 // 16):
+            if len(body) > MAX_REQUEST_BYTES and self._requeue(size, (
+                    size * MAX_REQUEST_BYTES // len(body) * (DENSE_TEXT_MARGIN - 1)
+                    // DENSE_TEXT_MARGIN)):
                 continue  # never sent: an ingest behind nginx would refuse it
             self._active_at = time.monotonic()
             self._answered.clear()
