@@ -40,6 +40,7 @@ from _harness import (
     stop,
     thread_cpu,
     thread_names,
+    wait_quiet,
     wait_until_posted,
 )
 
@@ -47,7 +48,6 @@ BENCH = "idle cost"
 HARDWARE_INTERVAL_S = "10"
 TARGET_CPU_PERCENT = 0.1
 TARGET_RSS_MB = 36.0
-SETTLE_S = 3.0
 
 
 def _masked_crc(data: bytes) -> int:
@@ -95,8 +95,8 @@ def measure(seconds: float, profile: Path | None) -> list[Row]:
         try:
             wait_until_posted(rec, "/environment")
             rec.wait_for(lambda s: {"/logs", "/metrics"} <= set(s["routes"]), 10)
-            time.sleep(SETTLE_S)
             ps = psutil.Process(proc.pid)
+            wait_quiet(ps)  # its start-up work is over
             rss = uss = 0
             names = thread_names(proc.pid)
             with profiled(proc.pid, profile, "idle"):

@@ -31,6 +31,7 @@ import psutil
 from _harness import (
     HERE,
     SIDECAR,
+    Receiver,
     Row,
     bench_arguments,
     finish,
@@ -53,13 +54,25 @@ POINTS_PER_S = 200
 TARGET_P99_MS = 250.0
 FLOOD_BYTES_PER_S = 50e6
 FLOOD_TARGET_P99_MS = 100.0
-SETTLE_S = 3.0  # after the writer stopped, for the last items to arrive
+ARRIVAL_TIMEOUT_S = 3.0  # after the writer stopped, the longest the last items may take
 
 
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100), nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def arrived(rec: Receiver, lines: int, points: int) -> dict[str, list[float]]:
+    """The receiver's delays once every line and point written has arrived, or those that
+    arrived within ARRIVAL_TIMEOUT_S (the rows then say how many are missing)."""
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+    while True:
+        delays = rec.delays()
+        if ((len(delays["logs"]) >= lines and len(delays["points"]) >= points)
+                or time.monotonic() > deadline):
+            return delays
+        time.sleep(0.05)
 
 
 def measure(seconds: float, profile: Path | None) -> list[Row]:
@@ -79,8 +92,7 @@ def measure(seconds: float, profile: Path | None) -> list[Row]:
                      str(seconds), str(LINES_PER_S), str(POINTS_PER_S)],
                     capture_output=True, text=True, check=True)
                 written = json.loads(done.stdout)
-                time.sleep(SETTLE_S)
-            delays = rec.delays()
+                delays = arrived(rec, written["lines"], written["points"])
         finally:
             stop(proc)
             show_warnings(work)

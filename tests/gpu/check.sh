@@ -75,16 +75,24 @@ import torch
 x = torch.randn(4096, 4096, device="cuda")
 hold = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB held: memory.used moves
 end = time.monotonic() + float(sys.argv[1])
+said = False
 while time.monotonic() < end:
     for _ in range(20):
         x = (x @ x).clamp_(-1, 1)
     torch.cuda.synchronize()
+    if not said:  # the first batch is done: the GPU is busy from here on
+        print("running", flush=True)
+        said = True
     time.sleep(0.02)  # about three quarters busy, not saturated: utilisation is neither 0 nor 100
 EOF
     PIDS+=($!)
 fi
 say "CUDA load: $LOAD"
-sleep 3  # the load is running before the first sample (not a synchronisation)
+if [[ $LOAD == torch ]]; then  # it runs before the first sample (CUDA starts in seconds)
+    for _ in $(seq 600); do grep -qx running "$WORK/load.log" && break; sleep 0.1; done
+    grep -qx running "$WORK/load.log" ||
+        { cat "$WORK/load.log" >&2; cannot "the CUDA load did not start within 60 s"; }
+fi
 
 # -- 4. sidecar watch and nvidia-smi, side by side ---------------------------------------------
 # --foreground: a plain timeout passes our SIGTERM on to its whole process group as well, and
