@@ -36,10 +36,33 @@ class _Formatter(argparse.HelpFormatter):
     """Descriptions wrapped to the terminal as usual; indented lines (examples, exit statuses)
     kept as written."""
 
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        # argparse makes a formatter for every option it adds and, without a width, imports
+        # shutil (with bz2 and lzma) to ask the terminal: 3 % of a daemon's start-up, for help
+        # it never prints. os answers the same question.
+        super().__init__(prog, indent_increment, max_help_position,
+                         _columns() - 2 if width is None else width)
+
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         fill = super()._fill_text
         return "\n".join(line if line.startswith(" ") or not line else fill(line, width, indent)
                          for line in text.splitlines())
+
+
+def _columns() -> int:
+    """The terminal's width as shutil.get_terminal_size() finds it: a positive $COLUMNS, else
+    the terminal's, else 80."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns > 0:
+        return columns
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):
+        return 80
 
 
 def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:

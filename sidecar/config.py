@@ -396,12 +396,12 @@ def add_secrets(text: str) -> None:
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """One warning for each SIDECAR_* variable no option reads (a typo is otherwise silently
     ignored), naming the closest known one."""
-    import difflib
-
     prefix = "SIDECAR_"
     known = [opt.env for opt in (*OPTIONS, CONFIG_OPTION)] + [WRAPPER_SOCKET_VARIABLE]
     warnings = []
     for name in sorted(n for n in environ if n.startswith(prefix) and n not in known):
+        import difflib  # here, not above: every start asks, few have a typo to name
+
         # Compared without the prefix all names share, which would make any two look alike.
         close = difflib.get_close_matches(name[len(prefix):], [k[len(prefix):] for k in known], 1)
         hint = f"did you mean {prefix}{close[0]}?" if close else "`sidecar run --help` lists them"

@@ -161,3 +161,17 @@ def test_the_parser_built_for_one_command_parses_it_as_the_whole_one(command: st
     assert all(len(sub_parser._actions) == 1 for name, sub_parser in next(
         a for a in build_parser(command)._actions
         if isinstance(a, argparse._SubParsersAction)).choices.items() if name in others)
+
+
+@pytest.mark.parametrize("columns", ["50", "132", "0", "wide", None])
+def test_help_is_as_wide_as_argparse_makes_it(columns: str | None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The formatter asks os for the terminal's width instead of importing shutil (3 % of a
+    start-up): the answer must be argparse's own, whatever $COLUMNS holds."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    ours = build_parser().formatter_class("sidecar")
+    theirs = argparse.HelpFormatter("sidecar")
+    assert ours._width == theirs._width  # type: ignore[attr-defined]
