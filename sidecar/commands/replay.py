@@ -12,7 +12,6 @@ names (exit 1).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import sys
 import time
@@ -44,8 +43,8 @@ async def replay(cfg: Config, timeout_s: float) -> int:
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
     recorded = recorded_sources(cfg.run_dir)
     if recorded and not (cfg.log or cfg.jsonl or cfg.tensorboard):
-        cfg = dataclasses.replace(cfg, log=recorded["log"], jsonl=recorded["jsonl"],
-                                  tensorboard=recorded["tensorboard"])
+        cfg = cfg._replace(log=recorded["log"], jsonl=recorded["jsonl"],
+                           tensorboard=recorded["tensorboard"])
     pipeline = Pipeline(cfg, client, resolve_node(cfg.node_name, os.environ, cfg.nodes))
     batchers = pipeline.batchers
     try:
