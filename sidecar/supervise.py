@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import traceback
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -84,6 +83,8 @@ class Supervisor:
 
     def _arm(self, name: str) -> None:
         if self.fault_window_s and name not in self._fired and name not in self._armed:
+            import random  # here: only tests inject faults, and random is 1 % of a start-up
+
             self._armed[name] = (asyncio.get_running_loop().time()
                                  + random.uniform(0, self.fault_window_s))
 
