@@ -15,7 +15,6 @@ import asyncio
 import json
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,34 +31,40 @@ MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8
 LINGER_S = 0.05  # a small batch waits this long for company
 
 
-@dataclass
 class _Item:
-    value: Any
-    ticket: Ticket | None
+    __slots__ = ("ticket", "value")
+
+    def __init__(self, value: Any, ticket: Ticket | None) -> None:
+        self.value = value
+        self.ticket = ticket
 
 
-@dataclass
 class Batcher:
     """One route's at-least-once queue; `wrap` turns a list of items into the request body."""
 
-    client: IngestClient
-    route: str
-    wrap: Callable[[list[Any]], dict[str, Any]]
-    run_dir: Path
-    max_items: int = MAX_POINTS_PER_REQUEST
-    max_queued: int = MAX_QUEUED_ITEMS
-    linger_s: float = LINGER_S
-    spill: DiskQueue | None = None  # overflow on disk, for routes whose source cannot wait
-    on_room: Callable[[], None] | None = None  # called when room comes back (wakes a reader)
-    delivered: int = 0
-    dead_lettered: int = 0
-    refused: int = 0
-    _throttle: Throttle = field(default_factory=Throttle)
-    _queue: deque[_Item] = field(default_factory=deque)
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _room: asyncio.Event = field(default_factory=asyncio.Event)
-    _idle: asyncio.Event = field(default_factory=asyncio.Event)
-    _task: asyncio.Task[None] | None = None
+    def __init__(self, client: IngestClient, route: str,
+                 wrap: Callable[[list[Any]], dict[str, Any]], run_dir: Path,
+                 max_items: int = MAX_POINTS_PER_REQUEST, max_queued: int = MAX_QUEUED_ITEMS,
+                 linger_s: float = LINGER_S, spill: DiskQueue | None = None,
+                 on_room: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.route = route
+        self.wrap = wrap
+        self.run_dir = run_dir
+        self.max_items = max_items
+        self.max_queued = max_queued
+        self.linger_s = linger_s
+        self.spill = spill  # overflow on disk, for routes whose source cannot wait
+        self.on_room = on_room  # called when room comes back (wakes a reader)
+        self.delivered = 0
+        self.dead_lettered = 0
+        self.refused = 0
+        self._throttle = Throttle()
+        self._queue: deque[_Item] = deque()
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._room.set()

@@ -14,7 +14,6 @@ import json
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -94,17 +93,20 @@ class Answer(NamedTuple):
         return self.verdict is Verdict.ACCEPTED
 
 
-@dataclass
 class RouteStats:
     """Counters of one route, for the status endpoint and the shutdown summary."""
 
-    requests: int = 0
-    accepted: int = 0
-    failures: int = 0
-    retries: int = 0
-    dropped: int = 0
-    last_success: float | None = None
-    last_failure: str = ""
+    __slots__ = ("accepted", "dropped", "failures", "last_failure", "last_success", "requests",
+                 "retries")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.accepted = 0
+        self.failures = 0
+        self.retries = 0
+        self.dropped = 0
+        self.last_success: float | None = None
+        self.last_failure = ""
 
     @property
     def trouble(self) -> str:
@@ -176,25 +178,22 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return min(max(when.timestamp() - now, 0.0), MAX_RETRY_AFTER_S)
 
 
-@dataclass
 class IngestClient:
     """The ingest endpoint's client: auth headers, no redirects, timeouts, counters."""
 
-    endpoint: str
-    token_headers: tuple[str, ...]
-    read_token: Callable[[], str]
-    ca_file: Path | None = None  # loaded when the client is made: see load_ca_file
-    stats: dict[str, RouteStats] = field(default_factory=dict)
-    _transport: Transport | None = None
-    _ready: asyncio.Event = field(default_factory=asyncio.Event)
-    _token: str = field(default="", repr=False)
-    _throttle: Throttle = field(default_factory=Throttle)
-    _hurry: asyncio.Event = field(default_factory=asyncio.Event)
-    _ssl: ssl.SSLContext | None = None
-
-    def __post_init__(self) -> None:
-        if self.ca_file is not None:
-            self._ssl = load_ca_file(self.ca_file)
+    def __init__(self, endpoint: str, token_headers: tuple[str, ...],
+                 read_token: Callable[[], str], ca_file: Path | None = None) -> None:
+        self.endpoint = endpoint
+        self.token_headers = token_headers
+        self.read_token = read_token
+        self.ca_file = ca_file  # loaded when the client is made: see load_ca_file
+        self._ssl = load_ca_file(ca_file) if ca_file is not None else None
+        self.stats: dict[str, RouteStats] = {}
+        self._transport: Transport | None = None
+        self._ready = asyncio.Event()
+        self._token = ""
+        self._throttle = Throttle()
+        self._hurry = asyncio.Event()
 
     async def start(self) -> None:
         """Read the token and make the keep-alive transport; call once from the event loop."""

@@ -18,7 +18,6 @@ import json
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
@@ -32,22 +31,24 @@ ROUTE = "logs/tail"  # /logs, delivered strictly
 LIST = Kind("a list", lambda v: isinstance(v, list))
 
 
-@dataclass(eq=False)
 class Piece:
     """One piece of a stream's text as it was put to /logs."""
 
-    order: int  # across streams: the order the pieces were put in
-    text: str
-    acked: bool = False
+    __slots__ = ("acked", "order", "text")
+
+    def __init__(self, order: int, text: str, acked: bool = False) -> None:
+        self.order = order  # across streams: the order the pieces were put in
+        self.text = text
+        self.acked = acked
 
 
-@dataclass
 class StreamTail:
     """A stream's recent pieces: at least TAIL_BYTES characters (so at least as many bytes)."""
 
-    orders: Iterator[int]  # shared by the streams of one run
-    _pieces: deque[Piece] = field(default_factory=deque)
-    _chars: int = 0
+    def __init__(self, orders: Iterator[int]) -> None:
+        self.orders = orders  # shared by the streams of one run
+        self._pieces: deque[Piece] = deque()
+        self._chars = 0
 
     def add(self, text: str) -> Piece:
         piece = Piece(next(self.orders), text)
@@ -87,17 +88,17 @@ def new_tails(count: int) -> list[StreamTail]:
     return [StreamTail(orders) for _ in range(count)]
 
 
-@dataclass
 class CrashTail:
     """The journal of crash tails in the run's folder and their strict, ordered delivery."""
 
-    run_dir: Path
-    run_id: str
-    client: IngestClient
-    _journal: Journal | None = None
-    _pending: list[tuple[bytes, bool]] = field(default_factory=list)  # bodies not yet
-    #                                               acknowledged, and whether in the journal
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    def __init__(self, run_dir: Path, run_id: str, client: IngestClient) -> None:
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.client = client
+        self._journal: Journal | None = None
+        # bodies not yet acknowledged, and whether in the journal
+        self._pending: list[tuple[bytes, bool]] = []
+        self._lock = asyncio.Lock()
 
     @property
     def pending(self) -> int:

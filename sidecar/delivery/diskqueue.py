@@ -15,7 +15,6 @@ import contextlib
 import re
 import struct
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.delivery.journal import append_frames, frame
@@ -32,17 +31,17 @@ class SpoolFull(Exception):
     """The spool reached its size cap or the disk is full."""
 
 
-@dataclass
 class DiskQueue:
     """Ordered, durable overflow of one route."""
 
-    folder: Path
-    max_bytes: int = MAX_SPOOL_BYTES
-    torn_bytes: int = 0
-    _segments: list[int] = field(default_factory=list)
-    _cursor: tuple[int, int] = (0, 0)  # (segment, offset) of the first unacknowledged record
-    _bytes: int = 0
-    _records: int = 0
+    def __init__(self, folder: Path, max_bytes: int = MAX_SPOOL_BYTES) -> None:
+        self.folder = folder
+        self.max_bytes = max_bytes
+        self.torn_bytes = 0
+        self._segments: list[int] = []
+        self._cursor = (0, 0)  # (segment, offset) of the first unacknowledged record
+        self._bytes = 0
+        self._records = 0
 
     def open(self) -> None:
         """Load what an earlier run left; drops a torn tail."""

@@ -14,7 +14,6 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.log import log
@@ -24,15 +23,15 @@ _HEADER = struct.Struct("<II")
 MAX_RECORD_BYTES = 64 << 20
 
 
-@dataclass
 class Journal:
     """An append-only file of framed records plus a durable count of acknowledged ones."""
 
-    path: Path
-    torn_bytes: int = 0
-    _records: list[bytes] = field(default_factory=list)
-    _acked: int = 0
-    _ack_saved: bool = True
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.torn_bytes = 0
+        self._records: list[bytes] = []
+        self._acked = 0
+        self._ack_saved = True
 
     @property
     def _ack_path(self) -> Path:

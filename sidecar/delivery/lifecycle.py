@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
@@ -25,21 +24,21 @@ EVENTS = ("starting", "running", "succeeded", "failed")
 TERMINAL = ("succeeded", "failed")
 
 
-@dataclass
 class Lifecycle:
     """Strict, ordered, durable delivery of lifecycle events for one run."""
 
-    run_dir: Path
-    run_id: str
-    client: IngestClient | None  # None: offline, events are recorded in memory only
-    recorded: list[str] = field(default_factory=list)
-    rejected: int = 0  # events the ingest refused for good (dead-lettered)
-    release: asyncio.Event = field(default_factory=asyncio.Event)
-    _journal: Journal | None = None
-    _queue: list[tuple[bytes, bool]] = field(default_factory=list)  # (body, in the journal)
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _idle: asyncio.Event = field(default_factory=asyncio.Event)
-    _task: asyncio.Task[None] | None = None
+    def __init__(self, run_dir: Path, run_id: str, client: IngestClient | None) -> None:
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.client = client  # None: offline, events are recorded in memory only
+        self.recorded: list[str] = []
+        self.rejected = 0  # events the ingest refused for good (dead-lettered)
+        self.release = asyncio.Event()
+        self._journal: Journal | None = None
+        self._queue: list[tuple[bytes, bool]] = []  # (body, in the journal)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         """Load what an earlier sidecar left undelivered and start delivering."""

@@ -11,7 +11,6 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, Verdict, json_body
@@ -35,30 +34,34 @@ LINGER_BELOW_CHARS = MAX_REQUEST_CHARS // 4  # a batch this big is worth its req
 FLUSH_STALL_S = 1.0  # a flush gives up once no request was answered for this long
 
 
-@dataclass
 class LogShipper:
     """Buffers log text and ships it to `/logs` in order, dropping the oldest when full."""
 
-    client: IngestClient
-    run_id: str
-    max_buffer_chars: int = MAX_BUFFER_CHARS
-    max_request_chars: int = MAX_REQUEST_CHARS
-    linger_s: float = LINGER_S
-    linger_below_chars: int = LINGER_BELOW_CHARS
-    dropped_chars: int = 0
-    sent_chars: int = 0
-    on_room: Callable[[], None] | None = None  # called when room comes back (wakes a reader)
-    _chunks: deque[tuple[str, Ticket | None, Piece | None]] = field(default_factory=deque)
-    _buffered: int = 0
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _idle: asyncio.Event = field(default_factory=asyncio.Event)
-    _task: asyncio.Task[None] | None = None
-    _inflight: list[tuple[str, Ticket | None, Piece | None]] | None = None  # taken, not yet
-    #                                                                          answered
-    _answered: asyncio.Event = field(default_factory=asyncio.Event)
-    _warned_at: float = float("-inf")
-    _halved_at: float = float("-inf")
-    _active_at: float = 0.0  # when a request was last sent or answered, or work came to an idle
+    def __init__(self, client: IngestClient, run_id: str,
+                 max_buffer_chars: int = MAX_BUFFER_CHARS,
+                 max_request_chars: int = MAX_REQUEST_CHARS, linger_s: float = LINGER_S,
+                 linger_below_chars: int = LINGER_BELOW_CHARS,
+                 on_room: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.max_buffer_chars = max_buffer_chars
+        self.max_request_chars = max_request_chars
+        self.linger_s = linger_s
+        self.linger_below_chars = linger_below_chars
+        self.on_room = on_room  # called when room comes back (wakes a reader)
+        self.dropped_chars = 0
+        self.sent_chars = 0
+        self._chunks: deque[tuple[str, Ticket | None, Piece | None]] = deque()
+        self._buffered = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # taken, not yet answered
+        self._inflight: list[tuple[str, Ticket | None, Piece | None]] | None = None
+        self._answered = asyncio.Event()
+        self._warned_at = float("-inf")
+        self._halved_at = float("-inf")
+        self._active_at = 0.0  # when a request was last sent or answered, or work came to an idle
 
     def start(self) -> None:
         """Start shipping, and what was put before."""
