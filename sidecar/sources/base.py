@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
-@dataclass
 class Parsed:
     """The outcome of parsing some bytes of one file."""
 
-    consumed: int  # bytes taken from the front of the input; the rest is offered again later
-    text: str = ""  # for /logs
-    points: list[dict[str, Any]] = field(default_factory=list)  # for /metrics
-    hparams: dict[str, Any] | None = None  # for /hparams
-    records: int = 0  # lines or records taken
-    skipped: int = 0  # bad lines or records, skipped and counted
-    invalid: dict[str, int] = field(default_factory=dict)  # NaN/inf values per key, not sent
+    __slots__ = ("consumed", "hparams", "invalid", "points", "records", "skipped", "text")
+
+    def __init__(self, consumed: int, text: str = "",
+                 points: list[dict[str, Any]] | None = None,
+                 hparams: dict[str, Any] | None = None, records: int = 0, skipped: int = 0,
+                 invalid: dict[str, int] | None = None) -> None:
+        # bytes taken from the front of the input; the rest is offered again later
+        self.consumed = consumed
+        self.text = text  # for /logs
+        self.points = [] if points is None else points  # for /metrics
+        self.hparams = hparams  # for /hparams
+        self.records = records  # lines or records taken
+        self.skipped = skipped  # bad lines or records, skipped and counted
+        self.invalid = {} if invalid is None else invalid  # NaN/inf values per key, not sent
 
 
 class Parser(Protocol):

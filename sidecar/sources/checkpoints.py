@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +49,18 @@ def fingerprint(head: bytes) -> str:
     return hashlib.blake2b(head, digest_size=8).hexdigest()
 
 
-@dataclass
 class Mark:
-    """Where reading one file may resume."""
+    """Where reading one file may resume; its attributes (`vars`) are its offsets.json entry."""
 
-    path: str
-    dev: int
-    ino: int
-    fingerprint: str  # fingerprint() of the file's first `head_bytes` bytes
-    offset: int
-    state: dict[str, Any] = field(default_factory=dict)  # the parser's own (line numbers...)
-    head_bytes: int = 0
+    def __init__(self, path: str, dev: int, ino: int, fingerprint: str, offset: int,
+                 state: dict[str, Any] | None = None, head_bytes: int = 0) -> None:
+        self.path = path
+        self.dev = dev
+        self.ino = ino
+        self.fingerprint = fingerprint  # fingerprint() of the file's first `head_bytes` bytes
+        self.offset = offset
+        self.state = {} if state is None else state  # the parser's own (line numbers...)
+        self.head_bytes = head_bytes
 
     def matches(self, head: bytes) -> bool:
         """Whether a file beginning with `head` is the file this mark was taken of."""
@@ -89,16 +89,17 @@ def parse_offsets(data: bytes) -> dict[str, Mark]:
     return {f"{mark.dev}:{mark.ino}": mark for mark in marks}
 
 
-@dataclass
 class Checkpoints:
     """The offsets document and a background saver."""
 
-    path: Path
-    marks: dict[str, Mark] = field(default_factory=dict)  # by "dev:ino"
-    _dirty: bool = False
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _task: asyncio.Task[None] | None = None
-    _writing: asyncio.Future[None] | None = None  # the last write, which a cancel cannot stop
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.marks: dict[str, Mark] = {}  # by "dev:ino"
+        self._dirty = False
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # the last write, which a cancel cannot stop
+        self._writing: asyncio.Future[None] | None = None
 
     def load(self) -> None:
         """The offsets an earlier start left; none when the document is absent or malformed

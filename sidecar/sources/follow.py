@@ -32,7 +32,6 @@ import stat
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -86,18 +85,21 @@ class SourceSpec(NamedTuple):
                 for name in discover.match(pattern, self.option, self.kind, self.tree)[0]]
 
 
-@dataclass
 class SourceStats:
     """Counters of one kind of source, for the status endpoint."""
 
-    files: int = 0
-    bytes_read: int = 0
-    records: int = 0
-    points: int = 0
-    skipped: int = 0
-    invalid: int = 0
-    rotations: int = 0
-    truncations: int = 0
+    __slots__ = ("bytes_read", "files", "invalid", "points", "records", "rotations", "skipped",
+                 "truncations")
+
+    def __init__(self) -> None:
+        self.files = 0
+        self.bytes_read = 0
+        self.records = 0
+        self.points = 0
+        self.skipped = 0
+        self.invalid = 0
+        self.rotations = 0
+        self.truncations = 0
 
 
 class FileState(NamedTuple):
@@ -133,29 +135,32 @@ class Sink:
         raise NotImplementedError
 
 
-@dataclass(eq=False)
 class _Tail:
     """One file being followed."""
 
-    spec: SourceSpec
-    path: Path
-    dev: int
-    ino: int
-    head: bytes  # the file's first bytes (up to FINGERPRINT_BYTES; grows with a short file)
-    parser: Parser
-    read_offset: int
-    committed: int
-    state: dict[str, Any]  # the parser's, at `committed`
-    fd: int = -1  # -1 while closed: idle, or no descriptor to spare
-    size: int = 0  # as last seen
-    end: bytes = b""  # the last END_CHECK_BYTES read
-    buffer: bytes = b""
-    pending: deque[list[Any]] = field(default_factory=deque)  # [end offset, done, state]
-    copies: list[Mark] = field(default_factory=list)  # copies to checkpoint once committed past
-    last_data: float = field(default_factory=time.monotonic)
-    last_read: float | None = None
-    retired: bool = False
-    closed: bool = False
+    def __init__(self, spec: SourceSpec, path: Path, dev: int, ino: int, head: bytes,
+                 parser: Parser, read_offset: int, committed: int, state: dict[str, Any],
+                 fd: int = -1, size: int = 0, end: bytes = b"") -> None:
+        self.spec = spec
+        self.path = path
+        self.dev = dev
+        self.ino = ino
+        # the file's first bytes (up to FINGERPRINT_BYTES; grows with a short file)
+        self.head = head
+        self.parser = parser
+        self.read_offset = read_offset
+        self.committed = committed
+        self.state = state  # the parser's, at `committed`
+        self.fd = fd  # -1 while closed: idle, or no descriptor to spare
+        self.size = size  # as last seen
+        self.end = end  # the last END_CHECK_BYTES read
+        self.buffer = b""
+        self.pending: deque[list[Any]] = deque()  # [end offset, done, state]
+        self.copies: list[Mark] = []  # copies to checkpoint once committed past
+        self.last_data = time.monotonic()
+        self.last_read: float | None = None
+        self.retired = False
+        self.closed = False
 
     @property
     def id(self) -> _Id:
@@ -170,35 +175,32 @@ class _Tail:
                     len(self.head))
 
 
-@dataclass
 class Follower:
     """Follows the files of every spec and hands what they hold to `sink`."""
 
-    specs: Sequence[SourceSpec]
-    sink: Sink
-    checkpoints: Checkpoints
-    mode: str = "auto"  # auto (events + safety poll), poll
-    budget: int = field(default_factory=descriptor_budget)  # files open at once, at most
-    stats: dict[str, SourceStats] = field(default_factory=dict)
-    _tails: dict[str, _Tail] = field(default_factory=dict)  # active, by path
-    _ids: dict[_Id, _Tail] = field(default_factory=dict)  # active and retired, by identity
-    _retired: list[_Tail] = field(default_factory=list)
-    _copies: dict[_Id, _Tail] = field(default_factory=dict)  # files holding a tail's content
-    _caught_up: dict[_Tail, None] = field(default_factory=dict)  # open, read to the end: LRU
-    _open: int = 0
-    _waiting: list[tuple[SourceSpec, str]] = field(default_factory=list)  # new, no descriptor
-    _by_folder: dict[str, list[_Tail]] = field(default_factory=dict)  # live tails, this look
-    _matches: dict[str, MatchState] = field(default_factory=dict)
-    _warned: set[str] = field(default_factory=set)
-    _started: float = field(default_factory=time.monotonic)
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _look: bool = True  # a file changed since the last look (or none was taken yet)
-    _looked_at: float = float("-inf")  # when the last look ended: the next is due `interval` on
-    _events: Inotify | None = None
-
-    def __post_init__(self) -> None:
-        for spec in self.specs:
-            self.stats.setdefault(spec.kind, SourceStats())
+    def __init__(self, specs: Sequence[SourceSpec], sink: Sink, checkpoints: Checkpoints,
+                 mode: str = "auto") -> None:
+        self.specs = specs
+        self.sink = sink
+        self.checkpoints = checkpoints
+        self.mode = mode  # auto (events + safety poll), poll
+        self.budget = descriptor_budget()  # files open at once, at most
+        self.stats = {spec.kind: SourceStats() for spec in specs}
+        self._tails: dict[str, _Tail] = {}  # active, by path
+        self._ids: dict[_Id, _Tail] = {}  # active and retired, by identity
+        self._retired: list[_Tail] = []
+        self._copies: dict[_Id, _Tail] = {}  # files holding a tail's content
+        self._caught_up: dict[_Tail, None] = {}  # open, read to the end: LRU
+        self._open = 0
+        self._waiting: list[tuple[SourceSpec, str]] = []  # new, no descriptor
+        self._by_folder: dict[str, list[_Tail]] = {}  # live tails, this look
+        self._matches: dict[str, MatchState] = {}
+        self._warned: set[str] = set()
+        self._started = time.monotonic()
+        self._wake = asyncio.Event()
+        self._look = True  # a file changed since the last look (or none was taken yet)
+        self._looked_at = float("-inf")  # when the last look ended: the next is due `interval` on
+        self._events: Inotify | None = None
 
     async def run(self) -> None:
         """Follow until cancelled."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,12 +21,12 @@ TIME_FIELDS = ("ts", "timestamp", "_timestamp", "time")
 MAX_LINE_BYTES = 16 << 20  # a longer line is skipped and counted rather than held in memory
 
 
-@dataclass
 class JsonlParser:
     """Parses one JSONL file; `line` is the 0-based number of the next line (the default step)."""
 
-    line: int = 0
-    _skipping: bool = False  # inside an over-long line, dropping it up to its newline
+    def __init__(self, line: int = 0) -> None:
+        self.line = line
+        self._skipping = False  # inside an over-long line, dropping it up to its newline
 
     @classmethod
     def resume(cls, state: dict[str, Any]) -> JsonlParser:

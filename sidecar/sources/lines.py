@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import codecs
 import re
-from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.sources.terminal import Screen
@@ -50,22 +49,24 @@ class _NoSecrets:
 NO_SECRETS: Masker = _NoSecrets()
 
 
-@dataclass
 class LineAssembler:
     """Turns a stream's byte blocks into text: whole lines, quiet partials, what a terminal
     shows of output that moves the cursor."""
 
-    secrets: Masker = NO_SECRETS
-    prefix: str = ""
-    keep_sgr: bool = False  # --log-ansi keep: colour sequences are forwarded
-    max_line_chars: int = MAX_LINE_CHARS
-    quiet_flush_s: float = QUIET_FLUSH_S
-    progress_interval_s: float = PROGRESS_INTERVAL_S
-    _undecoded: bytes = b""  # the start of a character cut by the end of the last block
-    _pending: str = ""  # the current line's text not yet sent
-    _open_chars: int = 0  # how much of the current line was already sent (a quiet partial)
-    _last_feed: float = 0.0
-    _screen: Screen | None = None  # while output that moves the cursor is being drawn
+    def __init__(self, secrets: Masker = NO_SECRETS, prefix: str = "", keep_sgr: bool = False,
+                 max_line_chars: int = MAX_LINE_CHARS, quiet_flush_s: float = QUIET_FLUSH_S,
+                 progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
+        self.secrets = secrets
+        self.prefix = prefix
+        self.keep_sgr = keep_sgr  # --log-ansi keep: colour sequences are forwarded
+        self.max_line_chars = max_line_chars
+        self.quiet_flush_s = quiet_flush_s
+        self.progress_interval_s = progress_interval_s
+        self._undecoded = b""  # the start of a character cut by the end of the last block
+        self._pending = ""  # the current line's text not yet sent
+        self._open_chars = 0  # how much of the current line was already sent (a quiet partial)
+        self._last_feed = 0.0
+        self._screen: Screen | None = None  # while output that moves the cursor is being drawn
 
     def feed(self, block: bytes | memoryview, now: float) -> str:
         """Take the next block of the stream; returns the text ready to send (often all of it)."""

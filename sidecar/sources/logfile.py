@@ -11,7 +11,6 @@ Either way the text then takes the same path as a wrapped command's output (Line
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.sources.base import Parsed
@@ -24,19 +23,17 @@ _CRI_LINE = re.compile(
     rb"(?: (.*))?$")
 
 
-@dataclass
 class LogFileParser:
     """Parses one log file; `log_format` is plain, cri or auto."""
 
-    log_format: str = "auto"
-    secrets: Masker = NO_SECRETS
-    prefix: str = ""
-    keep_sgr: bool = False
-    _assembler: LineAssembler = field(init=False)
-    _partial: dict[bytes, list[bytes]] = field(default_factory=dict)  # CRI P pieces by stream
-
-    def __post_init__(self) -> None:
-        self._assembler = LineAssembler(self.secrets, self.prefix, keep_sgr=self.keep_sgr)
+    def __init__(self, log_format: str = "auto", secrets: Masker = NO_SECRETS, prefix: str = "",
+                 keep_sgr: bool = False) -> None:
+        self.log_format = log_format
+        self.secrets = secrets
+        self.prefix = prefix
+        self.keep_sgr = keep_sgr
+        self._assembler = LineAssembler(secrets, prefix, keep_sgr=keep_sgr)
+        self._partial: dict[bytes, list[bytes]] = {}  # CRI P pieces by stream
 
     @classmethod
     def resume(cls, state: dict[str, Any], **kwargs: Any) -> LogFileParser:
