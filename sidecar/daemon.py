@@ -14,7 +14,6 @@ import contextlib
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sidecar.aio import cancel
@@ -73,14 +72,17 @@ def claim_run_dir(cfg: Config, *, lock: bool = True) -> int | None:
                           "in a pod an emptyDir volume") from None
 
 
-@dataclass
 class Report:
     """What the status endpoint shows of the command beyond the routes: signatures, failure."""
 
-    scanner: Scanner | None = None
-    failure: Failure | None = None
-    stall: StallWatch | None = None
-    gpus: Pipeline | None = None  # whose sampler says what the GPUs do, for a stall line
+    __slots__ = ("failure", "gpus", "scanner", "stall")
+
+    def __init__(self, scanner: Scanner | None = None, failure: Failure | None = None,
+                 stall: StallWatch | None = None, gpus: Pipeline | None = None) -> None:
+        self.scanner = scanner
+        self.failure = failure
+        self.stall = stall
+        self.gpus = gpus  # whose sampler says what the GPUs do, for a stall line
 
     def gpu_summary(self) -> str:
         sampler = self.gpus.sampler if self.gpus is not None else None

@@ -17,7 +17,6 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,45 +129,40 @@ class _EventFile:
         return self._decoder.state()
 
 
-@dataclass
 class Pipeline(Sink):
     """Everything that posts for one run, except the lifecycle."""
 
-    cfg: Config
-    client: IngestClient
-    node: Node
-    hparams_file: dict[str, Any] | None = None  # --hparams, read (and checked) at start
-    log_shipper: InitVar[LogShipper | None] = None  # `run` makes it first, for the command's
-    #                                                 output before this pipeline exists
-    shipper: LogShipper = field(init=False)
-    metrics: Batcher = field(init=False)
-    hparams: Batcher = field(init=False)
-    documents: dict[str, Batcher] = field(init=False)
-    checkpoints: Checkpoints = field(init=False)
-    follower: Follower = field(init=False)
-    keys: set[str] = field(default_factory=set)
-    refused_keys: set[str] = field(default_factory=set)
-    invalid: dict[str, int] = field(default_factory=dict)
-    sampler: HardwareSampler | None = None
-    on_activity: Callable[[], None] | None = None  # log text, or a metric step beyond any before
-    _top_step: float = float("-inf")
-    _thinned: int = 0
-    _follow_task: asyncio.Task[None] | None = None
-    _environment_task: asyncio.Task[None] | None = None
-    _sampler_task: asyncio.Task[None] | None = None
-
-    def __post_init__(self, log_shipper: LogShipper | None) -> None:
-        run_id, run_dir = self.cfg.platform.run_id, self.cfg.run_dir
-        self.shipper = log_shipper or LogShipper(self.client, run_id)
-        self.metrics = Batcher(self.client, "metrics", lambda points: {
+    def __init__(self, cfg: Config, client: IngestClient, node: Node,
+                 hparams_file: dict[str, Any] | None = None,
+                 log_shipper: LogShipper | None = None) -> None:
+        """`hparams_file`: --hparams, read (and checked) at start; `log_shipper`: `run` makes
+        it first, for the command's output before this pipeline exists."""
+        self.cfg = cfg
+        self.client = client
+        self.node = node
+        self.hparams_file = hparams_file
+        self.keys: set[str] = set()
+        self.refused_keys: set[str] = set()
+        self.invalid: dict[str, int] = {}
+        self.sampler: HardwareSampler | None = None
+        # log text, or a metric step beyond any before
+        self.on_activity: Callable[[], None] | None = None
+        self._top_step = float("-inf")
+        self._thinned = 0
+        self._follow_task: asyncio.Task[None] | None = None
+        self._environment_task: asyncio.Task[None] | None = None
+        self._sampler_task: asyncio.Task[None] | None = None
+        run_id, run_dir = cfg.platform.run_id, cfg.run_dir
+        self.shipper = log_shipper or LogShipper(client, run_id)
+        self.metrics = Batcher(client, "metrics", lambda points: {
             "run_id": run_id, "points": points}, run_dir)
-        self.hparams = Batcher(self.client, "hparams", lambda pairs: {
+        self.hparams = Batcher(client, "hparams", lambda pairs: {
             "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
-        self.documents = {route: document_batcher(self.client, route, run_dir)
+        self.documents = {route: document_batcher(client, route, run_dir)
                           for route in DOCUMENT_ROUTES}
         self.checkpoints = Checkpoints(run_dir / "offsets.json")
-        self.follower = Follower(source_specs(self.cfg, self.node), self, self.checkpoints,
-                                 mode=self.cfg.file_watch)
+        self.follower = Follower(source_specs(cfg, node), self, self.checkpoints,
+                                 mode=cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
             sink.on_room = self.follower.room
 

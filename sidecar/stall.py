@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from sidecar.log import format_duration, log
 
 
-@dataclass
 class StallWatch:
     """Told of every activity (cheap: one clock read), looked at by a periodic tick."""
 
-    after_s: float  # 0: off
-    say: Callable[[str], None]  # a line for /logs (without its line end)
-    gpus: Callable[[], str]  # what the sampler last saw of the GPUs, in words
-    clock: Callable[[], float] = time.monotonic
-    stalled: bool = False
-    _last: float = field(default=0.0)
-
-    def __post_init__(self) -> None:
-        self._last = self.clock()
+    def __init__(self, after_s: float, say: Callable[[str], None], gpus: Callable[[], str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.after_s = after_s  # 0: off
+        self.say = say  # a line for /logs (without its line end)
+        self.gpus = gpus  # what the sampler last saw of the GPUs, in words
+        self.clock = clock
+        self.stalled = False
+        self._last = clock()
 
     def activity(self) -> None:
         """Output or a new metric step, now."""

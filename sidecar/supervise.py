@@ -19,7 +19,6 @@ import asyncio
 import os
 import traceback
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.log import Throttle, log
@@ -36,15 +35,15 @@ class InjectedFault(Exception):
     """Raised by `fault_point()` in tests (FAULTS_ENV), as a bug would raise."""
 
 
-@dataclass
 class Supervisor:
     """Runs tasks, restarts the ones that raise, counts the restarts by task name."""
 
-    fault_window_s: float | None = None
-    restarts: dict[str, int] = field(default_factory=dict)
-    _throttle: Throttle = field(default_factory=Throttle)
-    _armed: dict[str, float] = field(default_factory=dict)  # task name -> loop time to raise
-    _fired: set[str] = field(default_factory=set)
+    def __init__(self, fault_window_s: float | None = None) -> None:
+        self.fault_window_s = fault_window_s
+        self.restarts: dict[str, int] = {}
+        self._throttle = Throttle()
+        self._armed: dict[str, float] = {}  # task name -> loop time to raise
+        self._fired: set[str] = set()
 
     def spawn(self, name: str, work: Work) -> asyncio.Task[None]:
         """Run `work()` as task `name` under supervision."""
