@@ -281,3 +281,15 @@ def test_the_oom_kill_names_the_limit() -> None:
     assert failure.line() == ("[sidecar] run failed: exit status 137 after 1m1s; likely cause: "
                               "host out of memory: the kernel's OOM killer (cgroup memory limit "
                               "64.0 GiB) (cgroup: \"/sys/fs/cgroup/job: oom_kill +1\")")
+
+
+def test_the_failure_document_keeps_its_keys_and_their_order() -> None:
+    """/status's `failure`, as `dataclasses.asdict` made it."""
+    node = Node("gpu-07", rank=2, nodes=4)
+    doc = diagnose(137, 61.0, scanned(), node, (KILL,)).to_json()
+    assert json.dumps(doc) == json.dumps({
+        "exit_status": 137, "duration_s": 61.0,
+        "cause": "host out of memory: the kernel's OOM killer (cgroup memory limit 64.0 GiB)",
+        "signature": "host_oom_kill", "stream": "cgroup",
+        "quote": "/sys/fs/cgroup/job: oom_kill +1", "node": "gpu-07", "rank": 2,
+        "multi_node": True})

@@ -33,6 +33,8 @@ from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import IngestClient
 from sidecar.log import add_secret, log
 from sidecar.observe.endpoint import (
+    FileSnapshot,
+    MatchSnapshot,
     RouteSnapshot,
     SourceSnapshot,
     StatusServer,
@@ -244,6 +246,54 @@ async def test_status_json_round_trips(tmp_path: Path) -> None:
     assert doc["ready"] is True and doc["version"] == "0.1.0"
     assert doc["routes"][1]["route"] == "logs" and doc["routes"][1]["dropped"] == 512
     assert StatusSnapshot.from_json(doc) == snap
+
+
+def test_the_status_document_keeps_its_keys_their_order_and_its_own_copies() -> None:
+    """The /status document, key for key and in order, as it was made by `dataclasses.asdict`
+    (nested records as objects, tuples as lists): what `sidecar status` and users' scripts read."""
+    failure = {"exit_status": 1, "duration_s": 12.5, "cause": "CUDA out of memory",
+               "signature": "cuda_oom", "stream": "stderr", "quote": "torch.OutOfMemoryError",
+               "node": "gpu-07", "rank": 0, "multi_node": False}
+    snap = sample(files=(FileSnapshot("/data/run/train.log", "log", 100, 150, 50, 90,
+                                      1_790_000_115.0),),
+                  matches=(MatchSnapshot("--jsonl out/*.jsonl", 0,
+                                         "the folder out does not exist yet"),),
+                  task_restarts={"follow": 2}, signatures={"cuda_oom": 1}, failure=failure,
+                  stalled_s=30.0)
+    expected = {
+        "run_id": RUN_ID, "node": "gpu-07", "mode": "run", "offline": False,
+        "started_at": 1_790_000_000.0,
+        "routes": [
+            {"route": "lifecycle", "requests": 3, "accepted": 2, "failures": 1, "retries": 1,
+             "dropped": 0, "queue_depth": 0, "spool_bytes": 0, "last_success": 1_790_000_100.0,
+             "last_failure": "HTTP 502"},
+            {"route": "logs", "requests": 40, "accepted": 37, "failures": 3, "retries": 2,
+             "dropped": 512, "queue_depth": 4, "spool_bytes": 0,
+             "last_success": 1_790_000_110.0, "last_failure": ""},
+            {"route": "metrics", "requests": 9, "accepted": 9, "failures": 0, "retries": 0,
+             "dropped": 0, "queue_depth": 1, "spool_bytes": 65536,
+             "last_success": 1_790_000_111.0, "last_failure": ""},
+        ],
+        "sources": [
+            {"name": "stdout", "kind": "child", "bytes_read": 123_456, "lines_read": 789,
+             "points": 0, "invalid": 0, "skipped": 0},
+            {"name": "/data/run/metrics.jsonl", "kind": "jsonl", "bytes_read": 2048,
+             "lines_read": 20, "points": 60, "invalid": 2, "skipped": 1},
+        ],
+        "files": [{"path": "/data/run/train.log", "kind": "log", "offset": 100, "size": 150,
+                   "lag_bytes": 50, "committed": 90, "last_read": 1_790_000_115.0}],
+        "matches": [{"source": "--jsonl out/*.jsonl", "files": 0,
+                     "note": "the folder out does not exist yet"}],
+        "sampler_duration_s": 0.125, "lifecycle_recorded": ["starting", "running"],
+        "lifecycle_pending": ["running"], "task_restarts": {"follow": 2},
+        "signatures": {"cuda_oom": 1}, "failure": failure, "stalled_s": 30.0,
+        "taken_at": 1_790_000_120.0, "ready": True, "version": "0.1.0",
+    }
+    doc = snap.to_json()
+    assert json.dumps(doc) == json.dumps(expected)  # the order of the keys too
+    doc["failure"]["cause"] = doc["signatures"]["cuda_oom"] = doc["task_restarts"]["follow"] = 0
+    assert snap.failure == failure and failure["cause"] == "CUDA out of memory"
+    assert snap.signatures == {"cuda_oom": 1} and snap.task_restarts == {"follow": 2}
 
 
 async def test_nothing_secret_in_any_answer(tmp_path: Path) -> None:
