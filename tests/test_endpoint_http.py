@@ -9,7 +9,6 @@ import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import pytest
 
@@ -25,8 +24,8 @@ from sidecar.observe.endpoint import (
 DEADLINE_S = 10.0
 
 
-def snapshot() -> StatusSnapshot:
-    return StatusSnapshot("run-1", "gpu-07", "watch", True, 1_790_000_000.0,
+def snapshot(files: tuple[FileSnapshot, ...] = ()) -> StatusSnapshot:
+    return StatusSnapshot("run-1", "gpu-07", "watch", True, 1_790_000_000.0, files=files,
                           taken_at=1_790_000_100.0)
 
 
@@ -308,7 +307,7 @@ async def test_close_ends_a_connection_whose_client_does_not_read() -> None:
     does not wait for it to be taken."""
     files = tuple(FileSnapshot(f"/data/{'x' * 100}/{n}.log", "log", n, n, 0, n)
                   for n in range(100_000))  # /status: about 20 MB
-    big = replace(snapshot(), files=files)
+    big = snapshot(files)
     server = await start_status_server("127.0.0.1:0", None, lambda: big)
     assert server is not None
     host, _, port = server.address.rpartition(":")

@@ -20,8 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -70,8 +71,8 @@ def cli_has(command: str) -> bool:
 wired = pytest.mark.skipif(not cli_has("status"), reason="cli.py does not have `status` yet")
 
 
-def sample(**changes: object) -> StatusSnapshot:
-    snap = StatusSnapshot(
+def sample(**changes: Any) -> StatusSnapshot:
+    fields: dict[str, Any] = dict(
         run_id=RUN_ID, node="gpu-07", mode="run", offline=False, started_at=1_790_000_000.0,
         routes=(
             RouteSnapshot("lifecycle", requests=3, accepted=2, failures=1, retries=1,
@@ -91,7 +92,7 @@ def sample(**changes: object) -> StatusSnapshot:
         lifecycle_pending=("running",),
         taken_at=1_790_000_120.0,
     )
-    return replace(snap, **changes)  # type: ignore[arg-type]
+    return StatusSnapshot(**{**fields, **changes})
 
 
 async def get(address: str, path: str) -> tuple[int, str]:
@@ -245,7 +246,7 @@ async def test_status_json_round_trips(tmp_path: Path) -> None:
     doc = json.loads(text)
     assert doc["ready"] is True and doc["version"] == "0.1.0"
     assert doc["routes"][1]["route"] == "logs" and doc["routes"][1]["dropped"] == 512
-    assert StatusSnapshot.from_json(doc) == snap
+    assert StatusSnapshot.from_json(doc).to_json() == snap.to_json()
 
 
 def test_the_status_document_keeps_its_keys_their_order_and_its_own_copies() -> None:
@@ -369,11 +370,11 @@ class Counters:
     bytes_read: int = 1000
 
     def snapshot(self) -> StatusSnapshot:
-        snap = sample(taken_at=time.time())
-        logs = replace(snap.routes[1], requests=self.requests)
-        stdout = replace(snap.sources[0], bytes_read=self.bytes_read)
-        return replace(snap, routes=(snap.routes[0], logs, snap.routes[2]),
-                       sources=(stdout, snap.sources[1]))
+        snap = sample()
+        logs = snap.routes[1]._replace(requests=self.requests)
+        stdout = snap.sources[0]._replace(bytes_read=self.bytes_read)
+        return sample(taken_at=time.time(), routes=(snap.routes[0], logs, snap.routes[2]),
+                      sources=(stdout, snap.sources[1]))
 
 
 @contextmanager

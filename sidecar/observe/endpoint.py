@@ -17,15 +17,15 @@ open connection.
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import ipaddress
 import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import h11
 
@@ -39,8 +39,7 @@ from sidecar.supervise import SUPERVISOR
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
 
 
-@dataclass(frozen=True)
-class RouteSnapshot:
+class RouteSnapshot(NamedTuple):
     """One ingest route's counters at one moment."""
 
     route: str
@@ -63,8 +62,7 @@ class RouteSnapshot:
                    stats.last_failure)
 
 
-@dataclass(frozen=True)
-class SourceSnapshot:
+class SourceSnapshot(NamedTuple):
     """One source's counters at one moment (a child stream, a tailed file, a TensorBoard dir)."""
 
     name: str
@@ -76,8 +74,7 @@ class SourceSnapshot:
     skipped: int = 0  # unparseable lines or corrupt records
 
 
-@dataclass(frozen=True)
-class FileSnapshot:
+class FileSnapshot(NamedTuple):
     """One followed file at one moment."""
 
     path: str
@@ -89,8 +86,7 @@ class FileSnapshot:
     last_read: float | None = None  # epoch seconds of the last read that found data
 
 
-@dataclass(frozen=True)
-class MatchSnapshot:
+class MatchSnapshot(NamedTuple):
     """What one pattern of one source option names now ("--jsonl out/*.jsonl": 2 files)."""
 
     source: str
@@ -98,27 +94,45 @@ class MatchSnapshot:
     note: str = ""  # why it names nothing ("the folder out does not exist yet"), else ""
 
 
-@dataclass(frozen=True)
 class StatusSnapshot:
-    """Everything the status endpoint shows, taken from the daemon's live objects."""
+    """Everything the status endpoint shows, taken from the daemon's live objects; the fields of
+    /status in its order (`to_json`)."""
 
-    run_id: str
-    node: str
-    mode: str  # "run" or "watch"
-    offline: bool  # ENABLED=0: nothing is posted
-    started_at: float  # epoch seconds
-    routes: tuple[RouteSnapshot, ...] = ()
-    sources: tuple[SourceSnapshot, ...] = ()
-    files: tuple[FileSnapshot, ...] = ()
-    matches: tuple[MatchSnapshot, ...] = ()
-    sampler_duration_s: float | None = None  # how long the last hardware sample took
-    lifecycle_recorded: tuple[str, ...] = ()  # events recorded, in order
-    lifecycle_pending: tuple[str, ...] = ()  # events not yet acknowledged
-    task_restarts: dict[str, int] = field(default_factory=dict)  # supervised tasks that failed
-    signatures: dict[str, int] = field(default_factory=dict)  # failure signatures seen so far
-    failure: dict[str, Any] | None = None  # the failed run's summary (sidecar.diagnose.Failure)
-    stalled_s: float = 0.0  # how long the trainer has been stalled (--stall-after); 0: it is not
-    taken_at: float = field(default_factory=time.time)
+    __slots__ = ("failure", "files", "lifecycle_pending", "lifecycle_recorded", "matches",
+                 "mode", "node", "offline", "routes", "run_id", "sampler_duration_s",
+                 "signatures", "sources", "stalled_s", "started_at", "taken_at",
+                 "task_restarts")
+
+    def __init__(self, run_id: str, node: str, mode: str, offline: bool, started_at: float,
+                 routes: tuple[RouteSnapshot, ...] = (),
+                 sources: tuple[SourceSnapshot, ...] = (),
+                 files: tuple[FileSnapshot, ...] = (), matches: tuple[MatchSnapshot, ...] = (),
+                 sampler_duration_s: float | None = None,
+                 lifecycle_recorded: tuple[str, ...] = (),
+                 lifecycle_pending: tuple[str, ...] = (),
+                 task_restarts: dict[str, int] | None = None,
+                 signatures: dict[str, int] | None = None,
+                 failure: dict[str, Any] | None = None, stalled_s: float = 0.0,
+                 taken_at: float | None = None) -> None:
+        self.run_id = run_id
+        self.node = node
+        self.mode = mode  # "run" or "watch"
+        self.offline = offline  # ENABLED=0: nothing is posted
+        self.started_at = started_at  # epoch seconds
+        self.routes = routes
+        self.sources = sources
+        self.files = files
+        self.matches = matches
+        self.sampler_duration_s = sampler_duration_s  # how long the last hardware sample took
+        self.lifecycle_recorded = lifecycle_recorded  # events recorded, in order
+        self.lifecycle_pending = lifecycle_pending  # events not yet acknowledged
+        # supervised tasks that failed, and failure signatures seen so far
+        self.task_restarts = {} if task_restarts is None else task_restarts
+        self.signatures = {} if signatures is None else signatures
+        self.failure = failure  # the failed run's summary (sidecar.diagnose.Failure)
+        # how long the trainer has been stalled (--stall-after); 0: it is not
+        self.stalled_s = stalled_s
+        self.taken_at = time.time() if taken_at is None else taken_at
 
     @property
     def ready(self) -> bool:
@@ -127,10 +141,22 @@ class StatusSnapshot:
         return self.offline or any(r.last_success is not None for r in self.routes)
 
     def to_json(self) -> dict[str, Any]:
-        """The /status document."""
-        doc = asdict(self)
-        doc.update(ready=self.ready, version=__version__)
-        return doc
+        """The /status document: each record an object of its fields in order, and the
+        dicts copies (as `dataclasses.asdict` made it)."""
+        return {
+            "run_id": self.run_id, "node": self.node, "mode": self.mode,
+            "offline": self.offline, "started_at": self.started_at,
+            "routes": tuple(r._asdict() for r in self.routes),
+            "sources": tuple(s._asdict() for s in self.sources),
+            "files": tuple(f._asdict() for f in self.files),
+            "matches": tuple(m._asdict() for m in self.matches),
+            "sampler_duration_s": self.sampler_duration_s,
+            "lifecycle_recorded": self.lifecycle_recorded,
+            "lifecycle_pending": self.lifecycle_pending,
+            "task_restarts": dict(self.task_restarts), "signatures": dict(self.signatures),
+            "failure": copy.deepcopy(self.failure), "stalled_s": self.stalled_s,
+            "taken_at": self.taken_at, "ready": self.ready, "version": __version__,
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> StatusSnapshot:
@@ -187,8 +213,7 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method No
             503: b"Service Unavailable"}
 
 
-@dataclass(frozen=True)
-class _Answer:
+class _Answer(NamedTuple):
     """One response, before masking and framing."""
 
     status: int
