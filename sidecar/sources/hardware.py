@@ -27,7 +27,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -103,8 +102,7 @@ class CpuTimes(NamedTuple):
     total: float
 
 
-@dataclass(frozen=True)
-class ProcessReading:
+class ProcessReading(NamedTuple):
     """One process of the trainer's tree."""
 
     pid: int
@@ -624,20 +622,21 @@ class InfinibandCollector:
 # ---- the sampler --------------------------------------------------------------------------
 
 
-@dataclass
 class SamplerStats:
     """What the status endpoint shows of the sampler."""
 
-    samples: int = 0
-    last_sample_s: float | None = None  # how long the last sample took
-    gpus: int = 0  # GPUs being sampled
-    gpu_status: str = "not started"  # how many GPUs, or why there is no GPU telemetry
-    skipped_reads: int = 0  # reads skipped because the worker's previous read still hangs
-    disabled: dict[str, dict[str, str]] = field(default_factory=dict)  # "gpu/0": {query: why}
+    __slots__ = ("disabled", "gpu_status", "gpus", "last_sample_s", "samples", "skipped_reads")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.last_sample_s: float | None = None  # how long the last sample took
+        self.gpus = 0  # GPUs being sampled
+        self.gpu_status = "not started"  # how many GPUs, or why there is no GPU telemetry
+        self.skipped_reads = 0  # reads skipped because the worker's previous read still hangs
+        self.disabled: dict[str, dict[str, str]] = {}  # "gpu/0": {query: why}
 
 
-@dataclass(frozen=True)
-class _Part:
+class _Part(NamedTuple):
     """One read of a sample: its name (`host`, `disk-usage`, `gpu/0`), how a message names
     it, the read itself, and how long it may take before it counts as hung."""
 

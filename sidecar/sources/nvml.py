@@ -19,7 +19,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NewType
 
 from sidecar.log import log
@@ -187,8 +186,7 @@ def cuda_driver_version() -> str:
 # ---- the job's GPUs -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GpuFilter:
+class GpuFilter(NamedTuple):
     """The job's GPUs as its CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES names them.
 
     Indexes are NVML's (PCI bus order), which is CUDA's order on a node of one GPU model and
@@ -269,7 +267,6 @@ def _is_uuid(token: str) -> bool:
 # ---- what a read produces -------------------------------------------------------------------
 
 
-@dataclass
 class Readings:
     """What one read produced, the shape every collector fills.
 
@@ -278,9 +275,12 @@ class Readings:
     had its counter start over (a different set of links added up), so no rate spans it.
     """
 
-    gauges: dict[str, float] = field(default_factory=dict)
-    counters: dict[str, tuple[float, float]] = field(default_factory=dict)
-    restarted: set[str] = field(default_factory=set)
+    __slots__ = ("counters", "gauges", "restarted")
+
+    def __init__(self) -> None:
+        self.gauges: dict[str, float] = {}
+        self.counters: dict[str, tuple[float, float]] = {}
+        self.restarted: set[str] = set()
 
     def merge(self, other: Readings) -> None:
         self.gauges.update(other.gauges)
@@ -542,13 +542,16 @@ def _field_value(kind: int, raw: int) -> float:
     return float(raw)  # unsigned long (long)
 
 
-@dataclass(frozen=True)
 class MigDevice:
-    """One MIG instance of a GPU: its slot on the GPU, UUID and handle."""
+    """One MIG instance of a GPU: its slot on the GPU, UUID and handle. (Not a NamedTuple:
+    `index` would hide tuple.index.)"""
 
-    index: int
-    uuid: str
-    handle: Handle
+    __slots__ = ("handle", "index", "uuid")
+
+    def __init__(self, index: int, uuid: str, handle: Handle) -> None:
+        self.index = index
+        self.uuid = uuid
+        self.handle = handle
 
 
 class GpuDevice:
@@ -611,8 +614,7 @@ class GpuDevice:
         self._on = [q for q in self._on if q is not query]
 
 
-@dataclass(frozen=True)
-class Query:
+class Query(NamedTuple):
     """One thing read from a GPU; turned off on its own when the GPU does not support it.
 
     `build` runs at the query's first read, on the sampler's thread: it asks NVML once what
@@ -653,8 +655,7 @@ def _memory(dev: GpuDevice) -> Reader:
     return read
 
 
-@dataclass(frozen=True)
-class _Scalar:
+class _Scalar(NamedTuple):
     """A call that writes one number through its last argument: its arguments between the
     device and that pointer, the C type written, the key, and the factor to the key's unit."""
 
@@ -973,13 +974,15 @@ def _open(index: int, gpu_filter: GpuFilter | None) -> GpuDevice | None:
 # ---- XID events -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class XidEvent:
     """An XID critical error NVML reported for GPU `index`, at wall time `at_s`."""
 
-    index: int
-    xid: int
-    at_s: float
+    __slots__ = ("at_s", "index", "xid")
+
+    def __init__(self, index: int, xid: int, at_s: float) -> None:
+        self.index = index
+        self.xid = xid
+        self.at_s = at_s
 
 
 _XID_CRITICAL_ERROR = 0x8  # nvmlEventTypeXidCriticalError

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import dataclasses
 import itertools
 import json
 import os
@@ -37,7 +36,7 @@ from typing import Any
 from sidecar import log as sidecar_log
 from sidecar.node import Node
 from sidecar.sources.environment import environment_snapshot
-from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
+from sidecar.sources.hardware import HardwareSampler, SamplerStats, gpu_filter_from_env
 
 TICK_S = 0.01
 RUN_TIMEOUT_S = 30.0
@@ -84,7 +83,7 @@ async def drive(config: dict[str, Any]) -> dict[str, Any]:
             environ={})
     gaps = [b - a for a, b in itertools.pairwise(ticks)]
     result.update(payloads=hardware, max_tick_gap_s=max(gaps, default=0.0),
-                  stats=dataclasses.asdict(sampler.stats),
+                  stats={name: getattr(sampler.stats, name) for name in SamplerStats.__slots__},
                   calls=stub_calls(config.get("calls", [])), threads=sorted(threads))
     return result
 
