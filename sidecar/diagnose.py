@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sidecar.log import format_duration
 from sidecar.node import Node
@@ -35,8 +34,7 @@ _SIGNAL_CAUSES: dict[int, str] = {
 }
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(NamedTuple):
     """The facts of one failed run on one node."""
 
     exit_status: int
@@ -57,7 +55,8 @@ class Failure:
                 f"{format_duration(self.duration_s)}; likely cause: {self.cause}{quoted}")
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """/status's `failure`: the fields in order."""
+        return self._asdict()
 
 
 def diagnose(exit_status: int, duration_s: float, scanner: Scanner, node: Node,

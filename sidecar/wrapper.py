@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar.aio import cancel
@@ -59,18 +58,15 @@ GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each re
 #                        so the loop's work on one block never holds up the child's pipe
 
 
-@dataclass
 class _Budget:
     """A token bucket of output bytes a second, shared by the command's two streams (and so by
     their two pump threads)."""
 
-    rate: float  # bytes a second; 0: no limit
-    _tokens: float = 0.0
-    _at: float = field(default_factory=time.monotonic)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self._tokens = self.rate  # a second's worth at the start
+    def __init__(self, rate: float) -> None:
+        self.rate = rate  # bytes a second; 0: no limit
+        self._tokens = rate  # a second's worth at the start
+        self._at = time.monotonic()
+        self._lock = threading.Lock()
 
     def grant(self) -> int:
         """Bytes that may be read for /logs now: none until a batch's worth has built up (a
@@ -95,19 +91,20 @@ class _Budget:
         return self._tokens
 
 
-@dataclass
 class _Stream:
     """One of the child's output streams on its way to /logs; the pump's Gate."""
 
-    name: str  # stdout or stderr, or terminal (--tty)
-    assembler: LineAssembler
-    shipper: LogShipper | None  # None when reporting is off
-    budget: _Budget
-    scanner: Scanner  # failure signatures, looked for beside the log path
-    tail: StreamTail  # the recent text and what of it the ingest acknowledged (crash tail)
-    stall: StallWatch  # told of every block, read or skipped
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-    _skipped: int = 0
+    def __init__(self, name: str, assembler: LineAssembler, shipper: LogShipper | None,
+                 budget: _Budget, scanner: Scanner, tail: StreamTail, stall: StallWatch) -> None:
+        self.name = name  # stdout or stderr, or terminal (--tty)
+        self.assembler = assembler
+        self.shipper = shipper  # None when reporting is off
+        self.budget = budget
+        self.scanner = scanner  # failure signatures, looked for beside the log path
+        self.tail = tail  # the recent text and what of it the ingest acknowledged (crash tail)
+        self.stall = stall  # told of every block, read or skipped
+        self.closed = asyncio.Event()
+        self._skipped = 0
 
     def allowance(self) -> tuple[int, str]:
         """In the pump thread: drop before spending CPU on it, the trainer's cores are not ours."""

@@ -10,16 +10,15 @@ Blocking file reads: call from a thread.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MAX_FOLDERS = 1000  # a runaway tree costs at most this many reads
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a page-aligned LONG_MAX
 
 
-@dataclass(frozen=True)
-class OomKill:
+class OomKill(NamedTuple):
     """A cgroup whose OOM-kill count went up, and its memory limit (None: none set)."""
 
     folder: Path

@@ -27,7 +27,6 @@ import termios
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from sidecar.log import log, open_line
@@ -60,28 +59,33 @@ class Gate(Protocol):
         """A wanted block of `size` bytes was read (charged to the rate budget)."""
 
 
-@dataclass
 class Pump:
     """Copies one pipe to an output fd in a thread and offers the blocks `gate` wants to the
     event loop; the others it moves with splice(2) and reports as skipped."""
 
-    name: str
-    source_fd: int
-    sink_fd: int
-    gate: Gate
-    on_block: Callable[[bytes], None]  # on the loop: a block to forward
-    on_skip: Callable[[int, str], None]  # on the loop: bytes not forwarded, and why
-    on_eof: Callable[[], None]
-    loop: asyncio.AbstractEventLoop
-    max_pending_bytes: int = MAX_PENDING_BYTES
-    dropped_bytes: int = 0  # offered while the loop was too far behind
-    _pending: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _sink_open: bool = True
-    _can_splice: bool = True  # until splice(2) says this sink cannot take it
-    _forwarding_failed: bool = False  # the /logs side raised: pass through only from then on
-    _on_our_terminal: bool = False  # the sink is the terminal our own messages go to
-    _small_read_at: float = float("-inf")  # when the last read was a small one
+    def __init__(self, name: str, source_fd: int, sink_fd: int, gate: Gate,
+                 on_block: Callable[[bytes], None], on_skip: Callable[[int, str], None],
+                 on_eof: Callable[[], None], loop: asyncio.AbstractEventLoop,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        """`on_block`, on the loop: a block to forward; `on_skip`, on the loop: bytes not
+        forwarded, and why."""
+        self.name = name
+        self.source_fd = source_fd
+        self.sink_fd = sink_fd
+        self.gate = gate
+        self.on_block = on_block
+        self.on_skip = on_skip
+        self.on_eof = on_eof
+        self.loop = loop
+        self.max_pending_bytes = max_pending_bytes
+        self.dropped_bytes = 0  # offered while the loop was too far behind
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._sink_open = True
+        self._can_splice = True  # until splice(2) says this sink cannot take it
+        self._forwarding_failed = False  # the /logs side raised: pass through only from then on
+        self._on_our_terminal = False  # the sink is the terminal our own messages go to
+        self._small_read_at = float("-inf")  # when the last read was a small one
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name=f"pump-{self.name}", daemon=True)
@@ -209,18 +213,19 @@ class Pump:
         self.on_block(block)
 
 
-@dataclass
 class Child:
     """A spawned command, its exit status, and signal forwarding to its process group."""
 
-    argv: Sequence[str]
-    env: Mapping[str, str]
-    tty: bool = False  # stdout and stderr on one pseudo-terminal instead of two pipes
-    pid: int = 0
-    reap_orphans: bool = field(default_factory=lambda: os.getpid() == 1)
-    _proc: subprocess.Popen[bytes] | None = None
-    _exit: asyncio.Future[int] | None = None
-    _foreground: _Foreground | None = None
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], tty: bool = False) -> None:
+        """`tty`: stdout and stderr on one pseudo-terminal instead of two pipes."""
+        self.argv = argv
+        self.env = env
+        self.tty = tty
+        self.pid = 0
+        self.reap_orphans = os.getpid() == 1
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._exit: asyncio.Future[int] | None = None
+        self._foreground: _Foreground | None = None
 
     def spawn(self) -> tuple[int, ...]:
         """Start the command; returns what to read its output from: the read ends of its stdout
@@ -305,12 +310,12 @@ def _enlarge_pipe(fd: int) -> None:
         fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
 
 
-@dataclass
 class _Foreground:
     """The terminal's foreground, lent to the child's process group while it runs."""
 
-    fd: int
-    own_group: int
+    def __init__(self, fd: int, own_group: int) -> None:
+        self.fd = fd
+        self.own_group = own_group
 
     @classmethod
     def give(cls, child_group: int) -> _Foreground | None:

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 CARRY_BYTES = 4096  # of an unfinished line kept for the next block; also the stream tail kept
 QUOTE_CHARS = 160  # of a quoted line; a longer one ends in " ..."
 ARMED_BYTES = 256 << 10  # how far after a traceback header its exception line is looked for
 
 
-@dataclass(frozen=True)
-class Signature:
+class Signature(NamedTuple):
     """One row of the table."""
 
     name: str  # the label in /metrics and /status
@@ -65,23 +64,27 @@ SIGNATURES: tuple[Signature, ...] = (
 )
 
 
-@dataclass
 class Seen:
     """What the scanner knows of one signature: how often, and the occurrence it quotes."""
 
-    count: int = 0
-    stream: str = ""
-    line: str = ""
-    groups: dict[str, str] = field(default_factory=dict)
+    __slots__ = ("count", "groups", "line", "stream")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.stream = ""
+        self.line = ""
+        self.groups: dict[str, str] = {}
 
 
-@dataclass
 class _StreamState:
-    keywords: tuple[tuple[bytes, bytes], ...]  # (guard, keyword) of the rows that apply
-    carry: bytes = b""  # the unfinished last line
-    tail: bytes = b""  # the last CARRY_BYTES of the stream
-    armed: dict[str, int] = field(default_factory=dict)  # a row seen that arms others, and
-    #                                                       how many more bytes it stays armed
+    __slots__ = ("armed", "carry", "keywords", "tail")
+
+    def __init__(self, keywords: tuple[tuple[bytes, bytes], ...]) -> None:
+        self.keywords = keywords  # (guard, keyword) of the rows that apply
+        self.carry = b""  # the unfinished last line
+        self.tail = b""  # the last CARRY_BYTES of the stream
+        # a row seen that arms others, and how many more bytes it stays armed
+        self.armed: dict[str, int] = {}
 
 
 class Scanner:
