@@ -8,13 +8,15 @@ import json
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from sidecar.config import STATUS_ADDR_FILE
-from tests.conftest import platform_env
+from tests.conftest import platform_env, python_child
 from tests.ingest_server import RunningIngest, wait_until
+from tests.test_hardware import TWO_GPUS, stub_dir  # noqa: F401 (stub_dir: a fixture)
 
 # Loaded only by the commands or the moments that need them.
 NOT_FOR_A_DAEMON = (
@@ -66,7 +68,7 @@ def test_a_daemon_without_gpus_loads_no_command_or_scrape_code() -> None:
     assert found["reason"] == "the NVIDIA driver library libnvidia-ml.so.1 is not installed"
 
 
-WATCH_THEN_LIST_MODULES = """
+DAEMON_THEN_LIST_MODULES = """
 import atexit, dataclasses, json, sys
 from sidecar.cli import main
 
@@ -79,36 +81,52 @@ def loaded():
     return {"modules": modules, "dataclasses": made}
 
 atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(loaded())))
-sys.exit(main(["watch", "--log", sys.argv[2]]))
+sys.exit(main(sys.argv[2:]))
 """
 
 
 def _watch_modules(ingest: RunningIngest, tmp_path: Path, status_addr: str) -> set[str]:
     """The modules of a running `sidecar watch --log` once its line was delivered and, with the
     status endpoint on, /healthz answered."""
-    return set(_watch_loaded(ingest, tmp_path, status_addr)["modules"])
+    return set(_watch_loaded(ingest, tmp_path, SIDECAR_HARDWARE_INTERVAL="0",
+                             SIDECAR_STATUS_ADDR=status_addr)["modules"])
 
 
-def _watch_loaded(ingest: RunningIngest, tmp_path: Path, status_addr: str
-                  ) -> dict[str, list[str]]:
-    """What `_watch_modules` says, and the dataclasses its sidecar modules define."""
-    modules, log = tmp_path / "modules.json", tmp_path / "train.log"
+def _watch_loaded(ingest: RunningIngest, tmp_path: Path, **extra: str) -> dict[str, list[str]]:
+    """What `_watch_modules` says, and the dataclasses its sidecar modules define, for a watch
+    with the variables `extra`; with hardware sampling on, once a sample was delivered."""
+    log = tmp_path / "train.log"
     log.write_text("one line\n")
     state = tmp_path / "state"
-    env = platform_env(ingest, state, SIDECAR_HARDWARE_INTERVAL="0",
-                       SIDECAR_STATUS_ADDR=status_addr)
-    proc = subprocess.Popen([sys.executable, "-c", WATCH_THEN_LIST_MODULES, str(modules),
-                             str(log)], env=env, cwd=tmp_path, stderr=subprocess.PIPE)
-    try:
+    env = platform_env(ingest, state, **extra)
+
+    def running() -> None:
         ingest.wait_for(lambda: ingest.records("logs"), 30)
-        if status_addr != "off":
+        if extra.get("SIDECAR_HARDWARE_INTERVAL") != "0":
+            ingest.wait_for(lambda: ingest.records("hardware"), 30, "a hardware sample")
+        if env["SIDECAR_STATUS_ADDR"] != "off":
             wait_until(lambda: any(state.rglob(STATUS_ADDR_FILE)), 30, "the status address")
             address = next(state.rglob(STATUS_ADDR_FILE)).read_text().strip()
             direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
             with direct.open(f"http://{address}/healthz", timeout=10) as response:
                 assert response.status == 200
+
+    return _daemon_loaded(tmp_path, ["watch", "--log", str(log)], env, running, stop=True)
+
+
+def _daemon_loaded(tmp_path: Path, args: list[str], env: dict[str, str],
+                   running: Callable[[], None], *, stop: bool) -> dict[str, list[str]]:
+    """The modules `sidecar ARGS` had loaded at its exit, and the dataclasses its sidecar
+    modules define: `running` is called while it runs, then it is stopped (`stop`, a watch) or
+    waited for (a run)."""
+    modules = tmp_path / "modules.json"
+    proc = subprocess.Popen([sys.executable, "-c", DAEMON_THEN_LIST_MODULES, str(modules),
+                             *args], env=env, cwd=tmp_path, stderr=subprocess.PIPE)
+    try:
+        running()
     finally:
-        proc.terminate()
+        if stop:
+            proc.terminate()
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr.decode(errors="replace")
     loaded: dict[str, list[str]] = json.loads(modules.read_text())
@@ -119,11 +137,60 @@ def _watch_loaded(ingest: RunningIngest, tmp_path: Path, status_addr: str
 def test_a_watch_generates_no_dataclass_methods(ingest: RunningIngest, tmp_path: Path) -> None:
     """A dataclass's __init__, __repr__ and __eq__ are generated, compiled and run at every
     import: the daemon's classes were a tenth of a watch's start-up instructions (issue 17).
-    Its classes are plain, with their methods in the .pyc, and Config a NamedTuple. The status
-    endpoint's snapshots and the hardware sampler's records are loaded only with those
-    (--status-addr off and --hardware-interval 0 here, as measured)."""
-    made = _watch_loaded(ingest, tmp_path, "off")["dataclasses"]
+    Its classes are plain, with their methods in the .pyc, and Config a NamedTuple; here with
+    the status endpoint and hardware sampling off (as measured)."""
+    made = _watch_loaded(ingest, tmp_path, SIDECAR_HARDWARE_INTERVAL="0",
+                         SIDECAR_STATUS_ADDR="off")["dataclasses"]
     assert made == [], f"dataclasses on a watch's start path: {made}"
+
+
+def _nvml_stub(tmp_path: Path, library_dir: Path) -> dict[str, str]:
+    """The variables that put the stand-in libnvidia-ml.so.1 (two GPUs) in a daemon's way."""
+    script = tmp_path / "nvml-script.txt"
+    script.write_text("".join(f"{k} {v}\n" for k, v in TWO_GPUS.items()))
+    return {"NVML_STUB_SCRIPT": str(script), "LD_LIBRARY_PATH": str(library_dir)}
+
+
+def test_a_default_watch_generates_no_dataclass_methods(
+        ingest: RunningIngest, tmp_path: Path, stub_dir: Path) -> None:  # noqa: F811
+    """As users run it: the status endpoint on (its snapshots), hardware sampling at its
+    default interval, with GPUs (the sampler's, NVML's and the XID watcher's records)."""
+    loaded = _watch_loaded(ingest, tmp_path, SIDECAR_STATUS_ADDR="127.0.0.1:0",
+                           **_nvml_stub(tmp_path, stub_dir))
+    assert {"sidecar.observe.endpoint", "sidecar.sources.hardware",
+            "sidecar.sources.nvml"} <= set(loaded["modules"])
+    made = loaded["dataclasses"]
+    assert made == [], f"dataclasses on a watch's start path: {made}"
+
+
+WAITS_FOR_A_FILE = """
+import os, sys, time
+print("one line", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+"""
+
+
+def test_a_run_generates_no_dataclass_methods(ingest: RunningIngest, tmp_path: Path,
+                                              stub_dir: Path) -> None:  # noqa: F811
+    """`run` adds the wrapper's classes: the child, its pumps, the failure signatures, the
+    cgroup's OOM kills, the diagnosis; defaults as in the watch above."""
+    go = tmp_path / "go"
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_STATUS_ADDR="127.0.0.1:0",
+                       **_nvml_stub(tmp_path, stub_dir))
+
+    def running() -> None:
+        ingest.wait_for(lambda: ingest.records("logs"), 30, "the child's line")
+        ingest.wait_for(lambda: ingest.records("hardware"), 30, "a hardware sample")
+        go.touch()
+
+    loaded = _daemon_loaded(tmp_path, ["run", "--", *python_child(WAITS_FOR_A_FILE), str(go)],
+                            env, running, stop=False)
+    assert {"sidecar.wrapper", "sidecar.sources.child", "sidecar.sources.signatures",
+            "sidecar.diagnose", "sidecar.sources.cgroup",
+            "sidecar.sources.nvml"} <= set(loaded["modules"])
+    made = loaded["dataclasses"]
+    assert made == [], f"dataclasses on a run's start path: {made}"
 
 
 def _aiohttp(loaded: set[str]) -> set[str]:
