@@ -224,3 +224,26 @@ def test_watch_with_a_status_endpoint_loads_no_aiohttp(ingest: RunningIngest,
     loaded = _watch_modules(ingest, tmp_path, "127.0.0.1:0")
     assert {"sidecar.observe.endpoint", "h11"} <= loaded
     assert not _aiohttp(loaded)
+
+
+def test_no_module_a_daemon_may_load_defines_a_dataclass() -> None:
+    """The start paths above, and every other module a `run` or `watch` can come to load (a
+    TensorBoard source, `sidecar check`'s and `receive`'s own commands aside): a new dataclass
+    there would cost every start again."""
+    import dataclasses
+    import importlib
+    import inspect
+    import pkgutil
+
+    import sidecar
+
+    found = []
+    for module_info in pkgutil.walk_packages(sidecar.__path__, "sidecar."):
+        if module_info.name.startswith(("sidecar.commands.", "sidecar.examples")) or \
+                module_info.name == "sidecar.__main__":  # which would run a command
+            continue
+        module = importlib.import_module(module_info.name)
+        found += [f"{module.__name__}.{name}" for name, value in vars(module).items()
+                  if inspect.isclass(value) and value.__module__ == module.__name__
+                  and dataclasses.is_dataclass(value)]
+    assert found == [], f"dataclasses a daemon may load: {found}"

@@ -33,7 +33,6 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
@@ -100,15 +99,17 @@ _MAX_EXACT_INT = 2**53  # a double holds every integer up to here exactly
 ScalarPoint = tuple[str, int, float, float]
 
 
-@dataclass
 class Decoded:
     """What one `EventFileParser.parse` call found."""
 
-    points: list[ScalarPoint] = field(default_factory=list)
-    hparams: dict[str, HParamValue] | None = None  # session-start hparams, flattened; None: none
-    consumed: int = 0  # leading bytes that were whole records or skipped garbage: drop them
-    corrupt_records: int = 0  # skipped and counted (see the module docstring for the policy)
-    invalid_values: dict[str, int] = field(default_factory=dict)  # NaN/inf count per key
+    __slots__ = ("consumed", "corrupt_records", "hparams", "invalid_values", "points")
+
+    def __init__(self) -> None:
+        self.points: list[ScalarPoint] = []
+        self.hparams: dict[str, HParamValue] | None = None  # session-start, flattened; None: none
+        self.consumed = 0  # leading bytes that were whole records or skipped garbage: drop them
+        self.corrupt_records = 0  # skipped and counted (see the module docstring for the policy)
+        self.invalid_values: dict[str, int] = {}  # NaN/inf count per key
 
 
 def masked_crc32c(data: bytes) -> int:
