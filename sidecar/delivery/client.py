@@ -186,7 +186,7 @@ class IngestClient:
         self.endpoint = endpoint
         self.token_headers = token_headers
         self.read_token = read_token
-        self.ca_file = ca_file  # loaded when the client is made: see load_ca_file
+        # loaded when the client is made: see load_ca_file
         self._ssl = load_ca_file(ca_file) if ca_file is not None else None
         self.stats: dict[str, RouteStats] = {}
         self._transport: Transport | None = None

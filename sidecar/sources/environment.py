@@ -394,7 +394,8 @@ def _ipv6_addresses(proc_root: Path) -> dict[str, list[str]]:
         if int(fields[3], 16) == IPV6_SCOPE_LINK:
             address += "%" + fields[5]
         found.setdefault(fields[5], []).append(address)
-    return {name: sorted(found, key=lambda a: "%" in a) for name, found in found.items()}
+    return {name: sorted(addresses, key=lambda a: "%" in a)
+            for name, addresses in found.items()}
 
 
 def _psutil_interfaces() -> list[dict[str, Any]]:

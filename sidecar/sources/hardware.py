@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sidecar.log import log
 from sidecar.records import iso_ts
@@ -43,15 +43,14 @@ from sidecar.sources.nvml import (
     gpu_filter_from_env,
 )
 from sidecar.supervise import fault_point
-from sidecar.threads import Worker, off_loop
+from sidecar.threads import Worker
 
 if TYPE_CHECKING:
     import psutil
 
 __all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "Rates",
-           "SamplerStats", "Worker", "gpu_filter_from_env", "off_loop"]
+           "SamplerStats", "gpu_filter_from_env"]
 
-T = TypeVar("T")
 Emit = Callable[[str, dict[str, Any]], None]
 
 GPU_STAGGER_S = 0.05  # a GPU's read taking longer than this overlaps the next GPU's

@@ -29,9 +29,6 @@ class LogFileParser:
     def __init__(self, log_format: str = "auto", secrets: Masker = NO_SECRETS, prefix: str = "",
                  keep_sgr: bool = False) -> None:
         self.log_format = log_format
-        self.secrets = secrets
-        self.prefix = prefix
-        self.keep_sgr = keep_sgr
         self._assembler = LineAssembler(secrets, prefix, keep_sgr=keep_sgr)
         self._partial: dict[bytes, list[bytes]] = {}  # CRI P pieces by stream
 
