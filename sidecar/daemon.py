@@ -22,7 +22,7 @@ from sidecar.delivery.client import IngestClient
 from sidecar.delivery.logs import LogShipper
 from sidecar.log import log, mask
 from sidecar.node import Node, resolve_node
-from sidecar.sources.hparams import load_hparams
+from sidecar.sources.files.hparams import load_hparams
 from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
 from sidecar.supervise import fault_point, restarts, supervise
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # types only: watch never loads the wrapper's modules, nor th
     from sidecar.diagnose import Failure
     from sidecar.observe.endpoint import StatusServer
     from sidecar.pipeline import Pipeline
-    from sidecar.sources.signatures import Scanner
+    from sidecar.sources.console.signatures import Scanner
 
 TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
 STALL_LOOK_S = 60.0  # watch: the longest sleep between looks for a stall

@@ -1,9 +1,9 @@
 """Why a run failed, from what the sidecar saw of it (CONTRACT 5, what the sidecar adds to /logs).
 
 The evidence, strongest first: the kernel's OOM killer in the cgroup (a SIGKILL while a count
-went up), a signature of the output table (sources/signatures.py) in its rank order with an XID
-the sampler saw placed after CUDA out of memory, the signal the command died of, the last
-exception line of a Python traceback, the last non-empty stderr line. The summary is one line:
+went up), a signature of the output table (sources/console/signatures.py) in its rank order
+with an XID the sampler saw placed after CUDA out of memory, the signal the command died of, the
+last exception line of a Python traceback, the last non-empty stderr line. The summary is one line:
 
     [sidecar] run failed: exit status 1 after 2h13m; likely cause: CUDA out of memory
     (stderr: "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB ...")
@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 from sidecar.log import format_duration
 from sidecar.node import Node
-from sidecar.sources.cgroup import OomKill
-from sidecar.sources.nvml import XidEvent
-from sidecar.sources.signatures import Scanner
+from sidecar.sources.console.signatures import Scanner
+from sidecar.sources.telemetry.cgroup import OomKill
+from sidecar.sources.telemetry.nvml import XidEvent
 
 EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N is 128 + N (CONTRACT 2)
 LAST_LINE_STREAMS = ("stderr", "terminal")  # the last resort; with --tty both streams are one

@@ -6,7 +6,7 @@
     --hparams file ---------------------------------^
     emit(route, payload) (sampler, environment) --> Batcher per route ---------> /hardware, ...
 
-A file's offset is committed (checkpoints.py) only when every payload made from the bytes before
+A file's offset is committed (files/offsets.py) only when every payload made from the bytes before
 it was acknowledged; the acknowledgement travels back as a `Ticket`.
 """
 
@@ -30,17 +30,17 @@ from sidecar.log import log, secrets, state_write_failed
 from sidecar.node import Node
 from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
-from sidecar.sources.checkpoints import Checkpoints
-from sidecar.sources.discover import EVENT_FILES
-from sidecar.sources.environment import post_environment
-from sidecar.sources.follow import Follower, Sink, SourceSpec
-from sidecar.sources.jsonl import JsonlParser
-from sidecar.sources.logfile import LogFileParser
+from sidecar.sources.files.discover import EVENT_FILES
+from sidecar.sources.files.follow import Follower, Sink, SourceSpec
+from sidecar.sources.files.jsonl import JsonlParser
+from sidecar.sources.files.logfile import LogFileParser
+from sidecar.sources.files.offsets import Offsets
+from sidecar.sources.telemetry.environment import post_environment
 from sidecar.statefile import Malformed, load_checked, write_atomic
 from sidecar.supervise import supervise
 
 if TYPE_CHECKING:
-    from sidecar.sources.hardware import HardwareSampler
+    from sidecar.sources.telemetry.hardware import HardwareSampler
 
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
@@ -110,7 +110,7 @@ class _EventFile:
     """The TensorBoard event-file decoder seen as a file parser: scalars become points."""
 
     def __init__(self, key_prefix: str, state: dict[str, Any]) -> None:
-        from sidecar.sources.tensorboard import EventFileParser
+        from sidecar.sources.files.tensorboard import EventFileParser
 
         self._decoder = EventFileParser(key_prefix, state)
 
@@ -160,8 +160,8 @@ class Pipeline(Sink):
             "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
         self.documents = {route: document_batcher(client, route, run_dir)
                           for route in DOCUMENT_ROUTES}
-        self.checkpoints = Checkpoints(run_dir / "offsets.json")
-        self.follower = Follower(source_specs(cfg, node), self, self.checkpoints,
+        self.offsets = Offsets(run_dir / "offsets.json")
+        self.follower = Follower(source_specs(cfg, node), self, self.offsets,
                                  mode=cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
             sink.on_room = self.follower.room
@@ -178,8 +178,8 @@ class Pipeline(Sink):
             if batcher.spill is not None:
                 batcher.spill.open()
             batcher.start()
-        self.checkpoints.load()
-        self.checkpoints.start()
+        self.offsets.load()
+        self.offsets.start()
         if self.hparams_file:
             self.hparams.push(list(self.hparams_file.items()))
         if self.follower.specs:
@@ -206,7 +206,7 @@ class Pipeline(Sink):
             find_trainer_python=find_trainer_python))
         if cfg.hardware_interval > 0:
             # imported here: with sampling off, its NVML and psutil code is never loaded
-            from sidecar.sources.hardware import HardwareSampler, gpu_filter_from_env
+            from sidecar.sources.telemetry.hardware import HardwareSampler, gpu_filter_from_env
 
             disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
                           *(Path(p) for p in cfg.tensorboard)]
@@ -301,7 +301,7 @@ class Pipeline(Sink):
         remaining = max(deadline - time.monotonic(), 0.0)
         await asyncio.gather(self.shipper.flush(remaining),
                              *(b.flush(remaining) for b in self.batchers))
-        await self.checkpoints.save()
+        await self.offsets.save()
 
     async def close(self) -> None:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
@@ -310,7 +310,7 @@ class Pipeline(Sink):
         await asyncio.gather(*(b.stop() for b in self.batchers))
         for batcher in self.documents.values():
             await batcher.persist()
-        await self.checkpoints.stop()
+        await self.offsets.stop()
         self.follower.close()
         left = {b.route: b.queued for b in self.batchers if b.queued}
         if left:

@@ -35,11 +35,11 @@ from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
 from sidecar.log import log, mask, secrets
 from sidecar.node import resolve_node
-from sidecar.sources.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
-from sidecar.sources.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
-from sidecar.sources.hparams import load_hparams
-from sidecar.sources.lines import LineAssembler
-from sidecar.sources.signatures import Scanner
+from sidecar.sources.console.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
+from sidecar.sources.console.lines import LineAssembler
+from sidecar.sources.console.signatures import Scanner
+from sidecar.sources.files.hparams import load_hparams
+from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.stall import StallWatch
 from sidecar.statefile import release
 from sidecar.supervise import fault_point, supervise

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from sidecar.node import Node, node_count, resolve_node
-from sidecar.sources import environment, nvml
-from sidecar.sources.environment import (
+from sidecar.sources.telemetry import environment, nvml
+from sidecar.sources.telemetry.environment import (
     environment_snapshot,
     find_python,
     host_facts,
@@ -68,7 +68,7 @@ def test_host_facts_fall_back_to_psutil_where_sysfs_and_proc_say_nothing(tmp_pat
 def test_host_facts_do_not_load_psutil() -> None:
     """psutil's import was a twentieth of `sidecar watch`'s start-up, for three numbers."""
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from sidecar.sources import environment; "
+        [sys.executable, "-c", "import sys; from sidecar.sources.telemetry import environment; "
          "environment.host_facts(); print('psutil' in sys.modules)"],
         capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "False"

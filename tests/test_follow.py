@@ -25,13 +25,13 @@ import pytest
 
 from sidecar.aio import cancel
 from sidecar.records import Ticket
-from sidecar.sources import follow
 from sidecar.sources.base import Parsed
-from sidecar.sources.checkpoints import Checkpoints, Mark, fingerprint
-from sidecar.sources.discover import EVENT_FILES
-from sidecar.sources.follow import Follower, Sink, SourceSpec
-from sidecar.sources.jsonl import JsonlParser
-from sidecar.sources.logfile import LogFileParser
+from sidecar.sources.files import follow
+from sidecar.sources.files.discover import EVENT_FILES
+from sidecar.sources.files.follow import Follower, Sink, SourceSpec
+from sidecar.sources.files.jsonl import JsonlParser
+from sidecar.sources.files.logfile import LogFileParser
+from sidecar.sources.files.offsets import Mark, Offsets, fingerprint
 from tests.conftest import RUN_ID, SIDECAR
 from tests.ingest_server import RunningIngest, wait_until
 from tests.test_delivery import wait_until as async_wait_until
@@ -356,7 +356,7 @@ async def test_a_source_matching_nothing_warns_once(tmp_path: Path,
     pattern = str(tmp_path / "out" / "*.jsonl")
     spec = SourceSpec("jsonl", (pattern,), lambda path, state: JsonlParser.resume(state),
                       option="--jsonl")
-    follower = Follower([spec], _Collect(), Checkpoints(tmp_path / "offsets.json"), mode="poll")
+    follower = Follower([spec], _Collect(), Offsets(tmp_path / "offsets.json"), mode="poll")
     with warnings_of_sidecar() as warned:
         for _ in range(3):
             await follower.step()
@@ -396,7 +396,7 @@ async def test_room_again_reads_on_without_looking_for_files(
                         lambda pattern, *rest: looks.append(pattern) or match(pattern, *rest))
     spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser(), option="--log")
     sink = _OneBlockAtATime()
-    follower = Follower([spec], sink, Checkpoints(tmp_path / "offsets.json"))
+    follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"))
     task = asyncio.create_task(follower.run())
     try:
         await async_wait_until(lambda: len(sink.parsed) == 1, "the first block was read")
@@ -428,7 +428,7 @@ def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
                       option="--tensorboard", tree=EVENT_FILES)
     marks = {"m": Mark(str(event_file), st.st_dev, st.st_ino, fingerprint(b"x" * 100), 10)}
     pipeline = SimpleNamespace(follower=SimpleNamespace(specs=[spec]),
-                               checkpoints=SimpleNamespace(marks=marks))
+                               offsets=SimpleNamespace(marks=marks))
     assert _unread(pipeline) == []  # type: ignore[arg-type]
 
 
@@ -440,7 +440,7 @@ async def test_a_file_closed_while_idle_and_renamed_away_is_read_to_its_end(
     spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser.resume(
         state, log_format="plain"), option="--log")
     sink = _Collect()
-    follower = Follower([spec], sink, Checkpoints(tmp_path / "offsets.json"), mode="poll")
+    follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"), mode="poll")
     await follower.step()
     await follower.step()  # read to its end and idle: its descriptor is given back
     assert not follower._caught_up and follower._open == 0
@@ -474,7 +474,7 @@ async def test_every_moment_of_looking_between_rotations(tmp_path: Path, lines: 
         spec = SourceSpec("log", (str(folder / "app.log*"),), lambda path, state: (
             LogFileParser.resume(state, log_format="plain")))
         sink = _Collect()
-        follower = Follower([spec], sink, Checkpoints(folder / "offsets.json"), mode="poll")
+        follower = Follower([spec], sink, Offsets(folder / "offsets.json"), mode="poll")
         written = []
         with logger_to(logging.handlers.WatchedFileHandler(folder / "app.log")) as writer:
             for i, op in enumerate(ROTATIONS):

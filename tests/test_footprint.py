@@ -35,7 +35,7 @@ DAEMON_IMPORTS = """
 import json, sys
 from sidecar import cli, daemon, pipeline
 from sidecar.observe import endpoint as status
-from sidecar.sources import environment, hardware, nvml
+from sidecar.sources.telemetry import environment, hardware, nvml
 cli.build_parser()
 try:
     nvml.init()
@@ -157,8 +157,8 @@ def test_a_default_watch_generates_no_dataclass_methods(
     default interval, with GPUs (the sampler's, NVML's and the XID watcher's records)."""
     loaded = _watch_loaded(ingest, tmp_path, SIDECAR_STATUS_ADDR="127.0.0.1:0",
                            **_nvml_stub(tmp_path, stub_dir))
-    assert {"sidecar.observe.endpoint", "sidecar.sources.hardware",
-            "sidecar.sources.nvml"} <= set(loaded["modules"])
+    assert {"sidecar.observe.endpoint", "sidecar.sources.telemetry.hardware",
+            "sidecar.sources.telemetry.nvml"} <= set(loaded["modules"])
     made = loaded["dataclasses"]
     assert made == [], f"dataclasses on a watch's start path: {made}"
 
@@ -186,9 +186,10 @@ def test_a_run_generates_no_dataclass_methods(ingest: RunningIngest, tmp_path: P
 
     loaded = _daemon_loaded(tmp_path, ["run", "--", *python_child(WAITS_FOR_A_FILE), str(go)],
                             env, running, stop=False)
-    assert {"sidecar.wrapper", "sidecar.sources.child", "sidecar.sources.signatures",
-            "sidecar.diagnose", "sidecar.sources.cgroup",
-            "sidecar.sources.nvml"} <= set(loaded["modules"])
+    assert {"sidecar.wrapper", "sidecar.sources.console.child",
+            "sidecar.sources.console.signatures", "sidecar.diagnose",
+            "sidecar.sources.telemetry.cgroup",
+            "sidecar.sources.telemetry.nvml"} <= set(loaded["modules"])
     made = loaded["dataclasses"]
     assert made == [], f"dataclasses on a run's start path: {made}"
 
@@ -203,15 +204,17 @@ def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIng
     loaded = _watch_modules(ingest, tmp_path, "off")
     assert "sidecar.observe.endpoint" not in loaded
     # nor does it carry the wrapper's code: the child, its failure signatures, the diagnosis
-    assert not {"sidecar.wrapper", "sidecar.sources.child", "sidecar.sources.signatures",
-                "sidecar.diagnose", "sidecar.sources.cgroup"} & loaded
-    assert "sidecar.sources.hardware" not in loaded  # --hardware-interval 0: no sampler code
+    assert not {"sidecar.wrapper", "sidecar.sources.console.child",
+                "sidecar.sources.console.signatures", "sidecar.diagnose",
+                "sidecar.sources.telemetry.cgroup"} & loaded
+    # --hardware-interval 0: no sampler code
+    assert "sidecar.sources.telemetry.hardware" not in loaded
     # argparse's terminal width, `run`'s trainer-python search, a typo's suggestion, a test's
     # injected fault: each is had without a module that costs a start-up more than it answers
     unasked = {"shutil", "difflib", "random"} & loaded
     assert not unasked, sorted(unasked)
     if not _has_real_nvml():  # nor NVML's, where its library does not load
-        assert "sidecar.sources.nvml" not in loaded
+        assert "sidecar.sources.telemetry.nvml" not in loaded
     # The ingest client is h11 on asyncio streams: aiohttp (13 MB, a third of the start-up)
     # is for `sidecar receive` alone.
     assert not _aiohttp(loaded)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from sidecar.log import log
-from sidecar.sources.hardware import (
+from sidecar.sources.telemetry.hardware import (
     CpuTimes,
     HardwareSampler,
     HostCollector,
@@ -34,7 +34,7 @@ from sidecar.sources.hardware import (
     counter_rate,
     gpu_filter_from_env,
 )
-from sidecar.sources.nvml import _field_value
+from sidecar.sources.telemetry.nvml import _field_value
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child
 from tests.ingest_server import RunningIngest, wait_until
 from tests.nvml_stub.build import BuildError, build, gcc

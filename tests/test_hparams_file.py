@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.config import ConfigError
-from sidecar.sources.hparams import flatten, load_hparams
+from sidecar.sources.files.hparams import flatten, load_hparams
 
 NESTED: dict[str, Any] = {
     "model": {"name": "resnet50", "layers": [64, 128, {"units": 256, "act": "gelu"}],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from sidecar.sources.inotify import Inotify, filesystem_of, is_remote
+from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 
 
 async def test_a_change_in_a_watched_folder_calls_back(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.sources import jsonl
-from sidecar.sources.jsonl import MAX_LINE_BYTES, JsonlParser
+from sidecar.sources.files import jsonl
+from sidecar.sources.files.jsonl import MAX_LINE_BYTES, JsonlParser
 
 NOW = 1_790_000_000.25  # the read time the caller supplies
 NOW_TS = datetime.fromtimestamp(NOW, UTC)

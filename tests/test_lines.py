@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.log import Secrets
-from sidecar.sources.lines import (
+from sidecar.sources.console.lines import (
     MAX_LINE_CHARS,
     PROGRESS_INTERVAL_S,
     QUIET_FLUSH_S,

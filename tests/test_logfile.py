@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.log import Secrets
-from sidecar.sources.lines import MAX_LINE_CHARS
-from sidecar.sources.logfile import FIND_LINE_BYTES, LogFileParser, count_lines
+from sidecar.sources.console.lines import MAX_LINE_CHARS
+from sidecar.sources.files.logfile import FIND_LINE_BYTES, LogFileParser, count_lines
 
 TOKEN = "tok-SECRET-0123456789abcdef"
 TS = b"2026-11-30T10:00:00.123456789Z"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.sources.child import READ_BYTES, Pump
+from sidecar.sources.console.child import READ_BYTES, Pump
 from tests.test_delivery import wait_until
 
 CHUNK = b"".join(b"line %06d of the child's output\n" % i for i in range(4000))  # 128 KB

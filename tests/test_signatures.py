@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.sources.signatures import SIGNATURES, Scanner
+from sidecar.sources.console.signatures import SIGNATURES, Scanner
 
 OOM_LINE = (b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has "
             b"a total capacity of 79.10 GiB of which 1.06 GiB is free. Including non-PyTorch "

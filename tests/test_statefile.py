@@ -16,8 +16,8 @@ import pytest
 
 from sidecar.commands.receive import Fault
 from sidecar.delivery.journal import frame
-from sidecar.sources import checkpoints
-from sidecar.sources.checkpoints import parse_offsets
+from sidecar.sources.files import offsets as offsets_module
+from sidecar.sources.files.offsets import parse_offsets
 from sidecar.statefile import Malformed, load_checked
 from tests.conftest import RUN_ID, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest
@@ -232,18 +232,18 @@ async def test_offsets_are_written_at_most_ten_times_a_second_and_the_last_alway
     """A file read at full speed is acknowledged every few milliseconds: each write of the
     offsets (two fsyncs) is spaced, the latest mark still reaches the disk at stop."""
     writes: list[bytes] = []
-    real_write = checkpoints.write_atomic
+    real_write = offsets_module.write_atomic
 
     def counting(path: Path, data: bytes) -> None:
         writes.append(data)
         real_write(path, data)
 
-    monkeypatch.setattr(checkpoints, "write_atomic", counting)
-    marks = checkpoints.Checkpoints(tmp_path / "offsets.json")
+    monkeypatch.setattr(offsets_module, "write_atomic", counting)
+    marks = offsets_module.Offsets(tmp_path / "offsets.json")
     marks.start()
     began = asyncio.get_running_loop().time()
     for offset in range(1, 101):  # 100 acknowledgements in about half a second
-        marks.set(checkpoints.Mark("/f", 1, 2, "ab", offset))
+        marks.set(offsets_module.Mark("/f", 1, 2, "ab", offset))
         await asyncio.sleep(0.005)  # the acknowledgements' pace, not a synchronisation
     await marks.stop()
     elapsed = asyncio.get_running_loop().time() - began
@@ -258,7 +258,7 @@ async def test_a_save_cancelled_mid_write_never_lands_after_a_newer_one(
     """stop() cancels the saver, whose write goes on in its thread; the final save's write of
     newer offsets overtook it and was then replaced by it, and a restart read again what had
     been delivered (801 lines of a rotated log, once in five runs)."""
-    real_write = checkpoints.write_atomic
+    real_write = offsets_module.write_atomic
     old_started, newer_written = threading.Event(), threading.Event()
     finished: list[int] = []
 
@@ -272,13 +272,13 @@ async def test_a_save_cancelled_mid_write_never_lands_after_a_newer_one(
             newer_written.set()
         finished.append(offset)
 
-    monkeypatch.setattr(checkpoints, "write_atomic", slow_old_write)
-    marks = checkpoints.Checkpoints(tmp_path / "offsets.json")
-    marks.set(checkpoints.Mark("/f", 1, 2, "ab", 1))
+    monkeypatch.setattr(offsets_module, "write_atomic", slow_old_write)
+    marks = offsets_module.Offsets(tmp_path / "offsets.json")
+    marks.set(offsets_module.Mark("/f", 1, 2, "ab", 1))
     first = asyncio.ensure_future(marks.save())
     assert await asyncio.to_thread(old_started.wait, 5.0), "the first write never began"
     first.cancel()
-    marks.set(checkpoints.Mark("/f", 1, 2, "ab", 2))
+    marks.set(offsets_module.Mark("/f", 1, 2, "ab", 2))
     assert await marks.save()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 5.0

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.sources import tensorboard as tensorboard_source
-from sidecar.sources.tensorboard import (
+from sidecar.sources.files import tensorboard as tensorboard_source
+from sidecar.sources.files.tensorboard import (
     MAX_RECORD_BYTES,
     Decoded,
     EventFileParser,
@@ -272,7 +272,7 @@ def test_the_plugin_named_on_a_tags_first_value_survives_a_restart(tmp_path: Pat
 
 def test_bfloat16_and_small_integer_tensors() -> None:
     """Dtypes the oracle cannot convert without TensorFlow, checked by value."""
-    from sidecar.sources import tensorboard_schema as schema
+    from sidecar.sources.files import tensorboard_schema as schema
 
     def event(tag: str, tensor: Any) -> bytes:
         value = schema.Event(step=1, wall_time=2.0)
@@ -485,7 +485,7 @@ def test_a_valid_record_that_is_not_an_event_is_counted(torch_file: tuple[bytes,
 
 
 def test_undecodable_hparams_are_counted_and_the_records_scalars_kept() -> None:
-    from sidecar.sources import tensorboard_schema as schema
+    from sidecar.sources.files import tensorboard_schema as schema
 
     event = schema.Event(step=4, wall_time=9.0)
     hparams = event.summary.value.add(tag="_hparams_/session_start_info")
@@ -540,7 +540,7 @@ def test_zero_heavy_garbage_then_a_valid_record(filler: bytes) -> None:
 
 
 def _torch_like_scalar_event() -> bytes:
-    from sidecar.sources import tensorboard_schema as schema
+    from sidecar.sources.files import tensorboard_schema as schema
 
     event = schema.Event(wall_time=5.0, step=3)
     event.summary.value.add(tag="loss", simple_value=0.5)

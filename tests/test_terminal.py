@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.log import Secrets
-from sidecar.sources.lines import MAX_LINE_CHARS, LineAssembler
+from sidecar.sources.console.lines import MAX_LINE_CHARS, LineAssembler
 from tests.conftest import platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest
 

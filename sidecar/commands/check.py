@@ -29,7 +29,7 @@ from sidecar.commands import say
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve
 from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import add_secret, log, mask
-from sidecar.sources.discover import EVENT_FILES, match
+from sidecar.sources.files.discover import EVENT_FILES, match
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -196,7 +196,7 @@ def _sources(cfg: Config, report: _Report) -> bool:
         report.add(option, "warn", f"{what}: {note or 'nothing matches yet'}; {hint}",
                    pattern=pattern, matched=0)
     if cfg.hparams is not None:
-        from sidecar.sources.hparams import load_hparams
+        from sidecar.sources.files.hparams import load_hparams
 
         try:
             params = load_hparams(cfg.hparams)

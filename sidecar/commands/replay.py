@@ -96,7 +96,7 @@ def _unread(pipeline: Pipeline) -> list[str]:
     followed = {os.path.abspath(name) for spec in pipeline.follower.specs
                 for name in spec.names()}
     unread = []
-    for mark in pipeline.checkpoints.marks.values():
+    for mark in pipeline.offsets.marks.values():
         try:
             st = os.stat(mark.path)
         except OSError:

@@ -82,7 +82,7 @@ class FileSnapshot(NamedTuple):
     offset: int  # bytes read
     size: int  # bytes in the file, as last seen
     lag_bytes: int  # size - offset: what is still to read
-    committed: int  # the offset acknowledged by the ingest and checkpointed
+    committed: int  # the offset acknowledged by the ingest and saved in offsets.json
     last_read: float | None = None  # epoch seconds of the last read that found data
 
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sidecar.sources.tensorboard import EventFileParser
+from sidecar.sources.files.tensorboard import EventFileParser
 
 TAGS = [f"{group}/{name}" for group in ("train", "val", "gpu0", "gpu1")
         for name in ("loss", "accuracy", "learning_rate", "grad_norm")]

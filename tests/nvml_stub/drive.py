@@ -35,8 +35,8 @@ from typing import Any
 
 from sidecar import log as sidecar_log
 from sidecar.node import Node
-from sidecar.sources.environment import environment_snapshot
-from sidecar.sources.hardware import HardwareSampler, SamplerStats, gpu_filter_from_env
+from sidecar.sources.telemetry.environment import environment_snapshot
+from sidecar.sources.telemetry.hardware import HardwareSampler, SamplerStats, gpu_filter_from_env
 
 TICK_S = 0.01
 RUN_TIMEOUT_S = 30.0

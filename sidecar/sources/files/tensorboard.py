@@ -38,7 +38,7 @@ from typing import Any
 import google_crc32c
 from google.protobuf.message import DecodeError
 
-from sidecar.sources import tensorboard_schema as schema
+from sidecar.sources.files import tensorboard_schema as schema
 
 MAX_RECORD_BYTES = 256 * 1024 * 1024  # a longer record is taken for garbage, not waited for
 SCALARS_PLUGIN = "scalars"

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sidecar.log import log
 from sidecar.records import iso_ts
-from sidecar.sources import nvml, procfs
-from sidecar.sources.nvml import (
+from sidecar.sources.telemetry import nvml, procfs
+from sidecar.sources.telemetry.nvml import (
     NVML_TIMEOUT_S,
     GpuDevice,
     GpuFilter,

@@ -13,7 +13,7 @@ import codecs
 import re
 from typing import Protocol
 
-from sidecar.sources.terminal import Screen
+from sidecar.sources.console.terminal import Screen
 
 MAX_LINE_CHARS = 64 * 1024  # CONTRACT 5: a longer line is split
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet

@@ -89,7 +89,7 @@ def parse_offsets(data: bytes) -> dict[str, Mark]:
     return {f"{mark.dev}:{mark.ino}": mark for mark in marks}
 
 
-class Checkpoints:
+class Offsets:
     """The offsets document and a background saver."""
 
     def __init__(self, path: Path) -> None:
@@ -120,7 +120,7 @@ class Checkpoints:
             self._changed.set()
 
     def start(self) -> None:
-        self._task = supervise("checkpoints", self._saver)
+        self._task = supervise("offsets", self._saver)
 
     async def stop(self) -> None:
         """Stop the saver and write what is left."""

@@ -36,7 +36,7 @@ from sidecar import __version__
 from sidecar.log import log
 from sidecar.node import Node
 from sidecar.records import iso_ts
-from sidecar.sources import procfs
+from sidecar.sources.telemetry import procfs
 from sidecar.threads import off_loop
 
 Emit = Callable[[str, dict[str, Any]], None]
@@ -127,7 +127,7 @@ def _nvidia_info() -> dict[str, Any] | None:
         ctypes.CDLL(NVML_LIBRARY)
     except OSError:
         return None
-    from sidecar.sources import nvml
+    from sidecar.sources.telemetry import nvml
 
     try:
         return nvml.nvidia_info()

@@ -2,7 +2,7 @@
 
 A CRI line is `<RFC3339Nano> <stdout|stderr> <P|F> <text>`: `P` pieces are joined up to the
 `F` that ends the line, and only the text is forwarded; pieces still waiting for their `F` are
-part of the parser's state, checkpointed with the offset past them, so a restart between `P` and
+part of the parser's state, saved with the offset past them, so a restart between `P` and
 `F` loses nothing (past MAX_LINE_CHARS they are forwarded as a split line, which bounds that
 state). `auto` decides on the first whole line.
 Either way the text then takes the same path as a wrapped command's output (LineAssembler).
@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from sidecar.sources.base import Parsed
-from sidecar.sources.lines import MAX_LINE_CHARS, NO_SECRETS, LineAssembler, Masker
+from sidecar.sources.console.lines import MAX_LINE_CHARS, NO_SECRETS, LineAssembler, Masker
 
 FIND_LINE_BYTES = 512  # lines at least this long on average are counted newline to newline
 

@@ -2,13 +2,13 @@
 (issue: file sources).
 
 A followed file is known by device and inode, and by its content: a fingerprint of its first
-bytes (checkpoints.fingerprint). A file that holds the same content as one followed in the same
+bytes (offsets.fingerprint). A file that holds the same content as one followed in the same
 folder under a related name (copytruncate's rotated copy, a move across filesystems) is the same
 content, so it is read only past what was already read of its original, never again from its
-start; its offset is checkpointed like any file's, so a restart does not read it again either.
+start; its offset is committed like any file's, so a restart does not read it again either.
 A renamed file that still matches a pattern stays followed under its new name; one renamed out of
-every pattern, or deleted, is read to its end through its open descriptor. Offsets advance in the
-checkpoint only once everything before them was acknowledged by the ingest.
+every pattern, or deleted, is read to its end through its open descriptor. Saved offsets advance
+only once everything before them was acknowledged by the ingest.
 
 Descriptors are bounded (`descriptor_budget`: a share of RLIMIT_NOFILE, the rest left to the
 ingest client, the spool and the child's pipes): a file read to its end gives its descriptor back
@@ -38,10 +38,10 @@ from typing import Any, NamedTuple
 from sidecar.aio import wait_set
 from sidecar.log import log
 from sidecar.records import LOG_BLOCK, Ticket
-from sidecar.sources import discover
 from sidecar.sources.base import Parsed, Parser
-from sidecar.sources.checkpoints import FINGERPRINT_BYTES, Checkpoints, Mark, fingerprint
-from sidecar.sources.inotify import Inotify, filesystem_of, is_remote
+from sidecar.sources.files import discover
+from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
+from sidecar.sources.files.offsets import FINGERPRINT_BYTES, Mark, Offsets, fingerprint
 from sidecar.supervise import fault_point
 
 READ_BYTES = LOG_BLOCK
@@ -109,7 +109,7 @@ class FileState(NamedTuple):
     kind: str
     offset: int  # bytes read
     size: int  # as last seen
-    committed: int  # acknowledged and checkpointed
+    committed: int  # acknowledged and saved in offsets.json
     last_read: float | None  # epoch seconds of the last read that found data
 
     @property
@@ -156,7 +156,7 @@ class _Tail:
         self.end = end  # the last END_CHECK_BYTES read
         self.buffer = b""
         self.pending: deque[list[Any]] = deque()  # [end offset, done, state]
-        self.copies: list[Mark] = []  # copies to checkpoint once committed past
+        self.copies: list[Mark] = []  # copies whose offsets to save once committed past
         self.last_data = time.monotonic()
         self.last_read: float | None = None
         self.retired = False
@@ -178,11 +178,11 @@ class _Tail:
 class Follower:
     """Follows the files of every spec and hands what they hold to `sink`."""
 
-    def __init__(self, specs: Sequence[SourceSpec], sink: Sink, checkpoints: Checkpoints,
+    def __init__(self, specs: Sequence[SourceSpec], sink: Sink, offsets: Offsets,
                  mode: str = "auto") -> None:
         self.specs = specs
         self.sink = sink
-        self.checkpoints = checkpoints
+        self.offsets = offsets
         self.mode = mode  # auto (events + safety poll), poll
         self.budget = descriptor_budget()  # files open at once, at most
         self.stats = {spec.kind: SourceStats() for spec in specs}
@@ -316,7 +316,7 @@ class Follower:
                                        key=lambda item: _id(item[1][1]) not in self._ids):
             detached += self._place(spec, name, st)
         for key in [key for key in self._copies if key not in ids]:
-            self.checkpoints.forget(*key)
+            self.offsets.forget(*key)
             del self._copies[key]
         for tail in detached:
             if self._tails.get(str(tail.path)) is not tail and not tail.retired:
@@ -362,16 +362,16 @@ class Follower:
                 tail.retired = False
             tail.path = Path(name)
             self._tails[name] = tail
-            if tail.committed:  # the place of a copy it moved to is checkpointed from now on
-                self.checkpoints.set(tail.mark(tail.committed, tail.state))
+            if tail.committed:  # the place of a copy it moved to is saved from now on
+                self.offsets.set(tail.mark(tail.committed, tail.state))
         tail.size = st.st_size
         if st.st_size < tail.read_offset or (tail.fd >= 0 and not self._same_start(tail)):
             self._truncated(tail)
         return detached
 
     def _open_new(self, spec: SourceSpec, name: str, fd: int | None = None) -> None:
-        """Start following the file at `name`: from its checkpoint, past what was read of the
-        content it is a copy of (then only its checkpoint is kept), or from its start."""
+        """Start following the file at `name`: from its saved offset, past what was read of the
+        content it is a copy of (then only its offset is kept), or from its start."""
         if fd is None:
             fd = self._open_fd(name)
             if fd is None:
@@ -397,7 +397,7 @@ class Follower:
             self._commit(original)
             self._close_fd(fd)
             return
-        mark = self.checkpoints.find(*key)
+        mark = self.offsets.find(*key)
         offset, state = 0, {}
         if mark is not None and mark.matches(head) and mark.offset <= st.st_size:
             offset, state = mark.offset, mark.state
@@ -438,7 +438,7 @@ class Follower:
         name = str(tail.path)
         del self._tails[name]
         del self._ids[tail.id]
-        self.checkpoints.forget(*tail.id)
+        self.offsets.forget(*tail.id)
         fd, tail.fd = tail.fd, -1
         if fd >= 0:
             self._caught_up.pop(tail, None)
@@ -502,7 +502,7 @@ class Follower:
                 tail.closed = True
                 if self._ids.get(tail.id) is tail:
                     del self._ids[tail.id]
-                    self.checkpoints.forget(*tail.id)
+                    self.offsets.forget(*tail.id)
         for tail in list(self._caught_up):
             if now - tail.last_data > IDLE_CLOSE_S:
                 self._release(tail)
@@ -623,17 +623,17 @@ class Follower:
         ticket.seal()
 
     def _commit(self, tail: _Tail) -> None:
-        """Advance the checkpoint over the acknowledged prefix of what was read, and over the
-        copies of what was read. A retired file keeps no checkpoint: its name now belongs to
+        """Advance the saved offset over the acknowledged prefix of what was read, and over the
+        copies of what was read. A retired file keeps no saved offset: its name now belongs to
         another file, or to none."""
         while tail.pending and tail.pending[0][1]:
             tail.committed, _, tail.state = tail.pending.popleft()
             if not tail.retired:
-                self.checkpoints.set(tail.mark(tail.committed, tail.state))
+                self.offsets.set(tail.mark(tail.committed, tail.state))
         for copy in [c for c in tail.copies if c.offset <= tail.committed]:
             tail.copies.remove(copy)
             if (copy.dev, copy.ino) in self._copies:
-                self.checkpoints.set(copy)
+                self.offsets.set(copy)
 
 
 def _id(st: os.stat_result) -> _Id:
