@@ -101,8 +101,3 @@ def test_kinds_of_source_import_each_other_only_where_named() -> None:
                                  if name != other)
     assert found == ACROSS_KINDS
 
-
-def test_no_module_is_named_after_model_checkpoints_for_offsets() -> None:
-    """`checkpoint` means a model checkpoint here; the per-file read positions are offsets."""
-    assert "sidecar.sources.files.offsets" in GRAPH
-    assert not any(module.endswith(".checkpoints") for module in GRAPH)
