@@ -29,7 +29,7 @@ from sidecar.config import Config
 from sidecar.daemon import TICK_S, Report, claim_run_dir, make_client, serve_status, stall_watch
 from sidecar.delivery import handoff
 from sidecar.delivery.client import IngestClient
-from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, tail_pieces
+from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_tail
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
@@ -150,9 +150,25 @@ class _Stream:
             self._put(self.assembler.gap(self._skipped))
         self._skipped = 0
 
+    def end_line(self) -> None:
+        """A line of ours follows: the stream's open line (a partial sent) is ended first."""
+        self._put(self.assembler.end_line())
+
+    def say(self, line: str) -> None:
+        """A line of ours (`[sidecar] ...`, masked) in the stream, as its own line, prefixed."""
+        self._put(self.assembler.own_line(line))
+
     def _put(self, text: str) -> None:
         if text and self.shipper is not None:
             self.shipper.put(text, piece=self.tail.add(text))
+
+
+def _say(streams: Sequence[_Stream], line: str) -> None:
+    """A line of ours to /logs between the output's lines, never spliced into one of them: the
+    streams' open lines are ended first (their rest, when it comes, is prefixed again)."""
+    for stream in streams:
+        stream.end_line()
+    streams[-1].say(mask(line))
 
 
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -191,6 +207,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
                        scanner, tail, stall)
                for name, tail in zip(names, new_tails(len(names)), strict=True)]
+    stall.say = lambda line: _say(streams, line)  # through the streams' line assemblers
     child = Child(argv, child_env, tty=cfg.tty)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
     oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet
@@ -253,20 +270,20 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     ticker.cancel()
     for stream in streams:
         stream.finish()
-    summary = ""
     if exit_status != 0:
         report.failure = diagnose(
             exit_status, duration_s, scanner, node,
             await asyncio.to_thread(oom_kills_since, oom_before, cgroups),
             tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
         log.error("%s", mask(report.failure.line().removeprefix("[sidecar] ")))
-        summary = mask(prefix + report.failure.line() + "\n")
+        _say(streams, report.failure.line())  # the crash tail's last line
     drain_start = time.monotonic()
     if client is not None:
         client.hurry()  # a backoff of the request in flight ends now
     if pipeline is not None and crash_tail is not None:
-        await _journal_tail(pipeline.shipper, crash_tail, streams, summary,
-                            drain_start + cfg.drain_timeout * LOGS_DRAIN_SHARE)
+        await _journal_tail(pipeline.shipper, crash_tail, streams,
+                            drain_start + cfg.drain_timeout * LOGS_DRAIN_SHARE
+                            * (1 - TAIL_DRAIN_SHARE))
     await _drain(cfg, lifecycle, pipeline, interrupted, crash_tail, drain_start)
     for signum in FORWARDED_SIGNALS:
         loop.remove_signal_handler(signum)
@@ -338,14 +355,15 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
 
 
 async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[_Stream],
-                        summary: str, deadline: float) -> None:
-    """Once the request in flight was answered, take the streams' unacknowledged tail (and the
-    failure summary after it) out of the best-effort queue into the crash tail's journal; the
-    queue's older text is then sent on, best-effort, before it."""
+                        deadline: float) -> None:
+    """Once the request in flight was answered (or `deadline` passed with no answer), take
+    what the ingest did not acknowledge of the streams' last 64 KiB (the failure summary last)
+    out of the best-effort queue into the crash tail's journal; the queue's older text is then
+    sent on, best-effort, before it."""
     await shipper.settle(deadline - time.monotonic())
-    pieces = tail_pieces([stream.tail for stream in streams])
-    shipper.forget(pieces)
-    await crash_tail.add([piece.text for piece in pieces] + ([summary] if summary else []))
+    tail = take_tail([stream.tail for stream in streams])
+    shipper.forget(tail.carried_from)
+    await crash_tail.add(tail.texts)
     shipper.start()
 
 

@@ -297,6 +297,8 @@ class Fault:
     too_large_above: int | None = None  # answer 413 when the batch has more items than this
     too_large_over_bytes: int | None = None  # answer 413 when the body is longer (a proxy's limit)
     latency_s: float | None = None  # wait this long before handling (a hang when large)
+    slow_answer_s: float | None = None  # store, then wait this long before answering (a slow
+    #   ingest, not a down one: what the client gives up on was stored all the same)
     redirect: str | None = None  # answer 307 with this Location
     reset: bool = False  # abort the connection without an answer
     reject_if_contains: str | None = None  # answer 400 when the raw body contains this
@@ -308,6 +310,7 @@ class Fault:
             self.too_large_above is not None,
             self.too_large_over_bytes is not None,
             self.latency_s is not None,
+            self.slow_answer_s is not None,
             self.redirect is not None,
             self.reset is True,
             self.reject_if_contains is not None,
@@ -315,7 +318,7 @@ class Fault:
         if sum(kinds) != 1:
             raise ValueError(
                 "a fault needs exactly one of status, too_large_above, too_large_over_bytes, "
-                "latency_s, redirect, reset, reject_if_contains"
+                "latency_s, slow_answer_s, redirect, reset, reject_if_contains"
             )
         problems = {
             "route": self.route != "*" and self.route not in _ROUTES,
@@ -330,6 +333,8 @@ class Fault:
             and not _whole(self.too_large_over_bytes, minimum=0),
             "latency_s": self.latency_s is not None
             and not (_is_number(self.latency_s) and 0 <= self.latency_s < math.inf),
+            "slow_answer_s": self.slow_answer_s is not None
+            and not (_is_number(self.slow_answer_s) and 0 <= self.slow_answer_s < math.inf),
             "redirect": self.redirect is not None
             and not (isinstance(self.redirect, str) and self.redirect),
             "reset": not isinstance(self.reset, bool),
@@ -601,6 +606,10 @@ class IngestServer:
             raise _Rejected(413, f"{items} items, at most {too_large.too_large_above} accepted")
         _ROUTES[route].check(body)
         self._store(route, body, items)
+        slow = self._take_fault(route, lambda f: f.slow_answer_s is not None)
+        if slow is not None and slow.slow_answer_s:
+            with contextlib.suppress(TimeoutError):  # the client may leave: it was stored
+                await asyncio.wait_for(self._stopping.wait(), slow.slow_answer_s)
         return {"ok": True, "inserted": items} if route == "metrics" else {"ok": True}
 
     async def _apply_transport_faults(self, route: str) -> None:

@@ -1,10 +1,12 @@
 """The crash tail (CONTRACT 4, /logs): what the ingest has not acknowledged of the last 64 KiB of
 each stream when the command exits, journaled and delivered at least once before the end event.
 
-While the command runs, /logs stays best-effort; each stream only remembers its recent pieces of
-text (`StreamTail`) and which of them the ingest acknowledged. At the exit the unacknowledged
-ones, in the order they were put, become one /logs body (with the failure summary after them) in
-a journal of the state dir (journal.py's framing and durable acknowledged count), delivered with
+While the command runs, /logs stays best-effort; each stream keeps a ledger of its recent pieces
+of text (`StreamTail`): the shipper marks there, character by character, what the ingest
+acknowledged, and the crash tail reads it. At the exit, once the request in flight was answered
+(or had no answer in time, and only then may its text go twice), the unacknowledged text of each
+stream's last 64 KiB, in the order it was put (the failure summary last), becomes one /logs body
+in a journal of the state dir (journal.py's framing and durable acknowledged count), delivered with
 retries within the output's share of the drain. What is left there goes with the next start or
 `sidecar replay`, before the lifecycle events left with it, and never twice.
 """
@@ -19,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
 from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
@@ -32,18 +35,72 @@ LIST = Kind("a list", lambda v: isinstance(v, list))
 
 
 class Piece:
-    """One piece of a stream's text as it was put to /logs."""
+    """One piece of a stream's text as it was put to /logs, and which of its characters the
+    ingest acknowledged: the ledger entry that the shipper writes and the crash tail reads."""
 
-    __slots__ = ("acked", "order", "text")
+    __slots__ = ("_acked", "order", "text")
 
-    def __init__(self, order: int, text: str, acked: bool = False) -> None:
+    def __init__(self, order: int, text: str) -> None:
         self.order = order  # across streams: the order the pieces were put in
         self.text = text
-        self.acked = acked
+        self._acked: list[tuple[int, int]] = []  # [start, end) the ingest took, in order
+
+    def ack(self, start: int, end: int) -> None:
+        """The ingest acknowledged `text[start:end]`."""
+        acked = self._acked
+        if acked and acked[-1][1] == start:  # the usual case: the next part, in order
+            acked[-1] = (acked[-1][0], end)
+            return
+        acked.append((start, end))
+        acked.sort()
+
+    @property
+    def acked(self) -> bool:
+        """Whether all of it was acknowledged."""
+        return self.unacked() == []
+
+    def unacked(self, start: int = 0) -> list[tuple[int, int]]:
+        """The [start, end) ranges from `start` on that the ingest did not acknowledge."""
+        gaps = []
+        at = start
+        for lo, hi in self._acked:
+            if lo > at:
+                gaps.append((at, lo))
+            at = max(at, hi)
+        if at < len(self.text):
+            gaps.append((at, len(self.text)))
+        return gaps
+
+
+class Span:
+    """Where a text queued for /logs lies in its piece: the shipper marks it acknowledged there
+    once the ingest took it, and the crash tail takes out of the queue what it carries."""
+
+    __slots__ = ("piece", "start")
+
+    def __init__(self, piece: Piece, start: int = 0) -> None:
+        self.piece = piece
+        self.start = start  # of the text, in the piece's text
+
+    def ack(self, size: int) -> None:
+        self.piece.ack(self.start, self.start + size)
+
+    def after(self, size: int) -> Span:
+        """The span of what follows the first `size` characters of this one."""
+        return Span(self.piece, self.start + size)
+
+
+class Tail(NamedTuple):
+    """The crash tail taken from the ledgers: what it carries, and from where in each piece
+    (the queued text of a piece from that offset on goes by the crash tail instead)."""
+
+    texts: list[str]
+    carried_from: dict[int, int]  # piece order -> offset in its text
 
 
 class StreamTail:
-    """A stream's recent pieces: at least TAIL_BYTES characters (so at least as many bytes)."""
+    """A stream's ledger: its recent pieces, at least TAIL_BYTES characters (so at least as
+    many bytes), each with what of it the ingest acknowledged."""
 
     def __init__(self, orders: Iterator[int]) -> None:
         self.orders = orders  # shared by the streams of one run
@@ -58,29 +115,32 @@ class StreamTail:
             self._chars -= len(self._pieces.popleft().text)
         return piece
 
-    def unacked(self) -> list[Piece]:
-        """The pieces of the stream's last TAIL_BYTES (UTF-8) not acknowledged, oldest first;
-        the oldest may be cut to its end."""
-        kept: list[Piece] = []
+    def window(self) -> list[tuple[Piece, int]]:
+        """The pieces of the stream's last TAIL_BYTES (UTF-8), oldest first, each with the
+        offset its part in the window starts at (0 but for the oldest, which may be cut)."""
+        kept: list[tuple[Piece, int]] = []
         room = TAIL_BYTES
         for piece in reversed(self._pieces):
-            size = len(piece.text.encode("utf-8", "surrogatepass"))
-            if not piece.acked:
-                text = piece.text
-                if size > room:
-                    text = piece.text.encode("utf-8", "surrogatepass")[-room:].decode(
-                        "utf-8", "ignore")
-                kept.append(Piece(piece.order, text) if text is not piece.text else piece)
-            room -= size
+            encoded = piece.text.encode("utf-8", "surrogatepass")
+            start = 0
+            if len(encoded) > room:  # a character cut by the window's edge is left out whole
+                start = len(piece.text) - len(encoded[-room:].decode("utf-8", "ignore"))
+            kept.append((piece, start))
+            room -= len(encoded)
             if room <= 0:
                 break
         kept.reverse()
         return kept
 
 
-def tail_pieces(tails: Sequence[StreamTail]) -> list[Piece]:
-    """Every stream's unacknowledged tail, merged in the order the pieces were put."""
-    return sorted((p for tail in tails for p in tail.unacked()), key=lambda p: p.order)
+def take_tail(tails: Sequence[StreamTail]) -> Tail:
+    """What the ingest did not acknowledge of every stream's window, merged in the order the
+    pieces were put: acknowledged text is never in it, and no text outside it is left out of
+    the queue (the oldest piece's part before the window stays queued)."""
+    window = sorted((entry for tail in tails for entry in tail.window()),
+                    key=lambda entry: entry[0].order)
+    texts = [piece.text[lo:hi] for piece, start in window for lo, hi in piece.unacked(start)]
+    return Tail(texts, {piece.order: start for piece, start in window})
 
 
 def new_tails(count: int) -> list[StreamTail]:

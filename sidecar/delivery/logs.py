@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, Verdict, json_body
-from sidecar.delivery.crashtail import Piece
+from sidecar.delivery.crashtail import Piece, Span
 from sidecar.log import log
 from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.supervise import fault_point, supervise
@@ -51,20 +51,22 @@ class LogShipper:
         self.on_room = on_room  # called when room comes back (wakes a reader)
         self.dropped_chars = 0
         self.sent_chars = 0
-        self._chunks: deque[tuple[str, Ticket | None, Piece | None]] = deque()
+        self._chunks: deque[tuple[str, Ticket | None, Span | None]] = deque()
         self._buffered = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # taken, not yet answered
-        self._inflight: list[tuple[str, Ticket | None, Piece | None]] | None = None
+        self._inflight: list[tuple[str, Ticket | None, Span | None]] | None = None
         self._answered = asyncio.Event()
+        self._settling = False  # no new request: the one in flight is waited for (the exit)
         self._warned_at = float("-inf")
         self._halved_at = float("-inf")
         self._active_at = 0.0  # when a request was last sent or answered, or work came to an idle
 
     def start(self) -> None:
         """Start shipping, and what was put before."""
+        self._settling = False
         if self._chunks:
             self._active_at = time.monotonic()
         else:
@@ -90,10 +92,11 @@ class LogShipper:
     def put(self, text: str, ticket: Ticket | None = None, piece: Piece | None = None) -> None:
         """Queue `text` for `/logs`; never blocks. `ticket` is released once it was sent or
         given up on (best-effort: either way the source may move on); `piece` (of a stream's
-        crash tail) is marked acknowledged once the ingest took it."""
+        crash tail) is marked acknowledged in its ledger once the ingest took it."""
         if not text:
             return
-        self._chunks.append((text, ticket.hold() if ticket else None, piece))
+        self._chunks.append((text, ticket.hold() if ticket else None,
+                             Span(piece) if piece is not None else None))
         self._buffered += len(text)
         if self._idle.is_set():
             self._active_at = time.monotonic()
@@ -124,15 +127,13 @@ class LogShipper:
         return True
 
     async def settle(self, timeout_s: float) -> None:
-        """Stop sending once the request in flight was answered (or has had no answer for
-        FLUSH_STALL_S since it was sent, or `timeout_s` ran out: then it is cancelled and its
-        text queued again, unacknowledged). What the ingest acknowledged is then known."""
-        deadline = time.monotonic() + timeout_s
-        while self._inflight is not None:
-            now = time.monotonic()
-            left = min(deadline - now, self._active_at + FLUSH_STALL_S - now)
-            if left <= 0 or not await wait_set(self._answered, left):
-                break
+        """Send no new request, and stop once the one in flight was answered: a slow ingest is
+        waited for, since the text it is storing must not go again. Only when `timeout_s` ran
+        out with no answer is the request cancelled and its text queued again,
+        unacknowledged. What the ingest acknowledged is then known."""
+        self._settling = True
+        if self._inflight is not None:
+            await wait_set(self._answered, max(timeout_s, 0.0))
         await cancel(self._task)
         self._task = None
         if self._inflight is not None:
@@ -140,17 +141,21 @@ class LogShipper:
             self._buffered += sum(len(text) for text, _, _ in self._inflight)
             self._inflight = None
 
-    def forget(self, pieces: Sequence[Piece]) -> None:
-        """Take the queued text of `pieces` out: it goes by the crash tail's journal instead."""
-        gone = {piece.order for piece in pieces}
-        kept: deque[tuple[str, Ticket | None, Piece | None]] = deque()
+    def forget(self, carried_from: Mapping[int, int]) -> None:
+        """Take out of the queue the text the crash tail carries: of each piece (by its order)
+        what lies from the given offset on; what lies before it stays queued."""
+        kept: deque[tuple[str, Ticket | None, Span | None]] = deque()
         for entry in self._chunks:
-            text, ticket, piece = entry
-            if piece is None or piece.order not in gone:
+            text, ticket, span = entry
+            start = None if span is None else carried_from.get(span.piece.order)
+            if span is None or start is None or span.start + len(text) <= start:
                 kept.append(entry)
                 continue
-            self._buffered -= len(text)
-            if ticket is not None:
+            head = text[:max(start - span.start, 0)]
+            self._buffered -= len(text) - len(head)
+            if head:
+                kept.append((head, ticket, span))
+            elif ticket is not None:
                 ticket.release()
         self._chunks = kept
 
@@ -166,8 +171,9 @@ class LogShipper:
         while True:
             fault_point()
             if self._inflight is None:  # else a failure interrupted it: send it again
-                if not self._chunks:
-                    self._idle.set()
+                if not self._chunks or self._settling:
+                    if not self._chunks:
+                        self._idle.set()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -194,11 +200,11 @@ class LogShipper:
                 self.sent_chars += size
             else:
                 self._drop(size, f"the ingest did not take it ({answer.detail or answer.status})")
-            for _, ticket, piece in entries:
+            for text, ticket, span in entries:
                 if ticket is not None:
                     ticket.release()
-                if piece is not None and answer.ok:
-                    piece.acked = True
+                if span is not None and answer.ok:
+                    span.ack(len(text))
 
     async def _linger(self) -> None:
         """Give a small batch up to linger_s to gain company, and no longer than it takes to
@@ -242,12 +248,12 @@ class LogShipper:
         self._buffered += size
         return True
 
-    def _take(self) -> list[tuple[str, Ticket | None, Piece | None]]:
+    def _take(self) -> list[tuple[str, Ticket | None, Span | None]]:
         """The next request's worth: whole texts while they fit, then the head of the next one
         up to its last line end in reach, so that a request is full: a read block just over
         the limit left a request of its own for the few lines past it. Only a text that opens
         the request is cut where the limit falls when it has no line end in reach."""
-        batch: list[tuple[str, Ticket | None, Piece | None]] = []
+        batch: list[tuple[str, Ticket | None, Span | None]] = []
         size = 0
         limit = self.max_request_chars
         while self._chunks:
@@ -279,16 +285,13 @@ class LogShipper:
                         "training is not affected)", chars, why, self.dropped_chars)
 
 
-def _cut(entry: tuple[str, Ticket | None, Piece | None], at: int
-         ) -> tuple[tuple[str, Ticket | None, Piece | None],
-                    tuple[str, Ticket | None, Piece | None]]:
+def _cut(entry: tuple[str, Ticket | None, Span | None], at: int
+         ) -> tuple[tuple[str, Ticket | None, Span | None],
+                    tuple[str, Ticket | None, Span | None]]:
     """One queued text as two, cut after the last line end before `at` (else at `at`). Both
-    hold its ticket; the first carries a stand-in of its piece, so that the crash tail still
-    takes both out of the queue (`forget`) while only the second, the last of the text, marks
-    the piece acknowledged."""
-    text, ticket, piece = entry
+    hold its ticket; each knows where it lies in the piece, so that each marks its own part
+    acknowledged."""
+    text, ticket, span = entry
     cut = text.rfind("\n", 0, at) + 1 or at
-    head = text[:cut]
-    first = (head, ticket.hold() if ticket is not None else None,
-             Piece(piece.order, head) if piece is not None else None)
-    return first, (text[cut:], ticket, piece)
+    first = (text[:cut], ticket.hold() if ticket is not None else None, span)
+    return first, (text[cut:], ticket, span.after(cut) if span is not None else None)

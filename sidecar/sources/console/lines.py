@@ -104,6 +104,19 @@ class LineAssembler:
             return ""
         return self._lines(text)
 
+    def end_line(self) -> str:
+        """A line of the sidecar's own follows: the newline that ends the line sent in part (a
+        quiet partial, a bar), if one is open; the rest of it, when it comes, is prefixed."""
+        if not self._open_chars:
+            return ""
+        self._open_chars = 0
+        return "\n"
+
+    def own_line(self, line: str) -> str:
+        """A line of the sidecar's own (masked, without its newline) between the stream's
+        lines: on a line of its own, prefixed like theirs."""
+        return self.end_line() + f"{self.prefix}{line}\n"
+
     def gap(self, dropped_bytes: int) -> str:
         """Some of the stream was dropped: close the line and say so in the log itself."""
         out = self.finish()

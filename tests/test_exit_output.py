@@ -1,0 +1,124 @@
+"""The command's output at its exit, through the real `sidecar run`: every line a healthy ingest
+can take arrives exactly once, whether it was sent best-effort, was in flight at the exit or went
+by the crash tail; a slow ingest is waited for, not sent the same lines twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sidecar.commands.receive import Fault
+from tests.conftest import Sidecar, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest
+
+# 213-byte lines written in one go just before the exit: most of them are still queued (or in
+# the pipe) when the command has gone.
+QUICK_EXIT = """
+import sys
+stream = getattr(sys, sys.argv[1])
+stream.write("".join(f"line {i:05d} " + "x" * 201 + "\\n" for i in range(int(sys.argv[2]))))
+stream.flush()
+sys.exit(int(sys.argv[3]))
+"""
+
+
+# Lines, a pause shorter than the ingest's answer, more lines and a failure: the first request
+# is still in flight when the command exits.
+PAUSED = """
+import sys, time
+for i in range(200):
+    if i == 100:
+        time.sleep(0.3)
+    sys.stderr.write(f"line {i:05d} " + "x" * 201 + "\\n")
+sys.exit(1)
+"""
+
+
+def log_lines(ingest: RunningIngest) -> list[str]:
+    return log_text(ingest).splitlines()
+
+
+def log_text(ingest: RunningIngest) -> str:
+    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
+
+
+def assert_every_line_once(lines: list[str], count: int) -> None:
+    wanted = [f"line {i:05d} " + "x" * 201 for i in range(count)]
+    got = [line for line in lines if line.startswith("line ")]
+    missing = sorted(set(wanted) - set(got))
+    assert not missing, f"{len(missing)} lines lost, first {missing[0][:10]}"
+    assert len(got) == len(set(got)), f"{len(got) - len(set(got))} lines repeated"
+    assert got == wanted  # in order
+
+
+@pytest.mark.parametrize(("stream", "count", "status"), [
+    ("stdout", 5000, 0), ("stdout", 5000, 1), ("stderr", 600, 1)])
+def test_a_quick_exit_after_a_flood_delivers_every_line_once(
+        ingest: RunningIngest, tmp_path: Path, stream: str, count: int, status: int) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--hardware-interval", "0", "--",
+                    *python_child(QUICK_EXIT), stream, str(count), str(status)],
+                   env, tmp_path / "sc")
+    assert done.status == status, done.stderr
+    assert_every_line_once(log_lines(ingest), count)
+
+
+def test_a_slow_ingest_gets_a_failing_runs_lines_once(ingest: RunningIngest,
+                                                     tmp_path: Path) -> None:
+    """/logs answers in 1.2 s: the request in flight at the exit is waited for, not repeated."""
+    ingest.add_fault(Fault(route="logs", slow_answer_s=1.2))
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "10", "--",
+                    *python_child(PAUSED)], env, tmp_path / "sc")
+    assert done.status == 1, done.stderr
+    lines = log_lines(ingest)
+    assert_every_line_once(lines, 200)
+    assert sum(line.startswith("[sidecar] run failed") for line in lines) == 1
+
+
+# A line left open (a download's progress) through a stall, then finished; or the exit.
+OPEN_LINE = """
+import os, sys, time
+sys.stdout.write("Downloading shard 3/8: ")
+sys.stdout.flush()
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+if sys.argv[2] == "finish":
+    sys.stdout.write("done\\n")
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_our_lines_are_never_spliced_into_an_open_line(ingest: RunningIngest,
+                                                       tmp_path: Path) -> None:
+    """The stall and resume lines end the partial line sent first, and what follows of it
+    starts a line of its own, with the prefix."""
+    go = tmp_path / "go"
+    env = platform_env(ingest, tmp_path / "state")
+    proc = Sidecar(["run", "--hardware-interval", "0", "--stall-after", "1.5",
+                    "--log-prefix", "[vm:0] ", "--", *python_child(OPEN_LINE), str(go),
+                    "finish"], env, tmp_path / "sc")
+    ingest.wait_for(lambda: "no output" in log_text(ingest), 20, "the stall is said")
+    go.touch()
+    assert proc.wait(30).status == 0
+    lines = log_text(ingest).splitlines(keepends=True)
+    assert lines[0] == "[vm:0] Downloading shard 3/8: \n"
+    assert lines[1].startswith("[vm:0] [sidecar] no output and no new metric step for ")
+    assert lines[2].startswith("[vm:0] [sidecar] output resumed after ")
+    assert lines[3:] == ["[vm:0] done\n"]
+
+
+def test_the_failure_summary_is_never_spliced_into_the_last_line(ingest: RunningIngest,
+                                                                 tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    go.touch()
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--hardware-interval", "0", "--log-prefix", "[vm:0] ", "--",
+                    *python_child(OPEN_LINE), str(go), "fail"], env, tmp_path / "sc")
+    assert done.status == 1
+    lines = log_text(ingest).splitlines(keepends=True)
+    assert lines[0] == "[vm:0] Downloading shard 3/8: \n"
+    assert lines[1].startswith("[vm:0] [sidecar] run failed: exit status 1 after ")
+    assert len(lines) == 2
