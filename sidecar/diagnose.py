@@ -3,7 +3,9 @@
 The evidence, strongest first: the kernel's OOM killer in the cgroup (a SIGKILL while a count
 went up), a signature of the output table (sources/console/signatures.py) in its rank order
 with an XID the sampler saw placed after CUDA out of memory, the signal the command died of, the
-last exception line of a Python traceback, the last non-empty stderr line. The summary is one line:
+last exception line of a Python traceback, the last non-empty stderr line (stdout's when stderr
+has none). Signatures and tracebacks are read on both streams, stderr's quoted first. The
+summary is one line:
 
     [sidecar] run failed: exit status 1 after 2h13m; likely cause: CUDA out of memory
     (stderr: "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB ...")
@@ -22,7 +24,8 @@ from sidecar.sources.telemetry.cgroup import OomKill
 from sidecar.sources.telemetry.nvml import XidEvent
 
 EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N is 128 + N (CONTRACT 2)
-LAST_LINE_STREAMS = ("stderr", "terminal")  # the last resort; with --tty both streams are one
+LAST_LINE_STREAMS = ("stderr", "terminal", "stdout")  # the last resort, in this order; with
+#   --tty both streams are one; stdout last (a command run with `2>&1` or through `| tee`)
 XID_AFTER = "cuda_oom"  # an XID is named after this row and before the rest of the table
 _SIGNAL_CAUSES: dict[int, str] = {
     signal.SIGSEGV: "segmentation fault (SIGSEGV)",
@@ -95,7 +98,7 @@ def _cause(exit_status: int, scanner: Scanner, oom_kills: Sequence[OomKill],
         last = scanner.last_line(stream)
         if last:
             return f"the last line on {stream}", stream, stream, last
-    return "unknown (nothing on stderr)", "unknown", "", ""
+    return "unknown (no output)", "unknown", "", ""
 
 
 def _signal_name(signum: int) -> str:

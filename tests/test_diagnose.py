@@ -95,6 +95,35 @@ def test_cuda_oom_traceback(ingest: RunningIngest, tmp_path: Path) -> None:
     assert log_text(ingest).rstrip("\n").endswith(line)  # the last line before the end event
 
 
+@pytest.mark.parametrize("shell", [
+    'exec 2>&1; exec "$0" "$@"',  # the command's stderr on its stdout
+    'set -o pipefail; "$0" "$@" 2>&1 | cat'])  # or through a pipe (`| tee` alike)
+def test_a_traceback_on_stdout_is_named(ingest: RunningIngest, tmp_path: Path,
+                                        shell: str) -> None:
+    assert run(ingest, tmp_path, ["bash", "-c", shell, *python_child(OOM_TRACEBACK)]) == 1
+    assert ('likely cause: CUDA out of memory (stdout: "torch.OutOfMemoryError: CUDA out of '
+            'memory. Tried to allocate 2.00 GiB.') in summary(ingest)
+
+
+def test_stderr_is_quoted_before_stdout() -> None:
+    scanner = Scanner()
+    scanner.feed("stdout", b"RuntimeError: CUDA error: out of memory\n")
+    scanner.feed("stderr", b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate\n")
+    scanner.feed("stdout", b"RuntimeError: CUDA error: out of memory, again\n")
+    failure = diagnose(1, 5.0, scanner, Node("n0", 0))
+    assert (failure.signature, failure.stream) == ("cuda_oom", "stderr")
+    assert failure.quote == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    assert scanner.counts["cuda_oom"] == 3
+
+
+def test_the_last_line_on_stdout_when_stderr_has_none() -> None:
+    scanner = Scanner()
+    scanner.feed("stdout", b"loading\nconfig.yaml: no such key 'lr'\n")
+    failure = diagnose(2, 1.0, scanner, Node("n0", 0))
+    assert (failure.cause, failure.quote) == ("the last line on stdout",
+                                              "config.yaml: no such key 'lr'")
+
+
 def test_nccl_watchdog_timeout_then_sigabrt(ingest: RunningIngest, tmp_path: Path) -> None:
     assert run(ingest, tmp_path, python_child(NCCL_WATCHDOG)) == 134
     line = summary(ingest)

@@ -140,12 +140,13 @@ def test_streams_are_kept_apart() -> None:
     assert scanner.last_line("stderr") == "ValueError: on the other stream"
 
 
-def test_stdout_is_searched_for_nccl_warnings_alone_and_a_terminal_for_everything() -> None:
-    """Tracebacks, glog and CUDA messages go to stderr; NCCL's WARN lines to stdout; under --tty
-    both streams are one, the terminal."""
+def test_every_stream_is_searched_for_everything() -> None:
+    """Tracebacks, glog and CUDA messages go to stderr, NCCL's WARN lines to stdout, but `exec
+    2>&1`, `| tee` and `| cat` put everything on stdout; under --tty both streams are one."""
     lines = OOM_LINE + b"\n" + WATCHDOG_LINE + b"\ngpu-node-07:4187:4251 [3] NCCL WARN x\n"
-    for stream, expected in (("stdout", {"nccl_warn"}),
-                             ("terminal", {"cuda_oom", "nccl_watchdog_timeout", "nccl_warn"})):
+    for stream in ("stdout", "stderr", "terminal"):
         scanner = Scanner()
         scanner.feed(stream, lines)
-        assert {name for name, count in scanner.counts.items() if count} == expected
+        assert {name for name, count in scanner.counts.items() if count} == {
+            "cuda_oom", "nccl_watchdog_timeout", "nccl_warn"}
+        assert scanner.seen["cuda_oom"].stream == stream

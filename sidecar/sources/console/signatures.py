@@ -1,13 +1,14 @@
 """Failure signatures in a command's output: a table kept as data, matched on bytes as they pass.
 
 Each row names a cause, the bytes pattern that gives it away (within one line), the stream it
-shows on and which occurrence is quoted. `Scanner.feed` sits beside the log path, not inside it:
-a block whose bytes hold none of the table's keywords costs a few C-speed substring searches and
-nothing else (no per-line work); only a block that holds one runs the table's single compiled
-alternation, and only its complete lines count, so a signature cut across two blocks is found
-once, in the later one, with the partial line carried over. A row may be armed by another (a
-Python exception line is looked for only after a traceback header on the same stream), so that
-common words need not be keywords.
+shows on (any, by default: `exec 2>&1`, `| tee` and `| cat` put a traceback on stdout) and which
+occurrence is quoted; stderr's is quoted before stdout's. `Scanner.feed` sits beside the log
+path, not inside it: a block whose bytes hold none of the table's keywords costs a few C-speed
+substring searches and nothing else (no per-line work); only a block that holds one runs the
+table's single compiled alternation, and only its complete lines count, so a signature cut
+across two blocks is found once, in the later one, with the partial line carried over. A row
+may be armed by another (a Python exception line is looked for only after a traceback header on
+the same stream), so that common words need not be keywords.
 """
 
 from __future__ import annotations
@@ -35,45 +36,64 @@ class Signature(NamedTuple):
     #                        after it; "count": counted, never named
 
 
-STDERR = "stderr"  # where PyTorch, CUDA, glog and Python's tracebacks write; NCCL's own WARN
-#                   lines go to stdout. The bulk of a trainer's output, on stdout, then costs
-#                   the search for one keyword.
-
 # Ranked: when several match, the summary names the highest. Sources of the messages are cited in
 # tests/test_signatures.py, which checks every row on real lines.
 SIGNATURES: tuple[Signature, ...] = (
     Signature("cuda_oom", "CUDA out of memory", (b"CUDA",),
-              rb"CUDA out of memory|CUDA error: out of memory", STDERR, keep="last"),
+              rb"CUDA out of memory|CUDA error: out of memory", keep="last"),
     Signature("nccl_watchdog_timeout", "NCCL watchdog timeout", (b"NCCL",),
-              rb"Watchdog caught collective operation timeout", STDERR),
+              rb"Watchdog caught collective operation timeout"),
     Signature("cuda_error", "CUDA error", (b"CUDA",),
               rb"CUDA error: (?:an illegal memory access|device-side assert|misaligned address|"
-              rb"unspecified launch failure|an illegal instruction|uncorrectable ECC|[a-z])",
-              STDERR),
+              rb"unspecified launch failure|an illegal instruction|uncorrectable ECC|[a-z])"),
     Signature("nccl_warn", "NCCL error", (b"NCCL WARN",), rb"NCCL WARN"),
     Signature("nccl_error", "NCCL error", (b"NCCL",),
-              rb"NCCL error|NCCL communicator was aborted|DistBackendError: NCCL", STDERR),
+              rb"NCCL error|NCCL communicator was aborted|DistBackendError: NCCL"),
     Signature("disk_full", "No space left on device", (b"No space left",),
-              rb"No space left on device", STDERR),
+              rb"No space left on device"),
     Signature("python_traceback", "Python traceback", (b"Traceback",),
-              rb"^Traceback \(most recent call last\):", STDERR, weight="count"),
+              rb"^Traceback \(most recent call last\):", weight="count"),
     Signature("python_exception", "Python exception {exception}", (),
               rb"^(?P<exception>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure|Warning))"
-              rb"(?::[^\n]*)?\r?$", STDERR, keep="last", armed_by="python_traceback",
+              rb"(?::[^\n]*)?\r?$", keep="last", armed_by="python_traceback",
               weight="fallback"),
 )
 
 
-class Seen:
-    """What the scanner knows of one signature: how often, and the occurrence it quotes."""
+class Quote(NamedTuple):
+    """One occurrence of a signature: its line, as quoted, and the pattern's named groups."""
 
-    __slots__ = ("count", "groups", "line", "stream")
+    line: str
+    groups: dict[str, str]
+
+
+QUOTED_FIRST = "stderr"  # where PyTorch, CUDA, glog and Python's tracebacks write
+
+
+class Seen:
+    """What the scanner knows of one signature: how often, and the occurrence it quotes on
+    each stream; stderr's is the one named."""
+
+    __slots__ = ("count", "quotes")
 
     def __init__(self) -> None:
         self.count = 0
-        self.stream = ""
-        self.line = ""
-        self.groups: dict[str, str] = {}
+        self.quotes: dict[str, Quote] = {}  # by stream, in the order first seen
+
+    @property
+    def stream(self) -> str:
+        """The stream of the quoted occurrence: stderr when it has one, else the first other."""
+        return QUOTED_FIRST if QUOTED_FIRST in self.quotes else next(iter(self.quotes), "")
+
+    @property
+    def line(self) -> str:
+        quote = self.quotes.get(self.stream)
+        return quote.line if quote is not None else ""
+
+    @property
+    def groups(self) -> dict[str, str]:
+        quote = self.quotes.get(self.stream)
+        return quote.groups if quote is not None else {}
 
 
 class _StreamState:
@@ -195,14 +215,13 @@ class Scanner:
         if seen is None:
             seen = self.seen[row.name] = Seen()
         seen.count += 1
-        if seen.count > 1 and row.keep == "first":
+        if stream in seen.quotes and row.keep == "first":
             return
         stop = text.find(b"\n", match.end())
-        seen.stream = stream
-        seen.line = _text(text[start:stop if stop >= 0 else len(text)])
-        seen.groups = {key: value.decode("utf-8", "replace")
-                       for key, value in match.groupdict().items()
-                       if value is not None and key not in self._rows}
+        seen.quotes[stream] = Quote(
+            _text(text[start:stop if stop >= 0 else len(text)]),
+            {key: value.decode("utf-8", "replace") for key, value in match.groupdict().items()
+             if value is not None and key not in self._rows})
 
 
 def _guard(keyword: bytes) -> bytes:
