@@ -16,7 +16,6 @@ tail, which goes before the end event. What `sidecar watch` shares with it is in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 import threading
@@ -33,7 +32,7 @@ from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_ta
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
-from sidecar.log import log, mask, secrets
+from sidecar.log import format_duration, log, mask, secrets
 from sidecar.node import resolve_node
 from sidecar.sources.console.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
 from sidecar.sources.console.lines import LineAssembler
@@ -48,9 +47,11 @@ if TYPE_CHECKING:  # imported once the command runs: it is spawned before these
     from sidecar.observe.endpoint import StatusServer
     from sidecar.pipeline import Pipeline
 
-OUTPUT_GRACE_S = 2.0  # after the child exits, how long its pipes may stay open (grandchildren)
 LOGS_DRAIN_SHARE = 0.5  # of --drain-timeout the output may take, so a hung /logs cannot starve
 #                         the end event that waits behind it
+HOLDERS_SHARE = 0.5  # of the output's share, how long the output is still forwarded while a
+#                      process the command left (a background writer) holds it open, as `tee`
+#                      would; then one line names them and what they write is not forwarded
 TAIL_DRAIN_SHARE = 0.5  # of the output's share kept for the crash tail when older text waits
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
@@ -103,7 +104,8 @@ class _Stream:
         self.scanner = scanner  # failure signatures, looked for beside the log path
         self.tail = tail  # the recent text and what of it the ingest acknowledged (crash tail)
         self.stall = stall  # told of every block, read or skipped
-        self.closed = asyncio.Event()
+        self.closed = asyncio.Event()  # the pipe's end: no process holds it any more
+        self.ended = False  # finished for /logs: what comes after is not forwarded
         self._skipped = 0
 
     def allowance(self) -> tuple[int, str]:
@@ -122,6 +124,8 @@ class _Stream:
         self.budget.spend(size)
 
     def feed(self, block: bytes) -> None:
+        if self.ended:
+            return
         self.stall.activity()
         if self.shipper is None:
             return
@@ -130,6 +134,8 @@ class _Stream:
         self._put(self.assembler.feed(block, time.monotonic()))
 
     def skip(self, size: int, why: str) -> None:
+        if self.ended:
+            return
         self.stall.activity()
         self._skipped += size
         if self.shipper is not None:
@@ -140,6 +146,7 @@ class _Stream:
             self._put(self.assembler.tick(time.monotonic()))
 
     def finish(self) -> None:
+        self.ended = True
         self.scanner.finish(self.name)
         if self.shipper is not None:
             self._mark_gap()
@@ -257,7 +264,10 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
 
     exit_status = await child.wait()
     ended_at = time.time()
-    duration_s = time.monotonic() - spawned_at
+    exited_at = time.monotonic()  # the drain's deadlines count from here
+    duration_s = exited_at - spawned_at
+    if client is not None:
+        client.hurry()  # a backoff of the request in flight ends now
     if cfg.running_when == "marker" and "running" not in lifecycle.recorded:
         log.warning("the command exited (status %d) and never ran `sidecar lifecycle running`, "
                     "the marker --running-when marker waits for: `running` was never posted; "
@@ -266,10 +276,16 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     await cancel(tail_sender)  # what it did not deliver goes first in the drain
     lifecycle.release.clear()  # the end event waits for the output before it (the platform
     await lifecycle.record("succeeded" if exit_status == 0 else "failed", ended_at)  # closes logs
-    await _wait_all([s.closed for s in streams], OUTPUT_GRACE_S)
+    output_deadline = exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
+    await _until(_all_closed(streams), exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
+                 * HOLDERS_SHARE, interrupted)
     ticker.cancel()
+    holding = not all(stream.closed.is_set() for stream in streams)
     for stream in streams:
         stream.finish()
+    if holding:
+        _say_holders(streams, await asyncio.to_thread(child.output_holders),
+                     time.monotonic() - exited_at)
     if exit_status != 0:
         report.failure = diagnose(
             exit_status, duration_s, scanner, node,
@@ -277,14 +293,11 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
             tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
         log.error("%s", mask(report.failure.line().removeprefix("[sidecar] ")))
         _say(streams, report.failure.line())  # the crash tail's last line
-    drain_start = time.monotonic()
-    if client is not None:
-        client.hurry()  # a backoff of the request in flight ends now
     if pipeline is not None and crash_tail is not None:
+        now = time.monotonic()
         await _journal_tail(pipeline.shipper, crash_tail, streams,
-                            drain_start + cfg.drain_timeout * LOGS_DRAIN_SHARE
-                            * (1 - TAIL_DRAIN_SHARE))
-    await _drain(cfg, lifecycle, pipeline, interrupted, crash_tail, drain_start)
+                            now + max(output_deadline - now, 0.0) * (1 - TAIL_DRAIN_SHARE))
+    await _drain(cfg, lifecycle, pipeline, interrupted, crash_tail, exited_at)
     for signum in FORWARDED_SIGNALS:
         loop.remove_signal_handler(signum)
     await _close(client, lifecycle, pipeline, marker, status)
@@ -398,10 +411,25 @@ async def _until(work: Awaitable[bool], deadline: float, stop: asyncio.Event) ->
     return task in done and not task.cancelled() and bool(task.result())
 
 
-async def _wait_all(events: Sequence[asyncio.Event], timeout_s: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.aio
-            await asyncio.gather(*(e.wait() for e in events))
+async def _all_closed(streams: Sequence[_Stream]) -> bool:
+    await asyncio.gather(*(stream.closed.wait() for stream in streams))
+    return True
+
+
+def _say_holders(streams: Sequence[_Stream], pids: Sequence[int], waited_s: float) -> None:
+    """The output is still held open past its wait (a background process the command left):
+    say by whom, in the log and in our own, and that what comes later is not forwarded."""
+    if pids:
+        who = (f"{len(pids)} process{'es' if len(pids) > 1 else ''} "
+               f"(PID{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))})")
+    else:
+        who = "processes that /proc does not show"
+    line = (f"[sidecar] the command's output is still held open by {who} "
+            f"{format_duration(waited_s)} after the command exited; what they write from now "
+            "on is not forwarded")
+    log.warning("%s", line.removeprefix("[sidecar] "))
+    if streams[-1].shipper is not None:
+        _say(streams, line)
 
 
 async def _close(client: IngestClient | None, lifecycle: Lifecycle, pipeline: Pipeline | None,

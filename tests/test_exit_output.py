@@ -4,6 +4,10 @@ by the crash tail; a slow ingest is waited for, not sent the same lines twice.""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -122,3 +126,59 @@ def test_the_failure_summary_is_never_spliced_into_the_last_line(ingest: Running
     assert lines[0] == "[vm:0] Downloading shard 3/8: \n"
     assert lines[1].startswith("[vm:0] [sidecar] run failed: exit status 1 after ")
     assert len(lines) == 2
+
+
+# The command leaves a writer behind and exits at once: the writer prints for `seconds` (or
+# until killed), its pid first in a file, then its last line.
+LEAVES_A_WRITER = """
+import subprocess, sys
+writer = '''
+import os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+deadline = time.monotonic() + float(sys.argv[2])
+i = 0
+while time.monotonic() < deadline:
+    print(f"background {i}", flush=True)
+    i += 1
+    time.sleep(0.1)
+print("background: last line", flush=True)
+'''
+subprocess.Popen([sys.executable, "-c", writer, sys.argv[1], sys.argv[2]])
+print("the command exits", flush=True)
+"""
+
+
+def test_a_background_writer_runs_to_its_end(ingest: RunningIngest, tmp_path: Path) -> None:
+    """It writes for 3 s after the command exited, past the 2 s a fixed grace gave it."""
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "20", "--",
+                    *python_child(LEAVES_A_WRITER), str(tmp_path / "pid"), "3"],
+                   env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert done.stdout.endswith(b"background: last line\n")  # passed through, as by tee
+    assert log_text(ingest).endswith("background: last line\n")
+    assert b"still held open" not in done.stderr
+
+
+def test_a_writer_past_the_drain_is_named_and_cut(ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    pid_file = tmp_path / "pid"
+    try:
+        done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "4", "--",
+                        *python_child(LEAVES_A_WRITER), str(pid_file), "60"],
+                       env, tmp_path / "sc")
+        pid = int(pid_file.read_text())
+        assert done.status == 0, done.stderr
+        said = re.compile(rf"the command's output is still held open by 1 process \(PID {pid}\) "
+                          r"\d+s after the command exited; what they write from now on is not "
+                          r"forwarded\n")
+        assert said.search(done.stderr.decode())
+        text = log_text(ingest)
+        last = text.splitlines(keepends=True)[-1]
+        assert last.startswith("[sidecar] ") and said.fullmatch(last.removeprefix("[sidecar] "))
+        assert "background 5" in text  # forwarded for the second it was given
+        assert [r["event"] for r in ingest.records("lifecycle")] == [
+            "starting", "running", "succeeded"]
+    finally:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -226,6 +226,7 @@ class Child:
         self._proc: subprocess.Popen[bytes] | None = None
         self._exit: asyncio.Future[int] | None = None
         self._foreground: _Foreground | None = None
+        self._output_links: set[str] = set()  # how /proc/PID/fd shows its output's write end
 
     def spawn(self) -> tuple[int, ...]:
         """Start the command; returns what to read its output from: the read ends of its stdout
@@ -235,6 +236,8 @@ class Child:
         loop.add_signal_handler(signal.SIGCHLD, self._reap)
         terminal = _open_terminal() if self.tty else None
         output = terminal[1] if terminal is not None else subprocess.PIPE
+        if terminal is not None:
+            self._output_links = {os.ttyname(terminal[1])}
         try:
             self._proc = subprocess.Popen(list(self.argv), stdout=output, stderr=output,
                                           env=dict(self.env), process_group=0, close_fds=True)
@@ -255,6 +258,7 @@ class Child:
         self._proc.stderr.close()
         for fd in fds:
             _enlarge_pipe(fd)
+        self._output_links = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in fds}
         self._reap()  # it may have exited before the handler could see it
         return fds
 
@@ -274,6 +278,28 @@ class Child:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signum)
+
+    def output_holders(self) -> list[int]:
+        """The processes other than this one that still hold the command's output open (a
+        background process it left), as far as /proc shows them; blocking (many small reads)."""
+        own = os.getpid()
+        holders = []
+        with contextlib.suppress(OSError), os.scandir("/proc") as entries:
+            for entry in entries:
+                if entry.name.isdigit() and int(entry.name) != own and self._holds(entry.path):
+                    holders.append(int(entry.name))
+        return sorted(holders)
+
+    def _holds(self, process: str) -> bool:
+        try:
+            fds = os.listdir(f"{process}/fd")
+        except OSError:  # gone, or not ours to look at
+            return False
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{process}/fd/{fd}") in self._output_links:
+                    return True
+        return False
 
     def _reap(self) -> None:
         """SIGCHLD: collect the child's status; as PID 1 also reap adopted orphans, as tini does."""
