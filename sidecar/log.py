@@ -165,22 +165,28 @@ def state_write_failed(path: object, exc: OSError) -> None:
 
 
 class _OpenLine:
-    """Whether the command's output, passed through to the terminal our messages go to, ends in
-    the middle of a line (a progress bar, a prompt): then our next message starts a new one."""
+    """Whether the command's output, passed through to where our messages go (our stderr: a
+    terminal, a file, a pipe to `kubectl logs` or journald), ends in the middle of a line (a
+    progress bar, a prompt): then our next message starts a new one."""
 
     def __init__(self) -> None:
         self._open: set[int] = set()  # the output streams whose last byte was not a newline
 
-    def shares_our_terminal(self, fd: int) -> bool:
-        """Whether output written to `fd` lands on the terminal of our stderr."""
+    def shares_our_stderr(self, fd: int) -> bool:
+        """Whether output written to `fd` lands where our stderr does: fd 2 itself, the same
+        terminal, or the same file or pipe (`>all.log 2>&1`)."""
+        if fd == 2:
+            return True
         try:
-            return (os.isatty(fd) and os.isatty(2)
-                    and os.fstat(fd).st_rdev == os.fstat(2).st_rdev)
+            ours, theirs = os.fstat(2), os.fstat(fd)
         except OSError:
             return False
+        if os.isatty(fd) and os.isatty(2):
+            return theirs.st_rdev == ours.st_rdev
+        return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
     def written(self, fd: int, block: bytes) -> None:
-        """The command's output `block` was written to `fd`, a terminal it shares with us."""
+        """The command's output `block` was written to `fd`, which our stderr shares."""
         if block.endswith(b"\n"):
             self._open.discard(fd)
         elif block:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from sidecar import log as sidecar_log
 from sidecar.log import add_secret, log, setup
+from tests.conftest import SIDECAR, platform_env, python_child
+from tests.ingest_server import RunningIngest
 
 SECRET = "tok-SECRET-for-the-log-tests"
 
@@ -66,3 +71,34 @@ def test_levels(capsys: pytest.CaptureFixture[str], restore: None) -> None:
     err = capsys.readouterr().err
     assert "quiet" not in err and "loud" in err
     assert logging.getLogger("sidecar").level == logging.WARNING
+
+
+# A bar left mid-line on stderr (tqdm's way: a carriage return, then the state), or a line left
+# open on stdout, when the command exits.
+BAR_MID_LINE = """
+import sys
+stream = getattr(sys, sys.argv[1])
+for i in range(41):
+    stream.write(f"\\r{i}/50 [00:00<00:00, 45.92it/s]")
+    stream.flush()
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("stream", ["stderr", "stdout"])
+def test_our_messages_start_a_line_of_their_own_in_a_file(ingest: RunningIngest,
+                                                          tmp_path: Path, stream: str) -> None:
+    """`2>err.log` (and `>all.log 2>&1` for stdout): no terminal, and still our message after
+    the command's open line starts on a line of its own."""
+    env = platform_env(ingest, tmp_path / "state")
+    with open(tmp_path / "err.log", "w+b") as out:
+        status = subprocess.run(
+            [*SIDECAR, "run", "--hardware-interval", "0", "--", *python_child(BAR_MID_LINE),
+             stream], env=env, stdout=out if stream == "stdout" else subprocess.DEVNULL,
+            stderr=out, stdin=subprocess.DEVNULL, timeout=60).returncode
+        out.seek(0)
+        text = out.read().decode()
+    assert status == 1
+    assert "40/50 [00:00<00:00, 45.92it/s]\n" in text
+    assert re.search(r"it/s\]\n[0-9T:.-]+Z sidecar [A-Z]+ ", text), text
+    assert not re.search(r"[^\n][0-9]{4}-[0-9T:.-]+Z sidecar ", text), text

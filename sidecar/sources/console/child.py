@@ -84,7 +84,8 @@ class Pump:
         self._sink_open = True
         self._can_splice = True  # until splice(2) says this sink cannot take it
         self._forwarding_failed = False  # the /logs side raised: pass through only from then on
-        self._on_our_terminal = False  # the sink is the terminal our own messages go to
+        self._beside_ours = False  # the sink is where our own messages go (our stderr): what
+        #                            passes through is seen, so that ours never glue onto it
         self._small_read_at = float("-inf")  # when the last read was a small one
 
     def start(self) -> threading.Thread:
@@ -93,7 +94,9 @@ class Pump:
         return thread
 
     def _run(self) -> None:
-        self._on_our_terminal = open_line.shares_our_terminal(self.sink_fd)
+        self._beside_ours = open_line.shares_our_stderr(self.sink_fd)
+        if self._beside_ours:
+            self._can_splice = False  # splice(2) would hide whether a line was left open
         ready = select.poll()
         ready.register(self.source_fd, select.POLLIN)
         try:
@@ -187,7 +190,7 @@ class Pump:
                 view = view[os.write(self.sink_fd, view):]
         except OSError as exc:
             self._sink_gone(exc)
-        if self._on_our_terminal:
+        if self._beside_ours:
             open_line.written(self.sink_fd, block)
 
     def _sink_gone(self, exc: OSError) -> None:
