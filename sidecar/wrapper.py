@@ -16,6 +16,7 @@ tail, which goes before the end event. What `sidecar watch` shares with it is in
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import sys
 import threading
@@ -372,11 +373,13 @@ async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Seq
     """Once the request in flight was answered (or `deadline` passed with no answer), take
     what the ingest did not acknowledge of the streams' last 64 KiB (the failure summary last)
     out of the best-effort queue into the crash tail's journal; the queue's older text is then
-    sent on, best-effort, before it."""
+    sent on, best-effort, before it: a slow answer is waited for within the drain's share for
+    it, so that no request of it is still in flight (and stored later, or cut) meanwhile."""
     await shipper.settle(deadline - time.monotonic())
     tail = take_tail([stream.tail for stream in streams])
     shipper.forget(tail.carried_from)
     await crash_tail.add(tail.texts)
+    shipper.flush_stall_s = math.inf
     shipper.start()
 
 

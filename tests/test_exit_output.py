@@ -81,6 +81,20 @@ def test_a_slow_ingest_gets_a_failing_runs_lines_once(ingest: RunningIngest,
     assert sum(line.startswith("[sidecar] run failed") for line in lines) == 1
 
 
+def test_a_slow_ingest_gets_a_flood_before_a_failure_once_and_in_order(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """3 MB written at the exit, /logs answering in 1.2 s: the older text's requests are each
+    waited for before the crash tail (a flush gave up after a second, sent the tail beside it
+    and dropped what was left as if the drain deadline had passed)."""
+    ingest.add_fault(Fault(route="logs", slow_answer_s=1.2))
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--hardware-interval", "0", "--",
+                    *python_child(QUICK_EXIT), "stdout", "15000", "1"], env, tmp_path / "sc")
+    assert done.status == 1, done.stderr
+    assert_every_line_once(log_lines(ingest), 15000)
+    assert b"dropped" not in done.stderr
+
+
 # A line left open (a download's progress) through a stall, then finished; or the exit.
 OPEN_LINE = """
 import os, sys, time
@@ -149,10 +163,10 @@ print("the command exits", flush=True)
 
 
 def test_a_background_writer_runs_to_its_end(ingest: RunningIngest, tmp_path: Path) -> None:
-    """It writes for 3 s after the command exited, past the 2 s a fixed grace gave it."""
+    """It writes for 2.5 s after the command exited, past the 2 s a fixed grace gave it."""
     env = platform_env(ingest, tmp_path / "state")
     done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "20", "--",
-                    *python_child(LEAVES_A_WRITER), str(tmp_path / "pid"), "3"],
+                    *python_child(LEAVES_A_WRITER), str(tmp_path / "pid"), "2.5"],
                    env, tmp_path / "sc")
     assert done.status == 0, done.stderr
     assert done.stdout.endswith(b"background: last line\n")  # passed through, as by tee

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from sidecar.commands.receive import Fault
 from sidecar.delivery.client import IngestClient
+from sidecar.delivery.crashtail import TAIL_BYTES, new_tails, take_tail
 from sidecar.delivery.logs import FLUSH_STALL_S, LINGER_BELOW_CHARS, LINGER_S, LogShipper
 from sidecar.records import Ticket
 from tests.conftest import RUN_ID, TOKEN
@@ -154,3 +155,58 @@ async def test_once_the_limit_is_known_a_long_text_goes_in_pieces_not_refused_ag
         assert await shipper.flush(20.0)
         assert ingest.stats.routes["logs"].rejected.get(413, 0) == refused  # none more
         assert "".join(chunks(ingest)).endswith(later) and shipper.dropped_chars == 0
+
+
+def test_a_piece_acknowledged_in_parts_leaves_what_was_not() -> None:
+    piece = new_tails(1)[0].add("x" * 100)
+    piece.ack(0, 10)
+    piece.ack(20, 30)
+    piece.ack(10, 15)
+    assert piece.unacked(5) == [(15, 20), (30, 100)]
+    assert not piece.acked
+    piece.ack(15, 20)
+    piece.ack(30, 100)
+    assert piece.acked and piece.unacked() == []
+
+
+async def test_the_crash_tail_takes_only_its_window_of_a_queued_piece(
+        ingest: RunningIngest) -> None:
+    """A piece longer than the tail's window: the tail carries its end, and its start stays
+    queued and is sent (it was lost: the whole piece was taken out of the queue)."""
+    tail = new_tails(1)[0]
+    text = "".join(f"{i:05d} " + "a" * 93 + "\n" for i in range(1000))  # 100,000 characters
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    shipper = LogShipper(client, RUN_ID)
+    shipper.put(text, piece=tail.add(text))
+    taken = take_tail([tail])
+    cut = len(text) - TAIL_BYTES
+    assert (taken.texts, taken.carried_from) == ([text[cut:]], {0: cut})
+    shipper.forget(taken.carried_from)
+    shipper.start()
+    try:
+        assert await shipper.flush(10.0)
+    finally:
+        await shipper.stop()
+        await client.close()
+    assert "".join(chunks(ingest)) == text[:cut]
+
+
+async def test_each_part_of_a_cut_piece_is_acknowledged_on_its_own(ingest: RunningIngest) -> None:
+    """A piece sent in several requests, the first refused: that part alone is unacknowledged
+    and goes in the crash tail (the last part's answer marked the whole piece)."""
+    ingest.add_fault(Fault(route="logs", status=400, times=1))
+    tail = new_tails(1)[0]
+    text = "".join(f"{i:04d} " + "b" * 94 + "\n" for i in range(30))  # 3,000 characters
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    shipper = LogShipper(client, RUN_ID, max_request_chars=1000)
+    shipper.put(text, piece=tail.add(text))
+    shipper.start()
+    try:
+        assert await shipper.flush(10.0)
+    finally:
+        await shipper.stop()
+        await client.close()
+    assert "".join(chunks(ingest)) == text[1000:]
+    assert take_tail([tail]).texts == [text[:1000]]

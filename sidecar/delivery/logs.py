@@ -60,6 +60,7 @@ class LogShipper:
         self._inflight: list[tuple[str, Ticket | None, Span | None]] | None = None
         self._answered = asyncio.Event()
         self._settling = False  # no new request: the one in flight is waited for (the exit)
+        self.flush_stall_s = FLUSH_STALL_S  # `run` at the exit: its output's share bounds it
         self._warned_at = float("-inf")
         self._halved_at = float("-inf")
         self._active_at = 0.0  # when a request was last sent or answered, or work came to an idle
@@ -111,7 +112,7 @@ class LogShipper:
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was sent or dropped; False if `timeout_s` ran out or
-        the request in flight has had no answer for FLUSH_STALL_S, counted from when it was
+        the request in flight has had no answer for `flush_stall_s`, counted from when it was
         sent, not from when the flush began: an ingest that hung during the run costs the
         exit at most what is left of that second (logs are best-effort, and the end event
         waits behind them)."""
@@ -119,7 +120,7 @@ class LogShipper:
         deadline = time.monotonic() + timeout_s
         while not self._idle.is_set():
             now = time.monotonic()
-            stall_left = self._active_at + FLUSH_STALL_S - now
+            stall_left = self._active_at + self.flush_stall_s - now
             left = min(deadline - now, stall_left)
             if left <= 0:
                 return False
