@@ -114,6 +114,8 @@ class _Stream:
         shipper = self.shipper
         if shipper is None:
             return 0, "reporting is off"
+        if self.ended:
+            return 0, "the command exited and its output's time is up"
         if not shipper.has_room:
             return 0, "the log buffer is full while the ingest is slow"
         granted = self.budget.grant()
