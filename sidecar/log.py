@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterable
@@ -174,15 +175,16 @@ class _OpenLine:
 
     def shares_our_stderr(self, fd: int) -> bool:
         """Whether output written to `fd` lands where our stderr does: fd 2 itself, the same
-        terminal, or the same file or pipe (`>all.log 2>&1`)."""
-        if fd == 2:
-            return True
+        terminal, or the same file, pipe or socket (`>all.log 2>&1`); not /dev/null, which
+        nobody reads."""
         try:
             ours, theirs = os.fstat(2), os.fstat(fd)
         except OSError:
             return False
         if os.isatty(fd) and os.isatty(2):
             return theirs.st_rdev == ours.st_rdev
+        if stat.S_ISCHR(theirs.st_mode):
+            return False
         return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
     def written(self, fd: int, block: bytes) -> None:
