@@ -204,9 +204,10 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "lifecycle": (
         ("sidecar lifecycle running   # in a `run --running-when marker` child",
          "sidecar lifecycle failed --timeout 10"),
-        ("0  acknowledged, handed to the wrapper, or reporting off",
-         "1  refused, or not acknowledged in time (kept for `sidecar replay`)",
-         "2  configuration error")),
+        ("0  acknowledged (or recorded already), handed to the wrapper, or reporting off",
+         "1  refused (by the ingest, or after the run's end), or not acknowledged in",
+         "   time (kept for `sidecar replay`)",
+         "2  configuration error, or another sidecar (named) writes the run's lifecycle")),
     "replay": (
         ("sidecar replay", "sidecar replay --state-dir /var/lib/sidecar --timeout 60"),
         ("0  everything was delivered (or nothing was left)",

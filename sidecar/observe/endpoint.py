@@ -34,6 +34,7 @@ from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.config import parse_host_port
 from sidecar.delivery.client import RouteStats
 from sidecar.log import log, mask
+from sidecar.statefile import read_state
 from sidecar.supervise import SUPERVISOR
 
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
@@ -439,7 +440,8 @@ class StatusServer:
         await self._listener.wait_closed()
         if self.addr_file is not None:
             try:
-                if self.addr_file.read_text(encoding="utf-8").strip() == self.address:
+                held = read_state(self.addr_file) or b""  # a FIFO put there cannot block
+                if held.decode("utf-8", "replace").strip() == self.address:
                     self.addr_file.unlink()
             except OSError:
                 pass
