@@ -82,7 +82,7 @@ class Lifecycle:
             return
         journal = Journal(self.run_dir / JOURNAL_NAME)
         try:
-            await asyncio.to_thread(journal.hold)
+            self._queue = await asyncio.to_thread(self._load, journal)
         except Busy as busy:
             raise ConfigError(
                 f"--state-dir: the lifecycle journal of run {self.run_id} in {self.run_dir} is "
@@ -91,17 +91,21 @@ class Lifecycle:
                 f"`sidecar run`, `sidecar lifecycle` hands its event to the wrapper (through "
                 f"{WRAPPER_SOCKET_VARIABLE}); otherwise wait until PID {busy.holder} has "
                 "finished") from None
-        except OSError as exc:  # a full disk must not stop the run: nor can another write here
-            state_write_failed(journal.lock_path, exc)
         self._journal = journal
-        self._queue = await asyncio.to_thread(read_back, journal, self._is_event,
-                                              "lifecycle events", self.run_id)
         self._follow_history(journal.records)
         if self._queue:
             log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
                      len(self._queue))
             self._idle.clear()
         self._task = supervise("lifecycle", self._run)
+
+    def _load(self, journal: Journal) -> list[tuple[bytes, bool]]:
+        """Hold `journal` (Busy when another process does) and read it back; blocking."""
+        try:
+            journal.hold()
+        except OSError as exc:  # a full disk must not stop the run: nor can another write here
+            state_write_failed(journal.lock_path, exc)
+        return read_back(journal, self._is_event, "lifecycle events", self.run_id)
 
     def _follow_history(self, records: Sequence[bytes]) -> None:
         """Take the events the journal holds as recorded, in order; one that breaks the order
