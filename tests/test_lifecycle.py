@@ -33,17 +33,22 @@ def test_each_stage_once_in_order_and_nothing_after_the_end(recorded: tuple[str,
     assert (refusal(recorded, event) is not None) is refused
 
 
-# The command exits at once; a process it left behind hands `running` over once it has.
+# The command exits at once; a process it left behind (its output not the command's, so that
+# nothing holds the wrapper) hands `running` over once it has, and writes down what it was told.
 LATE_MARKER = """
 import os, subprocess, sys
 late = '''
 import os, subprocess, sys, time
 while os.getppid() == PARENT:
     time.sleep(0.01)
-code = subprocess.call([sys.executable, "-m", "sidecar", "lifecycle", "running"])
-print("late marker", code, flush=True)
+told = subprocess.run([sys.executable, "-m", "sidecar", "lifecycle", "running"],
+                      capture_output=True)
+with open(sys.argv[1] + ".tmp", "wb") as fh:
+    fh.write(b"%d " % told.returncode + told.stderr)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
 '''.replace("PARENT", str(os.getpid()))
-subprocess.Popen([sys.executable, "-c", late])
+subprocess.Popen([sys.executable, "-c", late, sys.argv[1]], stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
 sys.exit(1)
 """
 
@@ -53,14 +58,15 @@ def test_a_marker_handed_over_after_the_command_exited_is_refused(ingest: Runnin
     """`running` reached the ingest after `failed`: a billing start after the end."""
     ingest.add_fault(Fault(route="lifecycle", status=503, retry_after="1"))  # so the wrapper
     env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="30")  # is still in
-    run = Sidecar(["run", "--running-when", "marker", "--", *python_child(LATE_MARKER)], env,
-                  tmp_path / "sc")  # its drain when the marker comes
-    out = tmp_path / "sc" / "stdout"
-    wait_until(lambda: b"late marker" in out.read_bytes(), 30, "the late marker was handed over")
+    told = tmp_path / "told"  # its drain when the marker comes
+    run = Sidecar(["run", "--running-when", "marker", "--", *python_child(LATE_MARKER),
+                   str(told)], env, tmp_path / "sc")
+    wait_until(told.exists, 30, "the late marker was handed over")
     ingest.clear_faults()
     done = run.wait()
     assert done.status == 1, done.stderr
-    assert b"late marker 1\n" in done.stdout  # `sidecar lifecycle running` was told no
+    answer = told.read_bytes()
+    assert answer.startswith(b"1 ") and b"refused: the command has exited" in answer, answer
     assert events(ingest) == ["starting", "failed"]
     assert b"`sidecar lifecycle running` refused: the command has exited" in done.stderr
 
