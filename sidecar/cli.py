@@ -204,9 +204,10 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "lifecycle": (
         ("sidecar lifecycle running   # in a `run --running-when marker` child",
          "sidecar lifecycle failed --timeout 10"),
-        ("0  acknowledged, handed to the wrapper, or reporting off",
-         "1  refused, or not acknowledged in time (kept for `sidecar replay`)",
-         "2  configuration error")),
+        ("0  acknowledged (or recorded already), handed to the wrapper, or reporting off",
+         "1  refused (by the ingest, or after the run's end), or not acknowledged in",
+         "   time (kept for `sidecar replay`)",
+         "2  configuration error, or another sidecar (named) writes the run's lifecycle")),
     "replay": (
         ("sidecar replay", "sidecar replay --state-dir /var/lib/sidecar --timeout 60"),
         ("0  everything was delivered (or nothing was left)",
@@ -322,12 +323,19 @@ async def _post_lifecycle(cfg: object, event: str, timeout_s: float) -> int:
     assert isinstance(cfg, Config)
     client = make_client(cfg)
     assert client is not None
-    claim_run_dir(cfg, lock=False)  # the wrapper's own folder, perhaps: it holds the lock
+    claim_run_dir(cfg, lock=False)  # a `watch` may hold the folder; the journal is held below
     await client.start()
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
     try:
-        await lifecycle.open()
-        await lifecycle.record(event, time.time())
+        await lifecycle.open()  # ConfigError naming the sidecar that holds the run's journal
+        if event in lifecycle.recorded:
+            log.info("lifecycle %s: already recorded for run %s, not recorded again", event,
+                     cfg.platform.run_id)
+        refusal = await lifecycle.record(event, time.time())
+        if refusal is not None:
+            log.error("lifecycle %s: refused: %s (%s holds %s)", event, refusal, cfg.run_dir,
+                      ", ".join(lifecycle.recorded))
+            return 1
         if await lifecycle.drain(timeout_s):
             return 1 if lifecycle.rejected else 0
         log.error("lifecycle %s: not acknowledged within %.0f s (%s); kept in %s for the next "

@@ -1,6 +1,8 @@
 """Files in the state dir: written so that a crash leaves the old or the new content, never
 half; read back through one checked loader, so that a malformed one is set aside, never trusted
-(issue 13: a `{"files": null}` crashed every start); the run's folder held by one sidecar."""
+(a `{"files": null}` crashed every start), and so is anything that is not a regular file (a
+directory or a FIFO where a journal belongs gave a traceback, or blocked the start for good); the
+run's folder held by one sidecar, and each journal written by one process."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,11 +18,57 @@ from typing import Any, NamedTuple, TypeVar
 
 from sidecar.log import log, state_write_failed
 
+# Every state file is opened so that nothing found in its place can block: not a FIFO (an open
+# for reading waits for a writer, one for writing for a reader), not a device; nor followed as
+# a symbolic link. What is there is looked at with lstat first.
+_NO_WAIT = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NotAFile(OSError):
+    """Something else than a regular file where a state file belongs."""
+
+
+def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of `path` opened with `flags` (O_CREAT creates it), never blocking;
+    NotAFile when something else than a regular file is there, OSError when it cannot be
+    opened."""
+    fd = os.open(path, flags | _NO_WAIT, mode)
+    try:
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):
+            raise NotAFile(errno.EINVAL, f"{_kind(kind)} where a file belongs", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def clear_way(path: Path) -> bool:
+    """Whether `path` is a regular file or absent; anything else there (lstat: nothing is
+    opened) is set aside with one WARNING, and False returned when it could not be moved."""
+    try:
+        kind = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return True
+    if stat.S_ISREG(kind):
+        return True
+    return set_aside(path, f"{_kind(kind)} where a file belongs") is not None
+
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that a crash leaves either the old or the new content."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    clear_way(tmp)
+    with open(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -35,29 +84,56 @@ FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 LOCK_FILE = "lock"  # in a run's state folder: held (flock) by the one sidecar using it
 
 
-class FolderBusy(Exception):
+class Busy(Exception):
+    """Another process holds a lock of the state dir."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is held by PID {holder or 'unknown'}")
+        self.path = path
+        self.holder = holder or "unknown"
+
+
+class FolderBusy(Busy):
     """Another process holds the state folder's lock."""
 
     def __init__(self, folder: Path, holder: str) -> None:
-        super().__init__(f"{folder} is held by PID {holder or 'unknown'}")
+        super().__init__(folder, holder)
         self.folder = folder
-        self.holder = holder or "unknown"
+
+
+def hold(path: Path) -> int:
+    """Hold the lock file `path` for this process's life (an exclusive flock; the file names
+    our PID); returns its descriptor, closed by `release`. Busy, naming the holder's PID, when
+    another process holds it; OSError when it cannot be created."""
+    clear_way(path)
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise Busy(path, holder) from None
+    with contextlib.suppress(OSError):  # the PID is for the message of a second process only
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def claim_folder(folder: Path, *, lock: bool = True) -> int | None:
     """Create `folder`, prove that files can be written in it and, with `lock`, hold it for
-    this process's life (an exclusive flock on `folder/lock`, which names our PID); returns the
-    lock's descriptor, closed by `release`. OSError when the folder cannot be created or
-    written; FolderBusy when another process holds it. A full disk is no such fault: it is said
-    (once a minute, as every failed state write) and the run goes on without the files."""
+    this process's life (`hold` on `folder/lock`); returns the lock's descriptor, closed by
+    `release`. OSError when the folder cannot be created or written; FolderBusy when another
+    process holds it. A full disk is no such fault: it is said (once a minute, as every failed
+    state write) and the run goes on without the files."""
     folder.mkdir(parents=True, exist_ok=True)
     probe = folder / f".probe.{os.getpid()}"
     try:
         with open(probe, "wb") as fh:
             fh.write(b"probe")
         probe.unlink()
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644) if lock \
-            else None
+        return hold(folder / LOCK_FILE) if lock else None
+    except Busy as busy:
+        raise FolderBusy(folder, busy.holder) from None
     except OSError as exc:
         if exc.errno not in FULL_DISK:
             raise
@@ -65,18 +141,6 @@ def claim_folder(folder: Path, *, lock: bool = True) -> int | None:
             probe.unlink()
         state_write_failed(folder, exc)
         return None
-    if fd is None:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        os.close(fd)
-        raise FolderBusy(folder, holder) from None
-    with contextlib.suppress(OSError):  # the PID is for the message of a second sidecar only
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def release(fd: int | None) -> None:
@@ -136,17 +200,36 @@ def record(value: Any, fields: Mapping[str, Kind],
     return out
 
 
+def read_state(path: Path) -> bytes | None:
+    """The bytes of state file `path`, or None when there is none. Anything there that is not a
+    regular file (a directory, a FIFO, a socket, a device, a symbolic link) is set aside with
+    one WARNING and read as absent, and nothing is opened that could block; OSError when a
+    regular file cannot be read."""
+    if not clear_way(path):
+        return None
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except NotAFile as exc:  # swapped in since it was looked at
+        set_aside(path, exc.strerror or "not a file")
+        return None
+    with open(fd, "rb") as fh:
+        return fh.read()
+
+
 def load_checked(path: Path, parse: Callable[[bytes], T]) -> T | None:
     """The content of state file `path` as `parse` reads it, or None when there is none. A file
     that cannot be read or that `parse` refuses (Malformed, or any ValueError, TypeError,
-    KeyError) is moved aside as NAME.bad-<time> with one WARNING, and None is returned: the
-    caller carries on as if it were absent (CONTRACT 4: nothing lost, repeats allowed)."""
+    KeyError), and anything that is not a regular file (`read_state`), is moved aside as
+    NAME.bad-<time> with one WARNING, and None is returned: the caller carries on as if it were
+    absent (CONTRACT 4: nothing lost, repeats allowed)."""
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
+        data = read_state(path)
     except OSError as exc:
         set_aside(path, exc.strerror or exc.__class__.__name__)
+        return None
+    if data is None:
         return None
     try:
         return parse(data)

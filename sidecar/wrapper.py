@@ -196,11 +196,13 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     crash_tail = CrashTail(cfg.run_dir, cfg.platform.run_id, client) if client else None
     earlier_tail = await crash_tail.open() if crash_tail is not None else 0
     await lifecycle.open()  # its sender waits for the client, started after the spawn
+    lifecycle.say_earlier_start()  # a restarted container, a killed wrapper: go on from there
     tail_sender = _send_earlier_tail(crash_tail, lifecycle) if earlier_tail else None
     await lifecycle.record("starting")
 
     address = handoff.new_address()
-    marker = await handoff.serve(address, _marker_acceptor(lifecycle, cfg.running_when))
+    exited = asyncio.Event()  # from then on no hand-off is taken
+    marker = await handoff.serve(address, _marker_acceptor(lifecycle, cfg.running_when, exited))
     child_env = dict(environ)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     child_env[handoff.ENV_VAR] = address
@@ -267,6 +269,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
 
     exit_status = await child.wait()
     ended_at = time.time()
+    exited.set()
     exited_at = time.monotonic()  # the drain's deadlines count from here
     duration_s = exited_at - spawned_at
     if client is not None:
@@ -308,16 +311,21 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     return exit_status
 
 
-def _marker_acceptor(lifecycle: Lifecycle, running_when: str) -> handoff.Acceptor:
+def _marker_acceptor(lifecycle: Lifecycle, running_when: str,
+                     exited: asyncio.Event) -> handoff.Acceptor:
     async def accept(event: str, ts: float) -> str | None:
         if event != "running":
             return (f"only `running` is handed to the wrapper; it posts {event!r} itself when "
                     "the command exits")
         if "running" in lifecycle.recorded:
             return None
+        refusal = ("the command has exited, and nothing is recorded after the run's end"
+                   if exited.is_set() else await lifecycle.record("running", ts))
+        if refusal is not None:
+            log.warning("`sidecar lifecycle running` refused: %s", refusal)
+            return f"refused: {refusal}"
         if running_when != "marker":
             log.warning("the command marked running, but --running-when is %s", running_when)
-        await lifecycle.record("running", ts)
         return None
 
     return accept

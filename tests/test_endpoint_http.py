@@ -18,6 +18,8 @@ from sidecar.observe.endpoint import (
     FileSnapshot,
     StatusServer,
     StatusSnapshot,
+    _Answer,
+    _Connections,
     start_status_server,
 )
 
@@ -261,23 +263,57 @@ async def test_a_client_trickling_its_request_is_dropped() -> None:
     assert 0.8 <= ended < 5.0  # the request would have taken 20 s
 
 
-async def test_connections_past_the_limit_are_refused_with_503() -> None:
+async def test_idle_connections_never_starve_a_request() -> None:
+    """32 connections opened and left silent made /healthz answer 503 until they timed out
+    (75 s): a liveness probe's restart for anyone who can reach the port. The new request is
+    answered at once; the connection idle the longest is the one closed to make room."""
     async with serving() as server:
-        clients = [await Client.to(server.address) for _ in range(MAX_CONNECTIONS)]
+        silent = [await Client.to(server.address) for _ in range(MAX_CONNECTIONS - 1)]
+        kept_alive = await Client.to(server.address)  # idle too, since its answer
         try:
-            for client in clients:  # each one accepted and kept alive
-                await client.send(get("/healthz"))
-                assert (await client.answer())[0] == 200
-            extra = await Client.to(server.address)
-            await extra.send(get("/healthz"))
-            refused = await extra.answer()
-            assert await extra.closed_by_server()
-            clients.pop().close()
-            await until(lambda: len(connection_tasks()) < MAX_CONNECTIONS, "one slot free")
-            assert await healthy(server.address)
+            await kept_alive.send(get("/healthz"))
+            assert (await kept_alive.answer())[0] == 200
+            await until(lambda: len(connection_tasks()) == MAX_CONNECTIONS, "all are served")
+            async with asyncio.timeout(2.0):
+                assert await healthy(server.address)
+            assert await silent[0].closed_by_server()  # the oldest idle one
+            await kept_alive.send(get("/healthz"))  # the others stay open
+            assert (await kept_alive.answer())[0] == 200
+            await until(lambda: len(connection_tasks()) == MAX_CONNECTIONS - 1,
+                        "the probe's connection and the oldest are gone")
         finally:
-            for client in clients:
+            for client in (*silent, kept_alive):
                 client.close()
+
+
+async def test_a_connection_is_refused_with_503_only_while_every_one_is_being_answered(
+        ) -> None:
+    release = asyncio.Event()
+
+    async def slow() -> _Answer:
+        await release.wait()
+        return _Answer(200, "slow\n")
+
+    connections = _Connections({"/slow": slow}, 60.0)
+    listener = await asyncio.start_server(connections.accept, "127.0.0.1", 0)
+    address = f"127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    clients = [await Client.to(address) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for client in clients:
+            await client.send(get("/slow"))
+        await until(lambda: len(connection_tasks()) == MAX_CONNECTIONS
+                    and not connections._idle, "every connection is being answered")
+        extra = await Client.to(address)
+        refused = await extra.answer()
+        assert await extra.closed_by_server()
+        release.set()
+        assert [(await client.answer())[0] for client in clients] == [200] * MAX_CONNECTIONS
+    finally:
+        for client in clients:
+            client.close()
+        listener.close()
+        await connections.close()
+        await listener.wait_closed()
     assert refused[0] == 503 and refused[1]["connection"] == "close"
 
 

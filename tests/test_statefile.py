@@ -55,6 +55,14 @@ def put(relative: str, data: bytes) -> Prepare:
     return prepare
 
 
+def fifo(relative: str) -> Prepare:
+    def prepare(run_dir: Path, jsonl: Path) -> None:
+        path = run_dir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path)
+    return prepare
+
+
 CASES: list[tuple[str, Prepare, str]] = [
     ('offsets.json {"files": null}', offsets(lambda f: {"version": 1, "files": None}),
      "offsets.json"),
@@ -67,6 +75,7 @@ CASES: list[tuple[str, Prepare, str]] = [
     ("a stray backup.seg in the hardware spool", put("spool/hardware/backup.seg", b"x" * 64),
      "backup.seg"),
     ("a spool cursor that is not two numbers", put("spool/hardware/cursor", b"seven"), "cursor"),
+    ("a FIFO as a spool segment", fifo("spool/hardware/00000000.seg"), "00000000.seg"),
     ("a lifecycle journal count that is not a number", put("lifecycle.journal.acked", b"-x"),
      "lifecycle.journal.acked"),
 ]
@@ -111,7 +120,33 @@ def test_a_journal_record_that_is_no_event_of_this_run_is_skipped_never_posted(
     assert err.count("not lifecycle events of run") == 1, err
     events = [(r["event"], r["ts"]) for r in ingest.records("lifecycle")]
     assert events[0] == ("starting", "2026-12-01T08:00:00+00:00")  # the earlier start's, kept
-    assert [e for e, _ in events[1:]] == ["starting", "running", "succeeded"]
+    assert [e for e, _ in events[1:]] == ["running", "succeeded"]  # `starting` is recorded once
+
+
+@pytest.mark.parametrize("kind", ["directory", "FIFO"])
+@pytest.mark.parametrize("name", ["lifecycle.journal", "lifecycle.journal.acked",
+                                  "logs-tail.journal", "lock"])
+def test_what_is_no_file_in_the_state_folder_is_set_aside_and_the_command_runs_at_once(
+        ingest: RunningIngest, tmp_path: Path, name: str, kind: str) -> None:
+    """A journal as a directory gave a traceback and the command never started; as a FIFO the
+    wrapper waited for a writer for good, before the spawn."""
+    run_dir = tmp_path / "state" / RUN_ID
+    run_dir.mkdir(parents=True)
+    if kind == "directory":
+        (run_dir / name).mkdir()
+    else:
+        os.mkfifo(run_dir / name)
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--", *python_child("print('trained')")], env, tmp_path / "out",
+                   timeout=20)
+    err = done.stderr.decode()
+    assert done.status == 0 and done.stdout == b"trained\n", err
+    assert "Traceback" not in err and " ERROR " not in err, err
+    warnings = [line for line in err.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1 and f"{name} is malformed (a {kind} " in warnings[0], err
+    assert list(run_dir.glob(f"{name}.bad-*")), sorted(run_dir.iterdir())
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running",
+                                                                 "succeeded"]
 
 
 def test_a_spooled_payload_that_is_not_json_is_skipped(ingest: RunningIngest,

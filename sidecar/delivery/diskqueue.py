@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sidecar.delivery.journal import append_frames, frame
 from sidecar.log import log, state_write_failed
-from sidecar.statefile import Malformed, load_checked, set_aside, write_atomic
+from sidecar.statefile import Malformed, clear_way, load_checked, set_aside, write_atomic
 
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 4 << 20
@@ -146,10 +146,10 @@ class DiskQueue:
         set aside by the state dir's loader rules, never trusted."""
         numbers = []
         for path in self.folder.glob("*.seg"):
-            if SEGMENT_NAME.fullmatch(path.name):
-                numbers.append(int(path.stem))
-            else:
+            if not SEGMENT_NAME.fullmatch(path.name):
                 set_aside(path, "not a segment this spool writes (NNNNNNNN.seg)")
+            elif clear_way(path) and path.exists():  # a FIFO there would block its read
+                numbers.append(int(path.stem))
         return numbers
 
     def _read_cursor(self) -> tuple[int, int]:

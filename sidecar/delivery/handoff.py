@@ -19,6 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from sidecar.config import WRAPPER_SOCKET_VARIABLE
+from sidecar.log import log
+from sidecar.supervise import SUPERVISOR
 
 ENV_VAR = WRAPPER_SOCKET_VARIABLE
 Acceptor = Callable[[str, float], Awaitable["str | None"]]  # (event, time it arrived)
@@ -43,22 +45,32 @@ async def serve(address: str, accept: Acceptor) -> asyncio.Server:
     request without the address's secret is refused before `accept` sees it."""
     path, secret = _split(address)
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def take(reader: asyncio.StreamReader) -> str | None:
         try:
             async with asyncio.timeout(HANDOFF_TIMEOUT_S):
                 line = await reader.readline()
             arrived = time.time()
             request = json.loads(line[:MAX_REQUEST_BYTES])
             if not hmac.compare_digest(str(request.get("secret", "")), secret):
-                refusal: str | None = ("refused: only the wrapped command's own processes may "
-                                       "hand over an event (the secret in " + ENV_VAR + ")")
-            else:
-                refusal = await accept(str(request["event"]), arrived)
+                return ("refused: only the wrapped command's own processes may hand over an "
+                        "event (the secret in " + ENV_VAR + ")")
+            return await accept(str(request["event"]), arrived)
         except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as exc:
-            refusal = f"malformed hand-off ({exc.__class__.__name__})"
-        writer.write(json.dumps({"ok": refusal is None, "error": refusal}).encode() + b"\n")
-        await writer.drain()
-        writer.close()
+            return f"malformed hand-off ({exc.__class__.__name__})"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """asyncio's callback, which must not raise: asyncio would print the traceback raw."""
+        try:
+            refusal = await take(reader)
+            writer.write(json.dumps({"ok": refusal is None, "error": refusal}).encode() + b"\n")
+            await writer.drain()
+        except ConnectionError:  # the same line each time: the log's repeat filter holds it
+            log.warning("a hand-off client (`sidecar lifecycle` in the command) went away "
+                        "before its answer")
+        except Exception as exc:  # a bug of ours: this hand-off ends, the wrapper goes on
+            SUPERVISOR.failed("handoff", exc)
+        finally:
+            writer.close()
 
     return await asyncio.start_unix_server(handle, path=path, limit=MAX_REQUEST_BYTES)
 
@@ -72,11 +84,11 @@ async def hand_over(address: str, event: str) -> str | None:
     except (OSError, TimeoutError) as exc:
         return (f"cannot reach the wrapping `sidecar run` at {ENV_VAR}={address.partition('#')[0]} "
                 f"({exc})")
-    writer.write(json.dumps({"event": event, "secret": secret}).encode() + b"\n")
-    await writer.drain()
     try:
+        writer.write(json.dumps({"event": event, "secret": secret}).encode() + b"\n")
+        await writer.drain()
         reply = json.loads(await asyncio.wait_for(reader.readline(), HANDOFF_TIMEOUT_S))
-    except (ValueError, TimeoutError) as exc:
+    except (ValueError, TimeoutError, ConnectionError) as exc:
         return f"the wrapping `sidecar run` did not answer ({exc.__class__.__name__})"
     finally:
         writer.close()

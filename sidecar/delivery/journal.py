@@ -3,7 +3,11 @@
 Each record is framed as `<u32 length><u32 crc32><payload>` so that a tail torn by a crash is
 detected, dropped and counted while everything before it replays. Acknowledgement is in order:
 `<name>.acked` holds how many records from the start have been acknowledged, replaced
-atomically. Appends and acks are fsynced: a record handed to the journal survives a crash.
+atomically. Appends and acks are fsynced: a record handed to the journal survives a crash. A
+journal whose records must come from one process at a time (two writers each kept their own
+acknowledged count, and the ingest saw events twice) is held by it: `hold`, on `<name>.lock`.
+Both files are read through the state dir's checked loader: a directory or a FIFO in their
+place is set aside, never opened in a way that blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +21,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.log import log
-from sidecar.statefile import Malformed, load_checked, write_atomic
+from sidecar.statefile import (
+    Malformed,
+    hold,
+    load_checked,
+    open_regular,
+    read_state,
+    release,
+    set_aside,
+    write_atomic,
+)
 
 _HEADER = struct.Struct("<II")
 MAX_RECORD_BYTES = 64 << 20
@@ -32,21 +45,41 @@ class Journal:
         self._records: list[bytes] = []
         self._acked = 0
         self._ack_saved = True
+        self._lock: int | None = None
 
     @property
     def _ack_path(self) -> Path:
         return self.path.with_name(self.path.name + ".acked")
 
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    def hold(self) -> None:
+        """Be the journal's one writer until `close`: statefile.Busy, naming the holder's PID,
+        while another process is; OSError when the lock cannot be created. Before `open`."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = hold(self.lock_path)
+
+    def close(self) -> None:
+        """Let another process hold the journal."""
+        release(self._lock)
+        self._lock = None
+
     def open(self) -> list[bytes]:
         """Load the journal; returns the records not yet acknowledged, oldest first."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.path.read_bytes() if self.path.exists() else b""
+        try:
+            data = read_state(self.path) or b""
+        except OSError as exc:  # unreadable: kept for a person to look at, started afresh
+            set_aside(self.path, exc.strerror or exc.__class__.__name__)
+            data = b""
         self._records, good = _unframe(data)
         if good < len(data):
             self.torn_bytes = len(data) - good
             log.warning("%s: dropped a torn tail of %d bytes left by a crash; the %d records "
                         "before it are kept", self.path, self.torn_bytes, len(self._records))
-            with open(self.path, "r+b") as fh:
+            with open(open_regular(self.path, os.O_RDWR), "r+b") as fh:
                 fh.truncate(good)
                 os.fsync(fh.fileno())
         stored = self._read_acked()
@@ -88,6 +121,11 @@ class Journal:
         """How many records are not yet acknowledged."""
         return len(self._records) - self._acked
 
+    @property
+    def records(self) -> tuple[bytes, ...]:
+        """Every record the journal holds, acknowledged or not, oldest first."""
+        return tuple(self._records)
+
     def _read_acked(self) -> int:
         """The acknowledged count; 0 (replay it all) when absent or malformed (set aside)."""
         return load_checked(self._ack_path, _parse_count) or 0
@@ -122,8 +160,9 @@ def frame(payload: bytes) -> bytes:
 
 
 def append_frames(path: Path, frames: bytes) -> None:
-    """Append and fsync; on failure (ENOSPC...) cut the file back so no partial frame stays."""
-    with open(path, "ab") as fh:
+    """Append and fsync; on failure (ENOSPC...) cut the file back so no partial frame stays.
+    Something else than a regular file at `path` is an OSError, never a wait."""
+    with open(open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as fh:
         size = fh.tell()
         try:
             fh.write(frames)

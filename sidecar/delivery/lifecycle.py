@@ -3,6 +3,14 @@
 An event is written to the journal in the state dir before its first attempt, with `ts` the
 moment it happened; a sender delivers the journal head by head. Events a previous sidecar left
 unacknowledged go out first, so a restart replays them in their original order and times.
+
+The lifecycle is a state machine, enforced where events are recorded: `starting` once, `running`
+once, then one end event, and nothing after it (a `running` handed over after the command had
+exited reached the ingest after `failed`, and so did the billing start). The journal holds the
+run's whole history, acknowledged or not, so a sidecar started again for the same run (a
+restarted container, a killed wrapper) goes on from what it holds, and one process at a time
+writes it (two of them each kept their own acknowledged count, and the ingest saw `succeeded`
+twice): the second is told which process holds it.
 """
 
 from __future__ import annotations
@@ -10,18 +18,37 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
+from sidecar.config import WRAPPER_SOCKET_VARIABLE, ConfigError
 from sidecar.delivery.client import Answer, IngestClient, Verdict
 from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
-from sidecar.statefile import TEXT, record
+from sidecar.statefile import TEXT, Busy, record
 from sidecar.supervise import fault_point, supervise
 
 EVENTS = ("starting", "running", "succeeded", "failed")
 TERMINAL = ("succeeded", "failed")
+_STAGE = {"starting": 0, "running": 1, "succeeded": 2, "failed": 2}  # each at most once, rising
+JOURNAL_NAME = "lifecycle.journal"
+
+
+def refusal(recorded: Sequence[str], event: str) -> str | None:
+    """Why `event` may not follow the events `recorded`, or None when it may: each stage at most
+    once and in order (`starting`, `running`, then one end event), nothing after the end. A
+    repeat of an event already recorded is no refusal: there is nothing to record."""
+    if event in recorded:
+        return None
+    end = next((e for e in recorded if e in TERMINAL), None)
+    if end is not None:
+        return f"the run has ended (`{end}` is recorded); nothing is recorded after its end"
+    later = [e for e in recorded if _STAGE[e] > _STAGE[event]]
+    if later:
+        return f"`{later[0]}` is recorded already, and `{event}` comes before it"
+    return None
 
 
 class Lifecycle:
@@ -31,7 +58,7 @@ class Lifecycle:
         self.run_dir = run_dir
         self.run_id = run_id
         self.client = client  # None: offline, events are recorded in memory only
-        self.recorded: list[str] = []
+        self.recorded: list[str] = []  # the run's events, in order, an earlier start's too
         self.rejected = 0  # events the ingest refused for good (dead-lettered)
         self.release = asyncio.Event()
         self._journal: Journal | None = None
@@ -39,41 +66,110 @@ class Lifecycle:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._writing = asyncio.Lock()  # one event at a time: the journal's order is the checks'
+
+    @property
+    def ended(self) -> bool:
+        """Whether the run's end event is recorded."""
+        return any(event in TERMINAL for event in self.recorded)
 
     async def open(self) -> None:
-        """Load what an earlier sidecar left undelivered and start delivering."""
+        """Hold the run's journal (ConfigError naming the process that holds it), load what an
+        earlier sidecar recorded and left undelivered, and start delivering."""
         self.release.set()
         self._idle.set()
         if self.client is None:
             return
-        self._journal = Journal(self.run_dir / "lifecycle.journal")
-        self._queue = await asyncio.to_thread(read_back, self._journal, self._is_event,
-                                              "lifecycle events", self.run_id)
+        journal = Journal(self.run_dir / JOURNAL_NAME)
+        try:
+            self._queue = await asyncio.to_thread(self._load, journal)
+        except Busy as busy:
+            raise ConfigError(
+                f"--state-dir: the lifecycle journal of run {self.run_id} in {self.run_dir} is "
+                f"written by another sidecar (PID {busy.holder}), and one process at a time "
+                f"writes a run's lifecycle: that one posts its events. Inside the command of a "
+                f"`sidecar run`, `sidecar lifecycle` hands its event to the wrapper (through "
+                f"{WRAPPER_SOCKET_VARIABLE}); otherwise wait until PID {busy.holder} has "
+                "finished") from None
+        self._journal = journal
+        self._follow_history(journal.records)
         if self._queue:
             log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
                      len(self._queue))
             self._idle.clear()
         self._task = supervise("lifecycle", self._run)
 
-    async def record(self, event: str, ts: float | None = None) -> None:
-        """Persist `event` (happened at `ts`, default now), then queue it for delivery."""
+    def _load(self, journal: Journal) -> list[tuple[bytes, bool]]:
+        """Hold `journal` (Busy when another process does) and read it back; blocking."""
+        try:
+            journal.hold()
+        except OSError as exc:  # a full disk must not stop the run: nor can another write here
+            state_write_failed(journal.lock_path, exc)
+        return read_back(journal, self._is_event, "lifecycle events", self.run_id)
+
+    def _follow_history(self, records: Sequence[bytes]) -> None:
+        """Take the events the journal holds as recorded, in order; one that breaks the order
+        (an earlier version wrote `running` after `failed`) is skipped, never posted."""
+        unacked = len(records) - len(self._queue)
+        broken = []
+        for number, body in enumerate(records):
+            if not self._is_event(body):
+                continue
+            event = json.loads(body)["event"]
+            if refusal(self.recorded, event) is None and event not in self.recorded:
+                self.recorded.append(event)
+            elif number >= unacked and self._queue[number - unacked][0] != SKIPPED:
+                self._queue[number - unacked] = (SKIPPED, True)
+                broken.append(event)
+        if broken:
+            log.warning("%s: %d event(s) not yet delivered break the run's lifecycle (%s after "
+                        "%s); they are skipped, never posted", self._journal_path, len(broken),
+                        ", ".join(broken), ", ".join(self.recorded))
+
+    def say_earlier_start(self) -> None:
+        """For a start of the run's command: what the journal holds of an earlier one, if any,
+        and so which events this start records."""
+        held = ", ".join(self.recorded)
+        if not held:
+            return
+        if self.ended:
+            log.warning("%s already holds the end of run %s (%s): nothing is recorded after "
+                        "it, so no lifecycle event of this start is posted; give a new run id "
+                        "to report a new run", self._journal_path, self.run_id, held)
+        else:
+            log.info("%s already holds %s from an earlier start of run %s: going on from there, "
+                     "none of them is recorded again", self._journal_path, held, self.run_id)
+
+    @property
+    def _journal_path(self) -> Path:
+        return self.run_dir / JOURNAL_NAME
+
+    async def record(self, event: str, ts: float | None = None) -> str | None:
+        """Persist `event` (happened at `ts`, default now), then queue it for delivery; returns
+        why it may not be recorded now (`refusal`), else None (a repeat is not recorded)."""
         if event not in EVENTS:
             raise ValueError(f"unknown lifecycle event {event!r}; one of {', '.join(EVENTS)}")
-        self.recorded.append(event)
-        when = time.time() if ts is None else ts
-        if self._journal is None:  # offline, or a node that does not report the lifecycle
-            log.debug("lifecycle: %s (not posted)", event)
-            return
-        log.info("lifecycle: %s", event)
-        body = json.dumps({"run_id": self.run_id, "event": event, "ts": iso_ts(when)}).encode()
-        try:
-            await asyncio.to_thread(self._journal.append, body)
-            self._queue.append((body, True))
-        except OSError as exc:  # a full disk must not stop the run: deliver from memory
-            state_write_failed(self.run_dir / "lifecycle.journal", exc)
-            self._queue.append((body, False))
+        async with self._writing:
+            why = refusal(self.recorded, event)
+            if why is not None or event in self.recorded:
+                return why
+            self.recorded.append(event)
+            when = time.time() if ts is None else ts
+            if self._journal is None:  # offline, or a node that does not report the lifecycle
+                log.debug("lifecycle: %s (not posted)", event)
+                return None
+            log.info("lifecycle: %s", event)
+            body = json.dumps({"run_id": self.run_id, "event": event,
+                               "ts": iso_ts(when)}).encode()
+            try:
+                await asyncio.to_thread(self._journal.append, body)
+                self._queue.append((body, True))
+            except OSError as exc:  # a full disk must not stop the run: deliver from memory
+                state_write_failed(self._journal_path, exc)
+                self._queue.append((body, False))
         self._idle.clear()
         self._wake.set()
+        return None
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every recorded event is acknowledged; False when `timeout_s` ran out."""
@@ -92,6 +188,7 @@ class Lifecycle:
                 await asyncio.to_thread(self._journal.save_ack)  # post the event again
             except OSError as exc:
                 state_write_failed(self.run_dir / "lifecycle.journal.acked", exc)
+            self._journal.close()
 
     async def _run(self) -> None:
         assert self.client is not None and self._journal is not None

@@ -34,6 +34,7 @@ from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.config import parse_host_port
 from sidecar.delivery.client import RouteStats
 from sidecar.log import log, mask
+from sidecar.statefile import read_state
 from sidecar.supervise import SUPERVISOR
 
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
@@ -204,7 +205,8 @@ MAX_REQUEST_BYTES = 16 * 1024  # a scraper's request line and headers take a few
 IDLE_TIMEOUT_S = 75.0  # the whole next request, from the connection's start or the last answer
 #                        (above a 60 s scrape interval, so that a scraper's connection is reused)
 WRITE_TIMEOUT_S = 10.0  # for a client to take an answer
-MAX_CONNECTIONS = 32
+MAX_CONNECTIONS = 32  # past it, the connection idle the longest is closed
+EVICTED = "closed to make room: the connection idle the longest goes first"
 READ_BYTES = 4096
 TEXT = "text/plain; charset=utf-8"
 JSON = "application/json; charset=utf-8"
@@ -273,20 +275,53 @@ def _refusal(exc: h11.RemoteProtocolError) -> _Answer:
 
 class _Connections:
     """The endpoint's HTTP/1.1 connections (h11's framing over asyncio streams), each served in
-    a task of its own, in turn, until the client closes it, errs, or is idle too long."""
+    a task of its own, in turn, until the client closes it, errs, or is idle too long.
+
+    A connection is idle while it waits for its client's next request (from its accept on, and
+    again after each answer). At MAX_CONNECTIONS a new one closes the one idle the longest, so
+    that idle connections never starve a request: 32 opened and left silent made /healthz
+    answer 503 until they timed out, and a liveness probe restart the sidecar. Only when every
+    connection is being answered is a new one refused (503)."""
 
     def __init__(self, routes: Mapping[str, _Handler], idle_timeout_s: float) -> None:
         self._routes = routes
         self._idle_timeout_s = idle_timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
+        self._idle: dict[asyncio.Task[None], float] = {}  # -> since when (the loop's clock)
+        self._closing: set[asyncio.Task[None]] = set()  # closed to make room, not yet ended
 
     def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """asyncio.start_server's callback: the task is known from the moment of the accept,
         so that `close` finds every one."""
-        task = asyncio.get_running_loop().create_task(self._serve(reader, writer),
-                                                      name="status-connection")
+        loop = asyncio.get_running_loop()
+        full = len(self._tasks) - len(self._closing) >= MAX_CONNECTIONS
+        if full and self._idle:
+            oldest = min(self._idle, key=self._idle.__getitem__)
+            del self._idle[oldest]
+            self._closing.add(oldest)
+            oldest.cancel(EVICTED)
+            full = False
+        task = loop.create_task(self._serve(reader, writer, refuse=full),
+                                name="status-connection")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if not full:
+            self._idle[task] = loop.time()
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._closing.discard(task)
+        self._idle.pop(task, None)
+
+    def _waiting(self, idle: bool) -> None:
+        """The current connection waits for its client's next request (idle), or is answered."""
+        task = asyncio.current_task()
+        if task is None or task not in self._tasks or task in self._closing:
+            return
+        if idle:
+            self._idle[task] = asyncio.get_running_loop().time()
+        else:
+            self._idle.pop(task, None)
 
     async def close(self) -> None:
         """End every connection now; what was being answered is not finished."""
@@ -294,9 +329,15 @@ class _Connections:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                     refuse: bool) -> None:
         try:
-            await self._converse(reader, writer)
+            if refuse:
+                await _send(writer, h11.Connection(h11.SERVER), _Answer(
+                    503, f"busy: all {MAX_CONNECTIONS} connections are being answered\n"),
+                    close=True)
+            else:
+                await self._converse(reader, writer)
         except asyncio.CancelledError:
             writer.transport.abort()  # shutting down: nothing more goes out
             raise
@@ -310,11 +351,8 @@ class _Connections:
 
     async def _converse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-        if len(self._tasks) > MAX_CONNECTIONS:
-            await _send(writer, conn, _Answer(503, f"busy: {MAX_CONNECTIONS} connections are "
-                                              "open\n"), close=True)
-            return
         while True:
+            self._waiting(True)
             try:
                 async with asyncio.timeout(self._idle_timeout_s):
                     request = await _next_request(reader, conn)
@@ -328,6 +366,7 @@ class _Connections:
                 return
             if request is None:
                 return  # the client closed the connection
+            self._waiting(False)
             answer = await _answer(self._routes, request)
             # A body is never read: the answer closes the connection instead.
             await _send(writer, conn, answer, head=request.method == b"HEAD", close=body_follows)
@@ -401,7 +440,8 @@ class StatusServer:
         await self._listener.wait_closed()
         if self.addr_file is not None:
             try:
-                if self.addr_file.read_text(encoding="utf-8").strip() == self.address:
+                held = read_state(self.addr_file) or b""  # a FIFO put there cannot block
+                if held.decode("utf-8", "replace").strip() == self.address:
                     self.addr_file.unlink()
             except OSError:
                 pass
