@@ -42,6 +42,7 @@ from sidecar.supervise import supervise
 if TYPE_CHECKING:
     from sidecar.sources.telemetry.hardware import HardwareSampler
 
+SHOWN_REFUSED_KEYS = 5  # named in the ERROR that refuses keys; the rest are counted
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
@@ -88,7 +89,7 @@ def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
             keep_sgr=cfg.log_ansi == "keep"), option="--log"))
     if cfg.jsonl:
         specs.append(SourceSpec("jsonl", cfg.jsonl,
-                                lambda path, state: JsonlParser.resume(state),
+                                lambda path, state: JsonlParser.resume(state, str(path)),
                                 parse_bytes=JSONL_PARSE_BYTES, option="--jsonl"))
     for folder in cfg.tensorboard:
         specs.append(SourceSpec("tensorboard", (folder,), _tensorboard_parser(Path(folder)),
@@ -270,22 +271,28 @@ class Pipeline(Sink):
         batcher.offer([payload])
 
     def _admit(self, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Points whose key fits the run's key budget; a refused key gets one ERROR."""
+        """Points whose key fits the run's key budget; the keys refused at once get one ERROR
+        together (a record of 5,000 keys is one line, not 904)."""
         fresh = {point["key"] for point in points} - self.keys
         if len(self.keys) + len(fresh) <= MAX_METRIC_KEYS:
             self.keys |= fresh
             return points
-        return [p for p in points if p["key"] in self.keys or self._new_key(p["key"])]
-
-    def _new_key(self, key: str) -> bool:
-        if len(self.keys) < MAX_METRIC_KEYS:
-            self.keys.add(key)
-            return True
-        if key not in self.refused_keys:
-            self.refused_keys.add(key)
-            log.error("metric %r refused: the run already has %d distinct metric keys, the "
-                      "platform's limit; its points are not sent", key, MAX_METRIC_KEYS)
-        return False
+        refused: list[str] = []
+        for key in dict.fromkeys(p["key"] for p in points if p["key"] not in self.keys):
+            if len(self.keys) < MAX_METRIC_KEYS:
+                self.keys.add(key)
+            elif key not in self.refused_keys:
+                self.refused_keys.add(key)
+                refused.append(key)
+        if refused:
+            shown = ", ".join(repr(key) for key in refused[:SHOWN_REFUSED_KEYS])
+            more = f" and {len(refused) - SHOWN_REFUSED_KEYS} more" if (
+                len(refused) > SHOWN_REFUSED_KEYS) else ""
+            log.error("%d metric key%s refused (%s%s): the run already has %d distinct metric "
+                      "keys, the platform's limit; their points are not sent (%d refused in "
+                      "all)", len(refused), "" if len(refused) == 1 else "s", shown, more,
+                      MAX_METRIC_KEYS, len(self.refused_keys))
+        return [p for p in points if p["key"] in self.keys]
 
     # -- shutdown -------------------------------------------------------------------------------
 
