@@ -284,8 +284,7 @@ def _seconds(text: str) -> float:
 def _check(args: argparse.Namespace) -> int:
     from sidecar.commands.check import check
 
-    setup()
-    _warn_unknown_variables()
+    setup()  # unknown variables are one of its steps, not a line on stderr
     return check(args, os.environ)
 
 

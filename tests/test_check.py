@@ -406,7 +406,8 @@ def test_cli_check(ingest: RunningIngest, tmp_path: Path) -> None:
     env = platform_env(ingest, tmp_path)
     healthy = check_process([], env, cli=True)
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
-    assert healthy.stdout.splitlines()[-1] == "sidecar check: ok"
+    assert healthy.stdout.splitlines()[-1] in (
+        "sidecar check: ok", "sidecar check: ok, with warnings (address)")  # in a container
     ingest.add_fault(Fault(route="logs", status=401))
     rejected = check_process(["--json"], env, cli=True)
     assert rejected.returncode == 1
@@ -504,3 +505,61 @@ def test_pipelines_end_with_check_s_verdict(ingest: RunningIngest, tmp_path: Pat
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == status, done.stderr
     assert "Traceback" not in done.stderr
+
+
+# -- empty charts explained before the run ----------------------------------------------------
+
+
+@wired
+@pytest.mark.parametrize("reporting", ["on", "off"])
+def test_check_fails_on_a_jsonl_file_of_python_dicts_with_the_hint(
+        ingest: RunningIngest, tmp_path: Path, reporting: str) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(f"{{'step': {i}, 'loss': 1.0}}\n"
+                                               for i in range(5)))
+    env = platform_env(ingest, tmp_path / "state")
+    if reporting == "off":
+        env["STARFORGE_ENABLED"] = "0"
+    done = check_process(["--jsonl", f"{out}/*.jsonl"], env, cli=True)
+    assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.split()[1:2] == ["jsonl"])
+    assert line.startswith("FAIL")
+    assert f"{out}/metrics.jsonl line 1: single quotes: a Python dict" in line
+    assert "write json.dumps(record)" in line
+    assert done.stdout.splitlines()[-1] == "sidecar check: failed (first failed step: jsonl)"
+
+
+def test_check_counts_the_points_at_the_head_of_each_jsonl_file(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.jsonl").write_text('{"step": 1, "loss": 0.5, "acc": 0.1}\n')
+    (tmp_path / "b.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": "0.4"}\n')
+    (tmp_path / "c.jsonl").write_text('{"step": 1, "loss": NaN}\n')
+    (tmp_path / "d.jsonl").write_text("")
+    env = platform_env(ingest, tmp_path / "state")
+    result = run_check(env, capsys, "--jsonl", f"{tmp_path}/a.jsonl", "--jsonl",
+                       f"{tmp_path}/[ab].jsonl", "--jsonl", f"{tmp_path}/c.jsonl", "--jsonl",
+                       f"{tmp_path}/d.jsonl")
+    lines = [line for line in result.out.splitlines() if line.split()[1:2] == ["jsonl"]]
+    assert lines[0].startswith("ok") and "1 file" in lines[0] and "2 points" in lines[0]
+    assert lines[1].startswith("warn") and "3 points in their first lines" in lines[1]
+    assert f"{tmp_path}/b.jsonl line 2: no number in it: 'loss' is the string '0.4'" in lines[1]
+    assert lines[2].startswith("FAIL") and "only NaN or infinite values" in lines[2]
+    assert lines[3].startswith("warn") and "no complete line in them yet" in lines[3]
+    assert result.code == EXIT_FAILED
+
+
+@wired
+def test_an_unknown_sidecar_variable_is_part_of_the_verdict(ingest: RunningIngest,
+                                                             tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path, SIDECAR_JSONLL="out/*.jsonl")
+    text = check_process([], env, cli=True)
+    assert text.returncode == EXIT_OK, text.stdout + text.stderr
+    assert "SIDECAR_JSONLL" not in text.stderr
+    line = next(line for line in text.stdout.splitlines() if line.split()[1:2] == ["variables"])
+    assert line.startswith("warn") and "did you mean SIDECAR_JSONL?" in line
+    assert text.stdout.splitlines()[-1].startswith("sidecar check: ok, with warnings (variables")
+    doc = json.loads(check_process(["--json"], env, cli=True).stdout)
+    assert doc["ok"] and doc["warnings"][0] == "variables"
+    step = next(step for step in doc["steps"] if step["name"] == "variables")
+    assert step["details"]["unknown"] == ["SIDECAR_JSONLL"]
