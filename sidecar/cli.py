@@ -19,6 +19,7 @@ from sidecar.config import (
     ConfigError,
     add_option,
     add_options,
+    closest,
     command_of,
     help_line,
     resolve,
@@ -73,16 +74,17 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sidecar", description="Forward a training job's output, metrics, telemetry and "
         "lifecycle to the platform's ingest API.", epilog=_epilog(HELP_TAILS["sidecar"]),
-        formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
+        formatter_class=_Formatter, allow_abbrev=False)
+    parser.add_argument("-V", "--version", action="version", version=f"sidecar {__version__}")
     commands = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     every = for_command not in HELP_TAILS or for_command == "sidecar"
 
     def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
+        # allow_abbrev off: `status --onc` is a typo to name, not --once silently
         return commands.add_parser(name, help=help, description=help, usage=usage,
                                    epilog=_epilog(HELP_TAILS[name]),
-                                   formatter_class=_Formatter)
+                                   formatter_class=_Formatter, allow_abbrev=False)
 
     def wanted(name: str) -> bool:
         return every or name == for_command
@@ -105,6 +107,12 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
         _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
              type=_seconds, metavar="SECONDS")
         add_options(check, "check")
+
+    if wanted("config"):
+        config = command("config", "print the configuration `run` would start with, each value "
+                         "with where it came from; contacts nothing, starts nothing")
+        config.add_argument("--json", action="store_true", help="print one JSON document")
+        add_options(config, "config")
 
     if wanted("status"):
         status = command("status", "counters of the running daemon")
@@ -152,6 +160,10 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
 
     if wanted("demo"):
         command("demo", "run a bundled example trainer against a local receiver")
+
+    if wanted("completion"):
+        completion = command("completion", "print a shell completion script for bash or zsh")
+        completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete in")
     return parser
 
 
@@ -196,6 +208,11 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("0  the ingest accepted the probe (or reporting is off)",
          "1  a step failed: its line names the likely cause and the fix",
          "2  configuration error")),
+    "config": (
+        ("sidecar config --config deploy/sidecar.toml",
+         "sidecar config --jsonl 'out/*.jsonl' --json | jq .options.jsonl"),
+        ("0  `run` would start with this configuration",
+         "2  configuration error: `run` would refuse it")),
     "status": (
         ("sidecar status", "sidecar status --once --run-id run-4f2a91",
          "sidecar status --json --status-addr 127.0.0.1:9620"),
@@ -219,12 +236,22 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "demo": (
         ("sidecar demo",),
         ("the example trainer's exit status under `sidecar run` (0)",)),
+    "completion": (
+        ("sidecar completion bash > ~/.local/share/bash-completion/completions/sidecar",
+         "sidecar completion zsh > \"${fpath[1]}/_sidecar\"  # then: compinit"),
+        ("0  the script was printed",)),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    parser = build_parser(argv[0] if argv else None)
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; "
+                     + closest(argv[0], list(COMMANDS), otherwise="`sidecar --help` lists them"))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.cmd, unknown)
     try:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
@@ -237,6 +264,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         discard(sys.stdout)
     return code
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str,
+                    unknown: Sequence[str]) -> None:
+    """Exit 2 with the command's own usage, naming the first unknown option and the closest
+    one the command has (argparse would print the top-level usage, naming neither)."""
+    sub = subparser(parser, command)
+    flag = unknown[0].partition("=")[0]
+    flags = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+    lists = f"`sidecar {command} --help` lists what it takes"
+    if not flag.startswith("-"):
+        sub.error(f"unexpected argument {flag!r}; {lists}")
+    sub.error(f"unknown option {flag}; {closest(flag, flags, otherwise=lists)}")
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of `command` inside the command line's `parser`."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found: argparse.ArgumentParser = action.choices[command]
+    return found
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -286,6 +333,20 @@ def _check(args: argparse.Namespace) -> int:
 
     setup()  # unknown variables are one of its steps, not a line on stderr
     return check(args, os.environ)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from sidecar.commands.config import show_config
+
+    setup()
+    return show_config(args, os.environ)
+
+
+def _completion(args: argparse.Namespace) -> int:
+    from sidecar.commands.completion import script
+
+    print(script(build_parser(), args.shell), end="")
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -362,5 +423,6 @@ def _demo(args: argparse.Namespace) -> int:
         return demo(Path(tmp))
 
 
-COMMANDS = {"run": _run, "watch": _watch, "check": _check, "status": _status,
-            "lifecycle": _lifecycle, "replay": _replay, "receive": _receive, "demo": _demo}
+COMMANDS = {"run": _run, "watch": _watch, "check": _check, "config": _config,
+            "status": _status, "lifecycle": _lifecycle, "replay": _replay, "receive": _receive,
+            "demo": _demo, "completion": _completion}

@@ -3,8 +3,12 @@ leaves early (`| head -1`) ends nothing in a traceback."""
 
 from __future__ import annotations
 
+import shlex
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from sidecar.config import CONFIG_OPTION, OPTIONS, WRAPPER_SOCKET_VARIABLE, unknown_variables
 from tests.conftest import SIDECAR, clean_environ
@@ -50,3 +54,80 @@ def test_demo_runs_the_bundled_trainer_to_success(tmp_path: Path) -> None:
                                                                   "succeeded", "failed")]
     assert events == ["starting", "running", "succeeded"]
     assert "can't open file" not in done.stdout + done.stderr
+
+
+# -- flags: typos named, no abbreviation, -V ------------------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**clean_environ(), "STARFORGE_ENABLED": "0", "SIDECAR_STATUS_ADDR": "off"}
+    return subprocess.run([*SIDECAR, *args], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("args", "usage", "said"), [
+    (["run", "--jsnol", "a.jsonl", "--", "true"], "usage: sidecar run",
+     "sidecar run: error: unknown option --jsnol; did you mean --jsonl?"),
+    (["watch", "--log", "a.log", "--hardware-intervall=5"], "usage: sidecar watch",
+     "did you mean --hardware-interval?"),
+    (["status", "--onc"], "usage: sidecar status",
+     "sidecar status: error: unknown option --onc; did you mean --once?"),
+    (["check", "--jso"], "usage: sidecar check", "did you mean --json?"),
+    (["stauts"], "usage: sidecar ", "unknown command 'stauts'; did you mean status?"),
+])
+def test_a_typo_gets_the_command_s_usage_and_the_closest_flag(args: list[str], usage: str,
+                                                               said: str) -> None:
+    done = cli(*args)
+    assert done.returncode == 2
+    assert done.stderr.startswith(usage), done.stderr
+    assert said in done.stderr
+    assert done.stdout == ""
+
+
+def test_an_abbreviation_is_refused_not_taken_for_the_whole_flag() -> None:
+    done = cli("status", "--onc", "--status-addr", "127.0.0.1:1")
+    assert done.returncode == 2  # not 1: the abbreviation was not taken for --once
+    assert "nothing answers" not in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["-V", "--version"])
+def test_dash_v_is_the_version(flag: str) -> None:
+    done = cli(flag)
+    assert done.returncode == 0
+    assert done.stdout.startswith("sidecar ")
+
+
+# -- shell completion ---------------------------------------------------------------------------
+
+
+def _bash_completes(*words: str) -> list[str]:
+    script = cli("completion", "bash").stdout
+    line = ("source /dev/stdin; COMP_WORDS=(" + " ".join(shlex.quote(w) for w in words)
+            + f"); COMP_CWORD={len(words) - 1}; _sidecar; printf '%s\\n' \"${{COMPREPLY[@]}}\"")
+    done = subprocess.run(["bash", "-c", line], input=script, capture_output=True, text=True,
+                          timeout=30, check=True)
+    return done.stdout.split()
+
+
+def test_bash_completion_names_commands_flags_and_choices() -> None:
+    assert _bash_completes("sidecar", "con") == ["config"]
+    assert _bash_completes("sidecar", "run", "--jso") == ["--jsonl"]
+    assert _bash_completes("sidecar", "watch", "--log-ansi", "") == ["strip", "keep"]
+    assert _bash_completes("sidecar", "lifecycle", "su") == ["succeeded"]
+    assert _bash_completes("sidecar", "completion", "") == ["bash", "zsh"]
+    assert "--tty" not in _bash_completes("sidecar", "watch", "--t")  # run's alone
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
+def test_zsh_completion_is_a_valid_completion_function_for_sidecar(tmp_path: Path) -> None:
+    script = cli("completion", "zsh")
+    assert script.returncode == 0 and script.stdout.startswith("#compdef sidecar\n")
+    (tmp_path / "_sidecar").write_text(script.stdout)
+    line = (f"fpath=({tmp_path} $fpath); autoload -Uz compinit; "
+            f"compinit -u -d {tmp_path}/dump; print -r -- $_comps[sidecar]")
+    done = subprocess.run(["zsh", "-f", "-c", line], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert done.stdout.strip() == "_sidecar", done.stderr
+    assert subprocess.run(["zsh", "-n", str(tmp_path / "_sidecar")], check=False).returncode == 0
+    for flag in ("--jsonl", "--running-when", "--once"):
+        assert flag in script.stdout
