@@ -32,6 +32,7 @@ from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.files.discover import EVENT_FILES
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
+from sidecar.sources.files.hparams import HparamsFile
 from sidecar.sources.files.jsonl import JsonlParser
 from sidecar.sources.files.logfile import LogFileParser
 from sidecar.sources.files.offsets import Offsets
@@ -134,14 +135,13 @@ class Pipeline(Sink):
     """Everything that posts for one run, except the lifecycle."""
 
     def __init__(self, cfg: Config, client: IngestClient, node: Node,
-                 hparams_file: dict[str, Any] | None = None,
+                 hparams_file: Path | None = None,
                  log_shipper: LogShipper | None = None) -> None:
-        """`hparams_file`: --hparams, read (and checked) at start; `log_shipper`: `run` makes
-        it first, for the command's output before this pipeline exists."""
+        """`hparams_file`: --hparams, followed from start; `log_shipper`: `run` makes it first,
+        for the command's output before this pipeline exists."""
         self.cfg = cfg
         self.client = client
         self.node = node
-        self.hparams_file = hparams_file
         self.keys: set[str] = set()
         self.refused_keys: set[str] = set()
         self.invalid: dict[str, int] = {}
@@ -153,6 +153,7 @@ class Pipeline(Sink):
         self._follow_task: asyncio.Task[None] | None = None
         self._environment_task: asyncio.Task[None] | None = None
         self._sampler_task: asyncio.Task[None] | None = None
+        self._hparams_task: asyncio.Task[None] | None = None
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
         self.shipper = log_shipper or LogShipper(client, run_id)
         self.metrics = Batcher(client, "metrics", lambda points: {
@@ -161,6 +162,8 @@ class Pipeline(Sink):
             "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
         self.documents = {route: document_batcher(client, route, run_dir)
                           for route in DOCUMENT_ROUTES}
+        self.hparams_file = None if hparams_file is None else HparamsFile(
+            hparams_file, lambda params: self.hparams.push(list(params.items())))
         self.offsets = Offsets(run_dir / "offsets.json")
         self.follower = Follower(source_specs(cfg, node), self, self.offsets,
                                  mode=cfg.file_watch)
@@ -181,8 +184,8 @@ class Pipeline(Sink):
             batcher.start()
         self.offsets.load()
         self.offsets.start()
-        if self.hparams_file:
-            self.hparams.push(list(self.hparams_file.items()))
+        if self.hparams_file is not None:
+            self._hparams_task = supervise("hparams", self.hparams_file.run)
         if self.follower.specs:
             self._follow_task = supervise("follow", self.follower.run)
 
@@ -299,6 +302,9 @@ class Pipeline(Sink):
     async def drain(self, deadline: float) -> None:
         """Read every file to its end and deliver what can be delivered by `deadline`."""
         await self._stop_telemetry()
+        if self.hparams_file is not None:
+            await cancel(self._hparams_task)
+            await self.hparams_file.check(final=True)
         if self._follow_task is not None:
             await cancel(self._follow_task)
             while time.monotonic() < deadline:

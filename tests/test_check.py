@@ -471,13 +471,17 @@ def test_source_options_say_what_each_matches(ingest: RunningIngest, tmp_path: P
     assert "2 parameters" in result.line("hparams")
 
 
-def test_an_unreadable_hparams_file_is_a_configuration_error(
+def test_an_unreadable_hparams_file_fails_and_a_missing_one_is_waited_for(
         ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("[1, 2]")
     result = run_check(platform_env(ingest, tmp_path), capsys, "--hparams", str(bad))
-    assert result.code == EXIT_CONFIG
+    assert result.code == EXIT_FAILED  # `run` starts; nothing of the file is sent
     assert result.line("hparams").startswith("FAIL") and "not a mapping" in result.line("hparams")
+    later = run_check(platform_env(ingest, tmp_path), capsys, "--hparams",
+                      str(tmp_path / ".hydra" / "config.yaml"))
+    assert later.code == EXIT_OK
+    assert later.line("hparams").startswith("warn") and "does not exist yet" in later.out
 
 
 def test_a_reader_that_left_gets_the_verdict_and_no_traceback(ingest: RunningIngest,

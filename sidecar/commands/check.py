@@ -147,7 +147,8 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     report = _Report(args.json, sys.stdout)
     cfg = _configuration(args, environ, report)
     _variables(environ, report)
-    usable = cfg is not None and _sources(cfg, report)
+    if cfg is not None:
+        _sources(cfg, report)
     if cfg is None:
         code = EXIT_CONFIG
     elif not cfg.platform.enabled:
@@ -156,8 +157,6 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         code = asyncio.run(_check_endpoint(cfg, environ, report, timeout_s))
     if code == EXIT_OK and report.failed:  # a source that would send nothing
         code = EXIT_FAILED
-    if not usable:  # what `run` would refuse to start with, as a configuration error
-        code = EXIT_CONFIG
     report.finish(code, cfg)
     return code
 
@@ -245,9 +244,8 @@ def _jsonl_step(what: str, pattern: str, files: list[str], report: _Report) -> N
                    **details)
 
 
-def _sources(cfg: Config, report: _Report) -> bool:
-    """What each source option matches now, as `watch` would expand it; False when one is
-    unusable (an --hparams file that cannot be read)."""
+def _sources(cfg: Config, report: _Report) -> None:
+    """What each source option matches now, as `watch` would expand it."""
     for option, pattern in [*(("log", p) for p in cfg.log), *(("jsonl", p) for p in cfg.jsonl),
                             *(("tensorboard", p) for p in cfg.tensorboard)]:
         names, note = match(pattern, f"--{option}", option,
@@ -269,16 +267,25 @@ def _sources(cfg: Config, report: _Report) -> bool:
         report.add(option, "warn", f"{what}: {note or 'nothing matches yet'}; {hint}",
                    pattern=pattern, matched=0)
     if cfg.hparams is not None:
-        from sidecar.sources.files.hparams import load_hparams
+        _hparams(cfg.hparams, report)
 
-        try:
-            params = load_hparams(cfg.hparams)
-        except ConfigError as exc:  # `run` and `watch` would stop on it, with exit status 2
-            report.add("hparams", "fail", str(exc), path=str(cfg.hparams))
-            return False
-        report.add("hparams", "ok", f"--hparams {cfg.hparams}: {len(params)} parameters",
-                   path=str(cfg.hparams), parameters=len(params))
-    return True
+
+def _hparams(path: Path, report: _Report) -> None:
+    """The --hparams file as `run` would read it: one the trainer writes later is waited for,
+    one that cannot be read is never sent (the run goes on either way)."""
+    from sidecar.sources.files.hparams import load_hparams
+
+    if not path.exists():
+        report.add("hparams", "warn", f"--hparams {path} does not exist yet; it is sent once "
+                   "the trainer writes it (check the path if it never does)", path=str(path))
+        return
+    try:
+        params = load_hparams(path)
+    except ConfigError as exc:
+        report.add("hparams", "fail", f"{exc}: nothing of it would be sent", path=str(path))
+        return
+    report.add("hparams", "ok", f"--hparams {path}: {len(params)} parameters",
+               path=str(path), parameters=len(params))
 
 
 async def _check_endpoint(cfg: Config, environ: Mapping[str, str], report: _Report,
