@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,30 @@ def test_zsh_completion_is_a_valid_completion_function_for_sidecar(tmp_path: Pat
     assert subprocess.run(["zsh", "-n", str(tmp_path / "_sidecar")], check=False).returncode == 0
     for flag in ("--jsonl", "--running-when", "--once"):
         assert flag in script.stdout
+
+
+# -- an explicit --status-addr that is busy -----------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["watch", "--log", "x.log"],
+                                     ["run", "--", sys.executable, "-c", "open('ran', 'w')"]])
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_a_busy_status_addr_given_explicitly_is_a_configuration_error(
+        tmp_path: Path, command: list[str], host: str) -> None:
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind((host, 0))
+        busy.listen()
+        taken = f"{host}:{busy.getsockname()[1]}"
+        env = {**clean_environ(), "STARFORGE_ENABLED": "1",
+               "STARFORGE_ENDPOINT": "http://127.0.0.1:9/api/ingest",
+               "STARFORGE_RUN_ID": "run-1", "STARFORGE_TOKEN": "tok-0123456789",
+               "SIDECAR_STATE_DIR": str(tmp_path / "state"), "SIDECAR_HARDWARE_INTERVAL": "0"}
+        done = subprocess.run([*SIDECAR, command[0], "--status-addr", taken, *command[1:]],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"sidecar {command[0]}: configuration error: --status-addr "
+                                  f"{taken} (SIDECAR_STATUS_ADDR): cannot listen there")
+    assert not (tmp_path / "ran").exists()  # the command was never started
+    assert not (tmp_path / "state").exists()
