@@ -22,6 +22,7 @@ from sidecar.config import (
     add_options,
     closest,
     command_of,
+    fallback_state_dir,
     help_line,
     parse_host_port,
     resolve,
@@ -315,6 +316,13 @@ def _configured(args: argparse.Namespace, command: str) -> Config:
     setup(cfg.log_level, cfg.message_format)
     add_secret(cfg.token)
     _warn_unknown_variables()
+    default_state_dir = cfg.state_dir
+    cfg, why = fallback_state_dir(cfg)
+    if why:
+        log.warning("the default state folder %s cannot be used (%s); this run's state (spool, "
+                    "journal, offsets) is kept in %s instead, which a reboot may clear: give "
+                    "--state-dir a lasting writable folder (in a pod, an emptyDir volume)",
+                    default_state_dir, why, cfg.state_dir)
     if command in ("run", "watch"):
         _refuse_busy_status_addr(cfg.status_addr)
     return cfg

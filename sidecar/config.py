@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import itertools
 import math
+import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -584,3 +586,27 @@ def command_of(argv: Sequence[str]) -> list[str]:
     """The child's command after `--`, with the separator itself removed."""
     args = list(argv)
     return args[1:] if args and args[0] == "--" else args
+
+
+def fallback_state_dir(cfg: Config) -> tuple[Config, str]:
+    """`cfg` with a private folder under the temporary directory for its state when the default
+    state folder cannot be written (a read-only home), and the reason; `cfg` itself and "" when
+    it can, or when --state-dir was given (then an unwritable one stays an error)."""
+    if not cfg.state_dir_is_default:
+        return cfg, ""
+    existing = cfg.run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return cfg, ""
+    why = (f"{existing} is not a writable folder" if existing != cfg.run_dir
+           else f"{existing} cannot be written")
+    import tempfile  # only here: a writable home never pays for it
+
+    private = Path(tempfile.gettempdir()) / f"sidecar-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        private.mkdir(mode=0o700)
+    st = private.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        private = Path(tempfile.mkdtemp(prefix="sidecar-"))  # that name is someone else's
+    return cfg._replace(state_dir=private), why

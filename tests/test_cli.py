@@ -3,6 +3,7 @@ leaves early (`| head -1`) ends nothing in a traceback."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import socket
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import CONFIG_OPTION, OPTIONS, WRAPPER_SOCKET_VARIABLE, unknown_variables
-from tests.conftest import SIDECAR, clean_environ
+from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ
+from tests.ingest_server import RunningIngest
 
 
 def test_a_misspelt_variable_is_named_with_the_closest_known_one() -> None:
@@ -160,3 +162,49 @@ def test_a_busy_status_addr_given_explicitly_is_a_configuration_error(
                                   f"{taken} (SIDECAR_STATUS_ADDR): cannot listen there")
     assert not (tmp_path / "ran").exists()  # the command was never started
     assert not (tmp_path / "state").exists()
+
+
+# -- the default state folder unwritable --------------------------------------------------------
+
+
+def _platform(ingest: RunningIngest, **extra: str) -> dict[str, str]:
+    env = {**clean_environ(), "STARFORGE_ENABLED": "1", "STARFORGE_ENDPOINT": ingest.base_url,
+           "STARFORGE_RUN_ID": RUN_ID, "STARFORGE_TOKEN": TOKEN, "SIDECAR_STATUS_ADDR": "off",
+           "SIDECAR_HARDWARE_INTERVAL": "0"}
+    env.update(extra)
+    return env
+
+
+def test_an_unwritable_default_state_folder_falls_back_to_a_private_one(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    blocker = tmp_path / "home-is-a-file"  # as a read-only home: nothing can be made there
+    blocker.write_text("")
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = _platform(ingest, XDG_STATE_HOME=str(blocker / "state"), TMPDIR=str(private_tmp),
+                    NODE_NAME="gpu-1")
+    done = subprocess.run([*SIDECAR, "run", "--", sys.executable, "-c", "print('trained')"],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1, done.stderr
+    private = private_tmp / f"sidecar-{os.getuid()}"
+    assert f"is kept in {private} instead" in warnings[0]
+    assert private.stat().st_mode & 0o777 == 0o700
+    assert (private / RUN_ID / "gpu-1" / "lifecycle.journal").exists()
+    assert [r["event"] for r in ingest.records("lifecycle")] == [
+        "starting", "running", "succeeded"]
+
+
+def test_an_unwritable_state_dir_given_explicitly_stays_an_error(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = _platform(ingest, SIDECAR_STATE_DIR=str(blocker / "state"), TMPDIR=str(tmp_path))
+    done = subprocess.run([*SIDECAR, "run", "--", sys.executable, "-c", "open('ran', 'w')"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 2
+    assert "--state-dir (SIDECAR_STATE_DIR)" in done.stderr
+    assert not (tmp_path / "ran").exists()
+    assert not list(tmp_path.glob("sidecar-*"))

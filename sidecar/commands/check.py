@@ -312,6 +312,12 @@ def _state_dir(cfg: Config, report: _Report) -> None:
     if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
         report.add("state", "ok", f"{cfg.run_dir} is writable", path=str(cfg.run_dir))
         return
+    if cfg.state_dir_is_default:
+        report.add("state", "warn", f"{cfg.run_dir} cannot be written ({existing} is not a "
+                   "writable folder): `run` keeps its state in a private folder under the "
+                   "temporary directory instead, which a reboot may clear; pass --state-dir "
+                   "(SIDECAR_STATE_DIR) a lasting writable folder", path=str(cfg.run_dir))
+        return
     report.add("state", "fail", f"{cfg.run_dir} cannot be written ({existing} is not a writable "
                "folder): the spool and the lifecycle journal live there; pass --state-dir "
                "(SIDECAR_STATE_DIR) a writable folder, in a pod an emptyDir volume",
