@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from sidecar import __version__
 from sidecar.config import (
@@ -24,6 +25,7 @@ from sidecar.config import (
     command_of,
     fallback_state_dir,
     help_line,
+    option,
     parse_host_port,
     resolve,
     show_default,
@@ -74,7 +76,7 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
     start-up does not pay for a hundred options and nine parsers it never uses (the other
     commands' parsers alone were 2 % of it). A name that is no command builds them all, for the
     usage message."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sidecar", description="Forward a training job's output, metrics, telemetry and "
         "lifecycle to the platform's ingest API.", epilog=_epilog(HELP_TAILS["sidecar"]),
         formatter_class=_Formatter, allow_abbrev=False)
@@ -246,8 +248,58 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+def _context(run_id: str, node: str) -> dict[str, str]:
+    """The fields every JSON message carries: the run (when there is one) and the node."""
+    return {"run_id": run_id, "node": node} if run_id else {"node": node}
+
+
+def _early_context() -> dict[str, str]:
+    """The run and node as the environment names them, for a message said before (or because)
+    the configuration could not be resolved."""
+    import socket
+
+    from sidecar.config import FAMILIES
+
+    run_id = next((os.environ[f.run_id] for f in FAMILIES if os.environ.get(f.run_id)), "")
+    return _context(run_id, os.environ.get("NODE_NAME") or socket.gethostname())
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether the command line or SIDECAR_MESSAGE_FORMAT asks for JSON messages, read before
+    parsing: an error in parsing is said in the format asked for."""
+    given = os.environ.get(option("message-format").env, "")
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg.startswith("--message-format="):
+            given = arg.partition("=")[2]
+        elif arg == "--message-format" and i + 1 < len(argv):
+            given = argv[i + 1]
+    return given.strip().lower() == "json"
+
+
+def _json_error(command: str, message: str, concerns: str = "") -> None:
+    """`message`, an error that stops `command` before it starts, as one JSON message;
+    `concerns`: the text that names what it is about, where `message` does not start with it."""
+    setup("info", "json", _early_context())
+    log.error("%s", message, extra={"command": command, "concerns": concerns or message})
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, saying its errors as a JSON message when those are asked for."""
+
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if not self.json_errors:
+            super().error(message)
+        _json_error(self.prog.removeprefix("sidecar").strip() or "sidecar", message)
+        sys.exit(EXIT_CONFIG)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _Parser.json_errors = _wants_json(argv)
     parser = build_parser(argv[0] if argv else None)
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
         parser.error(f"unknown command {argv[0]!r}; "
@@ -258,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
-        print(f"sidecar {args.cmd}: configuration error: {exc}", file=sys.stderr)
+        if _Parser.json_errors:
+            _json_error(args.cmd, f"configuration error: {exc}", str(exc))
+        else:
+            print(f"sidecar {args.cmd}: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
         sys.stdout.flush()  # here, not in the interpreter's exit, where a failure costs status 120
@@ -313,7 +368,10 @@ def _watch(args: argparse.Namespace) -> int:
 def _configured(args: argparse.Namespace, command: str) -> Config:
     """The command's Config, with the sidecar's own messages set up as it says."""
     cfg = resolve(args, command, os.environ)
-    setup(cfg.log_level, cfg.message_format)
+    from sidecar.node import resolve_node
+
+    node = resolve_node(cfg.node_name, os.environ, cfg.nodes).name
+    setup(cfg.log_level, cfg.message_format, _context(cfg.platform.run_id, node))
     add_secret(cfg.token)
     _warn_unknown_variables()
     default_state_dir = cfg.state_dir
