@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.config import ConfigError
+from sidecar.log import log
+from sidecar.supervise import fault_point
+from sidecar.threads import off_loop
 
 Scalar = str | int | float | bool | None
 POLL_S = 1.0  # how often the file is looked at
@@ -43,15 +46,13 @@ class HparamsFile:
     async def run(self) -> None:
         """Look at the file every POLL_S until cancelled."""
         while True:
+            fault_point()
             await self.check()
             await asyncio.sleep(POLL_S)
 
     async def check(self, final: bool = False) -> None:
         """Send the file's content if it is new; `final` (shutdown): read it even if it was
         modified a moment ago."""
-        from sidecar.log import log
-        from sidecar.threads import off_loop
-
         try:
             st = os.stat(self.path)
         except OSError:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from sidecar.log import log
 from sidecar.records import iso_ts
 from sidecar.sources.base import Parsed
 
@@ -85,8 +86,6 @@ class JsonlParser:
             return
         self.problem = f"line {self.line + 1}: {what}"
         if self.source:
-            from sidecar.log import log
-
             log.warning("--jsonl %s: %s; no point of such a line is sent, each is counted as "
                         "invalid (said for the first bad line of the file)", self.source,
                         self.problem)
