@@ -547,9 +547,10 @@ def test_check_counts_the_points_at_the_head_of_each_jsonl_file(
     lines = [line for line in result.out.splitlines() if line.split()[1:2] == ["jsonl"]]
     assert lines[0].startswith("ok") and "1 file" in lines[0] and "2 points" in lines[0]
     assert lines[1].startswith("warn") and "3 points in their first lines" in lines[1]
+    assert "2 points in its first lines" in lines[0]
     assert f"{tmp_path}/b.jsonl line 2: no number in it: 'loss' is the string '0.4'" in lines[1]
     assert lines[2].startswith("FAIL") and "only NaN or infinite values" in lines[2]
-    assert lines[3].startswith("warn") and "no complete line in them yet" in lines[3]
+    assert lines[3].startswith("warn") and "no complete line in it yet" in lines[3]
     assert result.code == EXIT_FAILED
 
 

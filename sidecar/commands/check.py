@@ -227,20 +227,21 @@ def _jsonl_step(what: str, pattern: str, files: list[str], report: _Report) -> N
                                "matched": len(files), "points": points,
                                "problems": [{"file": f, "problem": p} for f, p in problems]}
     said = "; ".join(f"{name} {problem}" for name, problem in problems[:SHOWN_FILES])
+    their, them = ("its", "it") if len(files) == 1 else ("their", "them")
     if not points and problems:
-        report.add("jsonl", "fail", f"{what}: {count}, and no point in their first lines: "
+        report.add("jsonl", "fail", f"{what}: {count}, and no point in {their} first lines: "
                    f"{said}", **details)
     elif not points and not_finite:
-        report.add("jsonl", "fail", f"{what}: {count}, and only NaN or infinite values in their "
-                   "first lines, which are never sent", **details)
+        report.add("jsonl", "fail", f"{what}: {count}, and only NaN or infinite values in "
+                   f"{their} first lines, which are never sent", **details)
     elif problems:
-        report.add("jsonl", "warn", f"{what}: {count}, {points} points in their first lines, "
+        report.add("jsonl", "warn", f"{what}: {count}, {points} points in {their} first lines, "
                    f"but {said}", **details)
     elif not points:
-        report.add("jsonl", "warn", f"{what}: {count}, no complete line in them yet; points are "
-                   "sent as the trainer writes them", **details)
+        report.add("jsonl", "warn", f"{what}: {count}, no complete line in {them} yet; points "
+                   "are sent as the trainer writes them", **details)
     else:
-        report.add("jsonl", "ok", f"{what}: {count}, {points} points in their first lines",
+        report.add("jsonl", "ok", f"{what}: {count}, {points} points in {their} first lines",
                    **details)
 
 

@@ -80,15 +80,15 @@ class JsonlParser:
         return out
 
     def _bad(self, out: Parsed, what: str) -> None:
-        """The current line gives no point, for the reason `what`: counted, and the first said."""
+        """The current line (or a value of it) cannot be sent, for the reason `what`: counted,
+        and the first of the file said."""
         out.unusable += 1
         if self.problem:
             return
         self.problem = f"line {self.line + 1}: {what}"
         if self.source:
-            log.warning("--jsonl %s: %s; no point of such a line is sent, each is counted as "
-                        "invalid (said for the first bad line of the file)", self.source,
-                        self.problem)
+            log.warning("--jsonl %s: %s; each such line is counted as invalid (said for the "
+                        "first of this file)", self.source, self.problem)
 
     def _line(self, raw: bytes, read_ts: str, out: Parsed) -> None:
         if not raw.strip():
@@ -180,7 +180,7 @@ def _integer(value: Any) -> int | None:
 
 
 def _too_long() -> str:
-    return (f"longer than {MAX_LINE_BYTES >> 20} MiB; is this file JSONL, one record a line?")
+    return f"longer than {MAX_LINE_BYTES >> 20} MiB; is this file JSONL, one record a line?"
 
 
 def _bad_step(name: str, value: Any) -> str:
@@ -217,6 +217,9 @@ def _no_number(obj: dict[str, Any]) -> str:
     if quoted:
         return (f"no number in it: {quoted[0]!r} is the string {obj[quoted[0]]!r}; write "
                 "numbers unquoted (float(value), or value.item() for a tensor)")
+    if any(key in STEP_FIELDS or key in TIME_FIELDS for key in obj):
+        return (f"no number in it but its step or time (keys: {', '.join(list(obj)[:5])}); a "
+                f"metric needs a value of its own, as in {EXAMPLE_RECORD}")
     return (f"no number in it (keys: {', '.join(list(obj)[:5]) or 'none'}): only numbers and "
             "booleans become points; strings, lists and nulls are ignored")
 
