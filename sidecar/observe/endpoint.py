@@ -70,7 +70,7 @@ class SourceSnapshot(NamedTuple):
     bytes_read: int = 0
     lines_read: int = 0  # lines or records
     points: int = 0  # metric points produced
-    invalid: int = 0  # NaN/infinite values not sent
+    invalid: int = 0  # NaN/infinite values and JSONL lines giving no point, not sent
     skipped: int = 0  # unparseable lines or corrupt records
 
 
