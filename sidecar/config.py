@@ -256,9 +256,7 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
         cli = getattr(args, opt.attr, None)
         values[opt.attr], sources[opt.attr] = _pick(opt, cli, environ, file_values)
         if origins is not None:
-            origins[opt.name] = ("--" + opt.name if cli is not None else opt.env
-                                 if opt.env in environ else f"file {config_file}"
-                                 if opt.name in file_values else "default")
+            origins[opt.name] = _origin(opt, cli, environ, file_values, config_file)
     _check_ranges(values, sources)
     if "log_prefix" in values:
         check_log_prefix(values["log_prefix"], sources["log_prefix"])
@@ -507,6 +505,16 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "int": int,
     "path": lambda v: Path(str(v)).expanduser(),
 }
+
+
+def _origin(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapping[str, Any],
+            config_file: str | None) -> str:
+    """Where `_pick` takes the option's value from, as `sidecar config` shows it."""
+    if cli is not None:
+        return "--" + opt.name
+    if opt.env in environ:
+        return opt.env
+    return f"file {config_file}" if opt.name in file_values else "default"
 
 
 def _pick(opt: Option, cli: Any, environ: Mapping[str, str],
