@@ -250,3 +250,14 @@ def test_a_file_that_cannot_be_read_is_said_once_and_the_run_goes_on(
     assert len(said) == 1 and " WARNING " in said[0]
     assert ingest.records("hparams") == []
     assert any("trained" in c for r in ingest.records("logs") for c in r["chunks"])
+
+
+def test_a_file_that_never_appears_is_said_at_the_end(ingest: RunningIngest,
+                                                       tmp_path: Path) -> None:
+    config = tmp_path / "lightning_logs" / "version_0" / "hparams.yaml"
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--hparams", str(config), "--", *python_child("print('trained')")],
+                   env, tmp_path / "run")
+    assert done.status == 0, done.stderr
+    said = [line for line in done.stderr.decode().splitlines() if str(config) in line]
+    assert len(said) == 1 and " WARNING " in said[0] and "never appeared" in said[0]

@@ -56,8 +56,11 @@ class HparamsFile:
         try:
             st = os.stat(self.path)
         except OSError:
-            if not self._said_waiting and (
-                    final or time.monotonic() - self._started >= WAITING_SAID_AFTER_S):
+            if final and self._sent is None:
+                log.warning("--hparams %s never appeared in this run: nothing of it was sent; "
+                            "check the path the trainer writes its config to", self.path)
+            elif not self._said_waiting and (
+                    time.monotonic() - self._started >= WAITING_SAID_AFTER_S):
                 self._said_waiting = True
                 log.info("--hparams %s does not exist yet; it is sent once it appears", self.path)
             return
