@@ -72,16 +72,14 @@ def _bash(commands: list[_Command]) -> str:
                           *(["--"] if command.takes_command else [])])
         option_cases.append(f"        {command.name}) opts={shlex.quote(flags)}; "
                             f"words_={shlex.quote(' '.join(command.positional_choices))} ;;")
-        for option in command.options:
+        for option in (o for o in command.options if o.takes_value):
+            pattern = "|".join(f"'{command.name} {f}'" for f in option.flags)
             if option.choices:
-                pattern = "|".join(f"'{command.name} {f}'" for f in option.flags)
-                value_cases.append(f"        {pattern}) COMPREPLY=($(compgen -W "
-                                   f"{shlex.quote(' '.join(option.choices))} -- \"$cur\"));"
-                                   " return ;;")
-            elif option.takes_value:
-                pattern = "|".join(f"'{command.name} {f}'" for f in option.flags)
+                words = shlex.quote(" ".join(option.choices))
+                reply = f'($(compgen -W {words} -- "$cur"))'
+            else:
                 reply = '($(compgen -f -- "$cur"))' if option.files else "()"
-                value_cases.append(f"        {pattern}) COMPREPLY={reply}; return ;;")
+            value_cases.append(f"        {pattern}) COMPREPLY={reply}; return ;;")
     return f"""# bash completion for sidecar: source <(sidecar completion bash)
 _sidecar() {{
     local cur="${{COMP_WORDS[COMP_CWORD]}}" prev="${{COMP_WORDS[COMP_CWORD-1]}}"
