@@ -568,3 +568,15 @@ def test_an_unknown_sidecar_variable_is_part_of_the_verdict(ingest: RunningInges
     assert doc["ok"] and doc["warnings"][0] == "variables"
     step = next(step for step in doc["steps"] if step["name"] == "variables")
     assert step["details"]["unknown"] == ["SIDECAR_JSONLL"]
+
+
+def test_an_unwritable_default_state_folder_is_a_warning_not_a_failure(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "home-is-a-file"
+    blocker.write_text("")
+    env = platform_env(ingest, tmp_path, XDG_STATE_HOME=str(blocker / "state"))
+    del env["SIDECAR_STATE_DIR"]
+    result = run_check(env, capsys)
+    assert result.code == EXIT_OK, result.out
+    assert result.line("state").startswith("warn")
+    assert "a private folder under the temporary directory" in result.line("state")
