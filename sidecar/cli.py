@@ -1,4 +1,4 @@
-"""Commands and options -> Config -> run / watch / check / status / lifecycle / replay (CONTRACT 2).
+"""Commands and options -> Config -> run / watch and the operator commands (CONTRACT 2).
 
 Each command's module is imported when that command runs, so a daemon never carries the code of
 the commands it is not running."""
@@ -12,15 +12,21 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from sidecar import __version__
 from sidecar.config import (
+    DEFAULT_STATUS_ADDR,
     Config,
     ConfigError,
     add_option,
     add_options,
+    closest,
     command_of,
+    fallback_state_dir,
     help_line,
+    option,
+    parse_host_port,
     resolve,
     show_default,
     unknown_variables,
@@ -70,19 +76,20 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
     start-up does not pay for a hundred options and nine parsers it never uses (the other
     commands' parsers alone were 2 % of it). A name that is no command builds them all, for the
     usage message."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sidecar", description="Forward a training job's output, metrics, telemetry and "
         "lifecycle to the platform's ingest API.", epilog=_epilog(HELP_TAILS["sidecar"]),
-        formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
+        formatter_class=_Formatter, allow_abbrev=False)
+    parser.add_argument("-V", "--version", action="version", version=f"sidecar {__version__}")
     commands = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     every = for_command not in HELP_TAILS or for_command == "sidecar"
 
     def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
+        # allow_abbrev off: `status --onc` is a typo to name, not --once silently
         return commands.add_parser(name, help=help, description=help, usage=usage,
                                    epilog=_epilog(HELP_TAILS[name]),
-                                   formatter_class=_Formatter)
+                                   formatter_class=_Formatter, allow_abbrev=False)
 
     def wanted(name: str) -> bool:
         return every or name == for_command
@@ -105,6 +112,12 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
         _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
              type=_seconds, metavar="SECONDS")
         add_options(check, "check")
+
+    if wanted("config"):
+        config = command("config", "print the configuration `run` would start with, each value "
+                         "with where it came from; contacts nothing, starts nothing")
+        config.add_argument("--json", action="store_true", help="print one JSON document")
+        add_options(config, "config")
 
     if wanted("status"):
         status = command("status", "counters of the running daemon")
@@ -152,6 +165,10 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
 
     if wanted("demo"):
         command("demo", "run a bundled example trainer against a local receiver")
+
+    if wanted("completion"):
+        completion = command("completion", "print a shell completion script for bash or zsh")
+        completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete in")
     return parser
 
 
@@ -196,6 +213,11 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("0  the ingest accepted the probe (or reporting is off)",
          "1  a step failed: its line names the likely cause and the fix",
          "2  configuration error")),
+    "config": (
+        ("sidecar config --config deploy/sidecar.toml",
+         "sidecar config --jsonl 'out/*.jsonl' --json | jq .options.jsonl"),
+        ("0  `run` would start with this configuration",
+         "2  configuration error: `run` would refuse it")),
     "status": (
         ("sidecar status", "sidecar status --once --run-id run-4f2a91",
          "sidecar status --json --status-addr 127.0.0.1:9620"),
@@ -220,16 +242,79 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "demo": (
         ("sidecar demo",),
         ("the example trainer's exit status under `sidecar run` (0)",)),
+    "completion": (
+        ("sidecar completion bash > ~/.local/share/bash-completion/completions/sidecar",
+         "sidecar completion zsh > \"${fpath[1]}/_sidecar\"  # then: compinit"),
+        ("0  the script was printed",)),
 }
+
+
+def _context(run_id: str, node: str) -> dict[str, str]:
+    """The fields every JSON message carries: the run (when there is one) and the node."""
+    return {"run_id": run_id, "node": node} if run_id else {"node": node}
+
+
+def _early_context() -> dict[str, str]:
+    """The run and node as the environment names them, for a message said before (or because)
+    the configuration could not be resolved."""
+    import socket
+
+    from sidecar.config import FAMILIES
+
+    run_id = next((os.environ[f.run_id] for f in FAMILIES if os.environ.get(f.run_id)), "")
+    return _context(run_id, os.environ.get("NODE_NAME") or socket.gethostname())
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether the command line or SIDECAR_MESSAGE_FORMAT asks for JSON messages, read before
+    parsing: an error in parsing is said in the format asked for."""
+    given = os.environ.get(option("message-format").env, "")
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg.startswith("--message-format="):
+            given = arg.partition("=")[2]
+        elif arg == "--message-format" and i + 1 < len(argv):
+            given = argv[i + 1]
+    return given.strip().lower() == "json"
+
+
+def _json_error(command: str, message: str, concerns: str = "") -> None:
+    """`message`, an error that stops `command` before it starts, as one JSON message;
+    `concerns`: the text that names what it is about, where `message` does not start with it."""
+    setup("info", "json", _early_context())
+    log.error("%s", message, extra={"command": command, "concerns": concerns or message})
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, saying its errors as a JSON message when those are asked for."""
+
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if not self.json_errors:
+            super().error(message)
+        _json_error(self.prog.removeprefix("sidecar").strip() or "sidecar", message)
+        sys.exit(EXIT_CONFIG)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    _Parser.json_errors = _wants_json(argv)
+    parser = build_parser(argv[0] if argv else None)
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; "
+                     + closest(argv[0], list(COMMANDS), otherwise="`sidecar --help` lists them"))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.cmd, unknown)
     try:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
-        print(f"sidecar {args.cmd}: configuration error: {exc}", file=sys.stderr)
+        if _Parser.json_errors:
+            _json_error(args.cmd, f"configuration error: {exc}", str(exc))
+        else:
+            print(f"sidecar {args.cmd}: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
         sys.stdout.flush()  # here, not in the interpreter's exit, where a failure costs status 120
@@ -238,6 +323,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         discard(sys.stdout)
     return code
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str,
+                    unknown: Sequence[str]) -> None:
+    """Exit 2 with the command's own usage, naming the first unknown option and the closest
+    one the command has (argparse would print the top-level usage, naming neither)."""
+    sub = subparser(parser, command)
+    flag = unknown[0].partition("=")[0]
+    flags = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+    lists = f"`sidecar {command} --help` lists what it takes"
+    if not flag.startswith("-"):
+        sub.error(f"unexpected argument {flag!r}; {lists}")
+    sub.error(f"unknown option {flag}; {closest(flag, flags, otherwise=lists)}")
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of `command` inside the command line's `parser`."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found: argparse.ArgumentParser = action.choices[command]
+    return found
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -264,10 +369,43 @@ def _watch(args: argparse.Namespace) -> int:
 def _configured(args: argparse.Namespace, command: str) -> Config:
     """The command's Config, with the sidecar's own messages set up as it says."""
     cfg = resolve(args, command, os.environ)
-    setup(cfg.log_level, cfg.message_format)
+    from sidecar.node import resolve_node
+
+    node = resolve_node(cfg.node_name, os.environ, cfg.nodes).name
+    setup(cfg.log_level, cfg.message_format, _context(cfg.platform.run_id, node))
     add_secret(cfg.token)
     _warn_unknown_variables()
+    default_state_dir = cfg.state_dir
+    cfg, why = fallback_state_dir(cfg)
+    if why:
+        log.warning("the default state folder %s cannot be used (%s); this run's state (spool, "
+                    "journal, offsets) is kept in %s instead, which a reboot may clear: give "
+                    "--state-dir a lasting writable folder (in a pod, an emptyDir volume)",
+                    default_state_dir, why, cfg.state_dir)
+    if command in ("run", "watch"):
+        _refuse_busy_status_addr(cfg.status_addr)
     return cfg
+
+
+def _refuse_busy_status_addr(addr: str) -> None:
+    """An address given for the status endpoint that cannot be had is a configuration error,
+    found before the command starts; only the default falls back to an ephemeral port."""
+    if addr in ("off", DEFAULT_STATUS_ADDR):
+        return
+    import socket
+
+    host, port = parse_host_port(addr, "--status-addr")
+    try:
+        for family, kind, proto, _, where in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+                probe.bind(where)
+    except OSError as exc:
+        raise ConfigError(f"--status-addr {addr} (SIDECAR_STATUS_ADDR): cannot listen there "
+                          f"({(exc.strerror or str(exc)).lower()}); give a free address, or "
+                          "off; only the default, 127.0.0.1:9620, falls back to a free port"
+                          ) from None
 
 
 def _warn_unknown_variables() -> None:
@@ -285,9 +423,22 @@ def _seconds(text: str) -> float:
 def _check(args: argparse.Namespace) -> int:
     from sidecar.commands.check import check
 
-    setup()
-    _warn_unknown_variables()
+    setup()  # unknown variables are one of its steps, not a line on stderr
     return check(args, os.environ)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from sidecar.commands.config import show_config
+
+    setup()
+    return show_config(args, os.environ)
+
+
+def _completion(args: argparse.Namespace) -> int:
+    from sidecar.commands.completion import script
+
+    print(script(build_parser(), args.shell), end="")
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -371,5 +522,6 @@ def _demo(args: argparse.Namespace) -> int:
         return demo(Path(tmp))
 
 
-COMMANDS = {"run": _run, "watch": _watch, "check": _check, "status": _status,
-            "lifecycle": _lifecycle, "replay": _replay, "receive": _receive, "demo": _demo}
+COMMANDS = {"run": _run, "watch": _watch, "check": _check, "config": _config,
+            "status": _status, "lifecycle": _lifecycle, "replay": _replay, "receive": _receive,
+            "demo": _demo, "completion": _completion}

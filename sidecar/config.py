@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import itertools
 import math
+import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -209,9 +211,13 @@ def option(name: str) -> Option:
     return next(opt for opt in (*OPTIONS, CONFIG_OPTION) if opt.name == name)
 
 
+ALL_OPTIONS_COMMANDS = ("check", "config")  # take every option, `run`'s own included
+
+
 def options_of(command: str) -> tuple[Option, ...]:
-    """The options `command` takes: `check` takes every one, to be given `run`'s own line."""
-    return tuple(opt for opt in OPTIONS if not opt.only or command in (opt.only, "check"))
+    """The options `command` takes: `check` and `config` take every one, as `run` would."""
+    return tuple(opt for opt in OPTIONS
+                 if not opt.only or command in (opt.only, *ALL_OPTIONS_COMMANDS))
 
 
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -236,16 +242,21 @@ def add_option(parser: argparse.ArgumentParser, opt: Option | str) -> None:
         metavar=None if opt.choices else opt.metavar or _METAVARS.get(opt.kind, "VALUE"))
 
 
-def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str]) -> Config:
-    """Resolve one Config for `command`, raising ConfigError on the first mistake found."""
+def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
+            origins: dict[str, str] | None = None) -> Config:
+    """Resolve one Config for `command`, raising ConfigError on the first mistake found.
+    Given `origins`, it is filled with where each option's value came from (`sidecar config`):
+    `--name`, the variable's name, `file PATH` or `default`."""
     config_file = getattr(args, "config", None) or environ.get("SIDECAR_CONFIG")
     file_values = _read_config_file(config_file) if config_file else {}
     _learn_secrets(args, environ, file_values)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for opt in options_of(command):
-        values[opt.attr], sources[opt.attr] = _pick(
-            opt, getattr(args, opt.attr, None), environ, file_values)
+        cli = getattr(args, opt.attr, None)
+        values[opt.attr], sources[opt.attr] = _pick(opt, cli, environ, file_values)
+        if origins is not None:
+            origins[opt.name] = _origin(opt, cli, environ, file_values, config_file)
     _check_ranges(values, sources)
     if "log_prefix" in values:
         check_log_prefix(values["log_prefix"], sources["log_prefix"])
@@ -403,13 +414,32 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     known = [opt.env for opt in (*OPTIONS, CONFIG_OPTION)] + [WRAPPER_SOCKET_VARIABLE]
     warnings = []
     for name in sorted(n for n in environ if n.startswith(prefix) and n not in known):
-        import difflib  # here, not above: every start asks, few have a typo to name
-
-        # Compared without the prefix all names share, which would make any two look alike.
-        close = difflib.get_close_matches(name[len(prefix):], [k[len(prefix):] for k in known], 1)
-        hint = f"did you mean {prefix}{close[0]}?" if close else "`sidecar run --help` lists them"
+        hint = _platform_variable_hint(name[len(prefix):]) or closest(
+            name[len(prefix):], [k[len(prefix):] for k in known], prefix=prefix,
+            otherwise="`sidecar run --help` lists them")
         warnings.append(f"{name} is set but no sidecar option reads it, so it is ignored; {hint}")
     return warnings
+
+
+def closest(name: str, known: Sequence[str], prefix: str = "", otherwise: str = "") -> str:
+    """"did you mean PREFIXNAME?" for the known name closest to `name`, else `otherwise`.
+    Names are compared without the `prefix` they all share, which would make any two alike."""
+    import difflib  # here, not above: every start asks, few have a typo to name
+
+    close = difflib.get_close_matches(name, known, 1)
+    return f"did you mean {prefix}{close[0]}?" if close else otherwise
+
+
+def _platform_variable_hint(suffix: str) -> str:
+    """Where the platform's own variable is for a SIDECAR_ one that mimics it (SIDECAR_TOKEN):
+    those the platform injects are read under its names alone."""
+    field = {"ENABLED": "enabled", "ENDPOINT": "endpoint", "RUN_ID": "run_id",
+             "TOKEN": "token", "URL": "endpoint", "INGEST_URL": "endpoint"}.get(suffix)
+    if field is None:
+        return ""
+    names = " or ".join(getattr(family, field) for family in FAMILIES)
+    also = "; a token in a file: --token-file (SIDECAR_TOKEN_FILE)" if field == "token" else ""
+    return f"the platform's own variable is read instead: {names}{also}"
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -450,8 +480,10 @@ def _read_config_file(path: str) -> dict[str, Any]:
     known = {opt.name for opt in OPTIONS} | {opt.attr for opt in OPTIONS}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"--config {path}: unknown option {unknown[0]!r}; "
-                          f"known options are {', '.join(o.name for o in OPTIONS)}")
+        names = [o.name for o in OPTIONS]
+        hint = closest(unknown[0].replace("_", "-"), names,
+                       otherwise=f"known options are {', '.join(names)}")
+        raise ConfigError(f"--config {path}: unknown option {unknown[0]!r}; {hint}")
     return {key.replace("_", "-"): value for key, value in data.items()}
 
 
@@ -473,6 +505,16 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "int": int,
     "path": lambda v: Path(str(v)).expanduser(),
 }
+
+
+def _origin(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapping[str, Any],
+            config_file: str | None) -> str:
+    """Where `_pick` takes the option's value from, as `sidecar config` shows it."""
+    if cli is not None:
+        return "--" + opt.name
+    if opt.env in environ:
+        return opt.env
+    return f"file {config_file}" if opt.name in file_values else "default"
 
 
 def _pick(opt: Option, cli: Any, environ: Mapping[str, str],
@@ -552,3 +594,27 @@ def command_of(argv: Sequence[str]) -> list[str]:
     """The child's command after `--`, with the separator itself removed."""
     args = list(argv)
     return args[1:] if args and args[0] == "--" else args
+
+
+def fallback_state_dir(cfg: Config) -> tuple[Config, str]:
+    """`cfg` with a private folder under the temporary directory for its state when the default
+    state folder cannot be written (a read-only home), and the reason; `cfg` itself and "" when
+    it can, or when --state-dir was given (then an unwritable one stays an error)."""
+    if not cfg.state_dir_is_default:
+        return cfg, ""
+    existing = cfg.run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return cfg, ""
+    why = (f"{existing} is not a writable folder" if existing != cfg.run_dir
+           else f"{existing} cannot be written")
+    import tempfile  # only here: a writable home never pays for it
+
+    private = Path(tempfile.gettempdir()) / f"sidecar-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        private.mkdir(mode=0o700)
+    st = private.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        private = Path(tempfile.mkdtemp(prefix="sidecar-"))  # that name is someone else's
+    return cfg._replace(state_dir=private), why

@@ -22,7 +22,6 @@ from sidecar.delivery.client import IngestClient
 from sidecar.delivery.logs import LogShipper
 from sidecar.log import log, mask
 from sidecar.node import Node, resolve_node
-from sidecar.sources.files.hparams import load_hparams
 from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
 from sidecar.supervise import fault_point, restarts, supervise
@@ -108,7 +107,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
 
     held = claim_run_dir(cfg)
     await client.start()
-    pipeline = Pipeline(cfg, client, node, load_hparams(cfg.hparams) if cfg.hparams else None)
+    pipeline = Pipeline(cfg, client, node, cfg.hparams)
     pipeline.start()
     pipeline.start_telemetry(environ, environ, (), None, find_trainer_python=False)
     report = Report(gpus=pipeline)

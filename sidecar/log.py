@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 
 MASK = "***"
@@ -98,16 +99,52 @@ class _TextFormatter(logging.Formatter):
         return mask(line)
 
 
+# What a message concerns, read from its start as every message names it first: a route
+# ("/metrics: HTTP 503 ..."), a followed file ("--jsonl out/m.jsonl: line 3 ...") or an option.
+_ROUTE_AT_START = re.compile(r"/([a-z]+(?:/[a-z]+)?): ")
+_OPTION_AT_START = re.compile(r"(--[a-z][a-z-]*)[ =](\S+?):? ")
+_VARIABLE_AT_START = re.compile(r"([A-Z][A-Z0-9]*_[A-Z0-9_]+)\b")
+SOURCE_OPTIONS = frozenset({"--log", "--jsonl", "--tensorboard", "--hparams", "--checkpoints"})
+EXTRA_FIELDS = ("command", "route", "source", "path", "option", "variable")  # given with `extra=`
+
+
 class _JsonFormatter(logging.Formatter):
+    """One JSON object a message: its time, level and text, the run and node it is about
+    (`setup`'s context) and, where it names one, the route, source or option it concerns."""
+
+    def __init__(self, context: Mapping[str, str] | None = None) -> None:
+        super().__init__()
+        self.context = dict(context or {})
+
     def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
         doc = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
             "level": record.levelname.lower(),
-            "msg": record.getMessage(),
+            "msg": message,
+            **self.context,
+            **_concerns(getattr(record, "concerns", message)),
+            **{name: getattr(record, name) for name in EXTRA_FIELDS if hasattr(record, name)},
         }
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return mask(json.dumps(doc, ensure_ascii=False))
+
+
+def _concerns(message: str) -> dict[str, str]:
+    """The route, the source (and its file), the option or the variable `message` starts by
+    naming."""
+    route = _ROUTE_AT_START.match(message)
+    if route:
+        return {"route": route.group(1)}
+    option = _OPTION_AT_START.match(message)
+    if option is None:
+        variable = _VARIABLE_AT_START.match(message)
+        return {"variable": variable.group(1)} if variable else {}
+    flag, value = option.groups()
+    if flag in SOURCE_OPTIONS:
+        return {"source": flag[2:], "path": value}
+    return {"option": flag}
 
 
 class Throttle:
@@ -210,11 +247,14 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
         return "\n" + text if open_line.close() else text
 
 
-def setup(level: str = "info", message_format: str = "text") -> None:
-    """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects."""
+def setup(level: str = "info", message_format: str = "text",
+          context: Mapping[str, str] | None = None) -> None:
+    """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects; each
+    JSON one carries `context` (the run id and the node) as fields."""
     handler = _Handler(sys.stderr)
     handler.addFilter(_RepeatFilter())
-    handler.setFormatter(_JsonFormatter() if message_format == "json" else _TextFormatter())
+    handler.setFormatter(_JsonFormatter(context) if message_format == "json"
+                         else _TextFormatter())
     log.handlers[:] = [handler]
     log.setLevel(level.upper())
     log.propagate = False

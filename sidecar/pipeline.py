@@ -32,6 +32,7 @@ from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.files.discover import EVENT_FILES
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
+from sidecar.sources.files.hparams import HparamsFile
 from sidecar.sources.files.jsonl import JsonlParser
 from sidecar.sources.files.logfile import LogFileParser
 from sidecar.sources.files.offsets import Offsets
@@ -42,6 +43,7 @@ from sidecar.supervise import supervise
 if TYPE_CHECKING:
     from sidecar.sources.telemetry.hardware import HardwareSampler
 
+SHOWN_REFUSED_KEYS = 5  # named in the ERROR that refuses keys; the rest are counted
 MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
@@ -88,7 +90,7 @@ def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
             keep_sgr=cfg.log_ansi == "keep"), option="--log"))
     if cfg.jsonl:
         specs.append(SourceSpec("jsonl", cfg.jsonl,
-                                lambda path, state: JsonlParser.resume(state),
+                                lambda path, state: JsonlParser.resume(state, str(path)),
                                 parse_bytes=JSONL_PARSE_BYTES, option="--jsonl"))
     for folder in cfg.tensorboard:
         specs.append(SourceSpec("tensorboard", (folder,), _tensorboard_parser(Path(folder)),
@@ -133,14 +135,13 @@ class Pipeline(Sink):
     """Everything that posts for one run, except the lifecycle."""
 
     def __init__(self, cfg: Config, client: IngestClient, node: Node,
-                 hparams_file: dict[str, Any] | None = None,
+                 hparams_file: Path | None = None,
                  log_shipper: LogShipper | None = None) -> None:
-        """`hparams_file`: --hparams, read (and checked) at start; `log_shipper`: `run` makes
-        it first, for the command's output before this pipeline exists."""
+        """`hparams_file`: --hparams, followed from start; `log_shipper`: `run` makes it first,
+        for the command's output before this pipeline exists."""
         self.cfg = cfg
         self.client = client
         self.node = node
-        self.hparams_file = hparams_file
         self.keys: set[str] = set()
         self.refused_keys: set[str] = set()
         self.invalid: dict[str, int] = {}
@@ -152,6 +153,7 @@ class Pipeline(Sink):
         self._follow_task: asyncio.Task[None] | None = None
         self._environment_task: asyncio.Task[None] | None = None
         self._sampler_task: asyncio.Task[None] | None = None
+        self._hparams_task: asyncio.Task[None] | None = None
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
         self.shipper = log_shipper or LogShipper(client, run_id)
         self.metrics = Batcher(client, "metrics", lambda points: {
@@ -160,6 +162,8 @@ class Pipeline(Sink):
             "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
         self.documents = {route: document_batcher(client, route, run_dir)
                           for route in DOCUMENT_ROUTES}
+        self.hparams_file = None if hparams_file is None else HparamsFile(
+            hparams_file, lambda params: self.hparams.push(list(params.items())))
         self.offsets = Offsets(run_dir / "offsets.json")
         self.follower = Follower(source_specs(cfg, node), self, self.offsets,
                                  mode=cfg.file_watch)
@@ -180,8 +184,8 @@ class Pipeline(Sink):
             batcher.start()
         self.offsets.load()
         self.offsets.start()
-        if self.hparams_file:
-            self.hparams.push(list(self.hparams_file.items()))
+        if self.hparams_file is not None:
+            self._hparams_task = supervise("hparams", self.hparams_file.run)
         if self.follower.specs:
             self._follow_task = supervise("follow", self.follower.run)
 
@@ -270,28 +274,37 @@ class Pipeline(Sink):
         batcher.offer([payload])
 
     def _admit(self, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Points whose key fits the run's key budget; a refused key gets one ERROR."""
+        """Points whose key fits the run's key budget; the keys refused at once get one ERROR
+        together (a record of 5,000 keys is one line, not 904)."""
         fresh = {point["key"] for point in points} - self.keys
         if len(self.keys) + len(fresh) <= MAX_METRIC_KEYS:
             self.keys |= fresh
             return points
-        return [p for p in points if p["key"] in self.keys or self._new_key(p["key"])]
-
-    def _new_key(self, key: str) -> bool:
-        if len(self.keys) < MAX_METRIC_KEYS:
-            self.keys.add(key)
-            return True
-        if key not in self.refused_keys:
-            self.refused_keys.add(key)
-            log.error("metric %r refused: the run already has %d distinct metric keys, the "
-                      "platform's limit; its points are not sent", key, MAX_METRIC_KEYS)
-        return False
+        refused: list[str] = []
+        for key in dict.fromkeys(p["key"] for p in points if p["key"] not in self.keys):
+            if len(self.keys) < MAX_METRIC_KEYS:
+                self.keys.add(key)
+            elif key not in self.refused_keys:
+                self.refused_keys.add(key)
+                refused.append(key)
+        if refused:
+            shown = ", ".join(repr(key) for key in refused[:SHOWN_REFUSED_KEYS])
+            more = f" and {len(refused) - SHOWN_REFUSED_KEYS} more" if (
+                len(refused) > SHOWN_REFUSED_KEYS) else ""
+            log.error("%d metric key%s refused (%s%s): the run already has %d distinct metric "
+                      "keys, the platform's limit; their points are not sent (%d refused in "
+                      "all)", len(refused), "" if len(refused) == 1 else "s", shown, more,
+                      MAX_METRIC_KEYS, len(self.refused_keys))
+        return [p for p in points if p["key"] in self.keys]
 
     # -- shutdown -------------------------------------------------------------------------------
 
     async def drain(self, deadline: float) -> None:
         """Read every file to its end and deliver what can be delivered by `deadline`."""
         await self._stop_telemetry()
+        if self.hparams_file is not None:
+            await cancel(self._hparams_task)
+            await self.hparams_file.check(final=True)
         if self._follow_task is not None:
             await cancel(self._follow_task)
             while time.monotonic() < deadline:

@@ -38,7 +38,6 @@ from sidecar.node import resolve_node
 from sidecar.sources.console.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
 from sidecar.sources.console.lines import LineAssembler
 from sidecar.sources.console.signatures import Scanner
-from sidecar.sources.files.hparams import load_hparams
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.stall import StallWatch
 from sidecar.statefile import release
@@ -186,7 +185,6 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     sys.setswitchinterval(GIL_SWITCH_S)
     node = resolve_node(cfg.node_name, environ, cfg.nodes)
     client = make_client(cfg)
-    hparams = load_hparams(cfg.hparams) if client is not None and cfg.hparams else None
     held = claim_run_dir(cfg) if client is not None else None
     if client is None:
         log.info("reporting is off (ENABLED=0): the command's output is passed through, "
@@ -257,7 +255,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     if client is not None:
         from sidecar.pipeline import Pipeline
 
-        pipeline = Pipeline(cfg, client, node, hparams, shipper)
+        pipeline = Pipeline(cfg, client, node, cfg.hparams, shipper)
         await client.start()
         pipeline.start()
         pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,

@@ -406,7 +406,8 @@ def test_cli_check(ingest: RunningIngest, tmp_path: Path) -> None:
     env = platform_env(ingest, tmp_path)
     healthy = check_process([], env, cli=True)
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
-    assert healthy.stdout.splitlines()[-1] == "sidecar check: ok"
+    assert healthy.stdout.splitlines()[-1] in (
+        "sidecar check: ok", "sidecar check: ok, with warnings (address)")  # in a container
     ingest.add_fault(Fault(route="logs", status=401))
     rejected = check_process(["--json"], env, cli=True)
     assert rejected.returncode == 1
@@ -470,13 +471,17 @@ def test_source_options_say_what_each_matches(ingest: RunningIngest, tmp_path: P
     assert "2 parameters" in result.line("hparams")
 
 
-def test_an_unreadable_hparams_file_is_a_configuration_error(
+def test_an_unreadable_hparams_file_fails_and_a_missing_one_is_waited_for(
         ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("[1, 2]")
     result = run_check(platform_env(ingest, tmp_path), capsys, "--hparams", str(bad))
-    assert result.code == EXIT_CONFIG
+    assert result.code == EXIT_FAILED  # `run` starts; nothing of the file is sent
     assert result.line("hparams").startswith("FAIL") and "not a mapping" in result.line("hparams")
+    later = run_check(platform_env(ingest, tmp_path), capsys, "--hparams",
+                      str(tmp_path / ".hydra" / "config.yaml"))
+    assert later.code == EXIT_OK
+    assert later.line("hparams").startswith("warn") and "does not exist yet" in later.out
 
 
 def test_a_reader_that_left_gets_the_verdict_and_no_traceback(ingest: RunningIngest,
@@ -504,3 +509,74 @@ def test_pipelines_end_with_check_s_verdict(ingest: RunningIngest, tmp_path: Pat
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == status, done.stderr
     assert "Traceback" not in done.stderr
+
+
+# -- empty charts explained before the run ----------------------------------------------------
+
+
+@wired
+@pytest.mark.parametrize("reporting", ["on", "off"])
+def test_check_fails_on_a_jsonl_file_of_python_dicts_with_the_hint(
+        ingest: RunningIngest, tmp_path: Path, reporting: str) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(f"{{'step': {i}, 'loss': 1.0}}\n"
+                                               for i in range(5)))
+    env = platform_env(ingest, tmp_path / "state")
+    if reporting == "off":
+        env["STARFORGE_ENABLED"] = "0"
+    done = check_process(["--jsonl", f"{out}/*.jsonl"], env, cli=True)
+    assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.split()[1:2] == ["jsonl"])
+    assert line.startswith("FAIL")
+    assert f"{out}/metrics.jsonl line 1: single quotes: a Python dict" in line
+    assert "write json.dumps(record)" in line
+    assert done.stdout.splitlines()[-1] == "sidecar check: failed (first failed step: jsonl)"
+
+
+def test_check_counts_the_points_at_the_head_of_each_jsonl_file(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.jsonl").write_text('{"step": 1, "loss": 0.5, "acc": 0.1}\n')
+    (tmp_path / "b.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": "0.4"}\n')
+    (tmp_path / "c.jsonl").write_text('{"step": 1, "loss": NaN}\n')
+    (tmp_path / "d.jsonl").write_text("")
+    env = platform_env(ingest, tmp_path / "state")
+    result = run_check(env, capsys, "--jsonl", f"{tmp_path}/a.jsonl", "--jsonl",
+                       f"{tmp_path}/[ab].jsonl", "--jsonl", f"{tmp_path}/c.jsonl", "--jsonl",
+                       f"{tmp_path}/d.jsonl")
+    lines = [line for line in result.out.splitlines() if line.split()[1:2] == ["jsonl"]]
+    assert lines[0].startswith("ok") and "1 file" in lines[0] and "2 points" in lines[0]
+    assert lines[1].startswith("warn") and "3 points in their first lines" in lines[1]
+    assert "2 points in its first lines" in lines[0]
+    assert f"{tmp_path}/b.jsonl line 2: no number in it: 'loss' is the string '0.4'" in lines[1]
+    assert lines[2].startswith("FAIL") and "only NaN or infinite values" in lines[2]
+    assert lines[3].startswith("warn") and "no complete line in it yet" in lines[3]
+    assert result.code == EXIT_FAILED
+
+
+@wired
+def test_an_unknown_sidecar_variable_is_part_of_the_verdict(ingest: RunningIngest,
+                                                             tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path, SIDECAR_JSONLL="out/*.jsonl")
+    text = check_process([], env, cli=True)
+    assert text.returncode == EXIT_OK, text.stdout + text.stderr
+    assert "SIDECAR_JSONLL" not in text.stderr
+    line = next(line for line in text.stdout.splitlines() if line.split()[1:2] == ["variables"])
+    assert line.startswith("warn") and "did you mean SIDECAR_JSONL?" in line
+    assert text.stdout.splitlines()[-1].startswith("sidecar check: ok, with warnings (variables")
+    doc = json.loads(check_process(["--json"], env, cli=True).stdout)
+    assert doc["ok"] and doc["warnings"][0] == "variables"
+    step = next(step for step in doc["steps"] if step["name"] == "variables")
+    assert step["details"]["unknown"] == ["SIDECAR_JSONLL"]
+
+
+def test_an_unwritable_default_state_folder_is_a_warning_not_a_failure(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "home-is-a-file"
+    blocker.write_text("")
+    env = platform_env(ingest, tmp_path, XDG_STATE_HOME=str(blocker / "state"))
+    del env["SIDECAR_STATE_DIR"]
+    result = run_check(env, capsys)
+    assert result.code == EXIT_OK, result.out
+    assert result.line("state").startswith("warn")
+    assert "a private folder under the temporary directory" in result.line("state")

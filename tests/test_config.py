@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from sidecar.cli import build_parser
-from sidecar.config import Config, ConfigError, resolve, resolve_platform
+from sidecar.config import (
+    OPTIONS,
+    Config,
+    ConfigError,
+    resolve,
+    resolve_platform,
+    unknown_variables,
+)
+from tests.conftest import SIDECAR, clean_environ
 
 TOKEN = "tok-SECRET-0123456789abcdef"
 ENDPOINT = "https://platform.example.com/api/ingest"
@@ -452,3 +463,96 @@ def test_endpoints_refused(endpoint: str) -> None:
 def test_a_token_a_header_cannot_carry_is_refused_without_echoing_it(token: str) -> None:
     message = config_error(environ={**STARFORGE, "STARFORGE_TOKEN": token})
     assert "STARFORGE_TOKEN" in message and token not in message
+
+
+# --- the sample file and `sidecar config` ---------------------------------------------------
+
+SAMPLE = Path(__file__).parent.parent / "deploy" / "sidecar.toml"
+
+
+def _uncommented(text: str) -> str:
+    """The sample with its commented keys (`# key = value`) set too."""
+    return "\n".join(line[2:] if re.match(r"# [a-z-]+ = ", line) else line
+                     for line in text.splitlines())
+
+
+def test_the_sample_file_holds_every_option_and_each_resolves(tmp_path: Path) -> None:
+    text = SAMPLE.read_text()
+    keys = set(re.findall(r"^(?:# )?([a-z-]+) = ", text, re.MULTILINE))
+    assert keys == {opt.name for opt in OPTIONS}
+    as_is = cfg("--config", str(SAMPLE))
+    defaults = cfg()
+    for opt in OPTIONS:
+        if opt.name != "state-dir":
+            assert getattr(as_is, opt.attr) == getattr(defaults, opt.attr), opt.name
+    every = tmp_path / "every.toml"
+    every.write_text(_uncommented(text))
+    resolved = cfg("--config", str(every))
+    assert resolved.hparams == Path("outputs/.hydra/config.yaml")
+    assert resolved.nodes == 4 and resolved.node_name == "gpu-07"
+
+
+def test_an_unknown_toml_key_gets_the_closest_one(toml: Path) -> None:
+    toml.write_text('jsnol = ["out/*.jsonl"]\n')
+    message = config_error("--config", str(toml), environ=OFFLINE)
+    assert "unknown option 'jsnol'; did you mean jsonl?" in message
+    toml.write_text("drain_timeut = 3\n")
+    assert "did you mean drain-timeout?" in config_error("--config", str(toml), environ=OFFLINE)
+
+
+@pytest.mark.parametrize(("name", "platform"), [
+    ("SIDECAR_TOKEN", "STARFORGE_TOKEN or TUNEPLANE_JOB_TOKEN"),
+    ("SIDECAR_ENDPOINT", "STARFORGE_ENDPOINT or TUNEPLANE_JOB_ENDPOINT"),
+    ("SIDECAR_RUN_ID", "STARFORGE_RUN_ID or TUNEPLANE_JOB_RUN_ID")])
+def test_a_sidecar_variable_for_a_platform_one_points_at_the_platform_s(name: str,
+                                                                        platform: str) -> None:
+    [warning] = unknown_variables({name: TOKEN})
+    assert f"the platform's own variable is read instead: {platform}" in warning
+    assert TOKEN not in warning and "SIDECAR_TOKEN_FILE?" not in warning
+
+
+def config_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SIDECAR, "config", *args], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_sidecar_config_prints_each_value_and_where_it_came_from(tmp_path: Path) -> None:
+    file = tmp_path / "sidecar.toml"
+    file.write_text('drain-timeout = 7.5\nlog-level = "debug"\n')
+    env = {**clean_environ(), **STARFORGE, "SIDECAR_JSONL": "a.jsonl:b.jsonl",
+           "SIDECAR_LOG_LEVEL": "warning", "SIDECAR_STATE_DIR": str(tmp_path / "state"),
+           "SIDECAR_CONFIG": str(file), "SIDECAR_STATUS_ADDR": "127.0.0.1:1"}
+    done = config_process(["--log", "x.log", "--tty"], env)
+    assert done.returncode == 0, done.stderr
+    assert TOKEN not in done.stdout + done.stderr
+    rows = {line.split(" = ")[0]: line for line in done.stdout.splitlines() if " = " in line}
+    assert rows["log"].startswith('log = ["x.log"]') and rows["log"].endswith("# --log")
+    assert rows["jsonl"].startswith('jsonl = ["a.jsonl", "b.jsonl"]')
+    assert rows["jsonl"].endswith("# SIDECAR_JSONL")
+    assert rows["drain-timeout"].endswith(f"# file {file}")
+    assert rows["log-level"].startswith('log-level = "warning"')  # the variable beats the file
+    assert rows["hardware-interval"].endswith("# default")
+    assert rows["tty"].startswith("tty = true")
+    assert "# token: *** (27 characters), from STARFORGE_TOKEN" in done.stdout
+    assert not (tmp_path / "state").exists()  # touched nothing
+    printed = tmp_path / "printed.toml"  # what it prints, --config reads back
+    printed.write_text(done.stdout)
+    again = config_process(["--config", str(printed), "--json"],
+                           {**clean_environ(), **STARFORGE})
+    doc = json.loads(again.stdout)
+    assert doc["options"]["jsonl"] == {"value": ["a.jsonl", "b.jsonl"],
+                                       "from": f"file {printed}"}
+    assert doc["options"]["log-level"]["value"] == "warning"
+    assert doc["platform"]["token"] == "*** (27 characters)"
+    assert TOKEN not in again.stdout
+
+
+def test_sidecar_config_exits_2_on_what_run_would_refuse(tmp_path: Path) -> None:
+    env = {**clean_environ(), **STARFORGE, "STARFORGE_ENDPOINT": "http://127.0.0.1:8080/"}
+    done = config_process([], env)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("sidecar config: configuration error: STARFORGE_ENDPOINT=")
+    as_json = config_process(["--json"], env)
+    assert as_json.returncode == 2
+    assert "does not end in /api/ingest" in json.loads(as_json.stdout)["error"]

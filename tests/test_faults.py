@@ -722,7 +722,7 @@ def test_sigkill_at_random_moments_with_a_torn_spool_tail(ingest: RunningIngest,
 # -- every supervised task raising once (issue 13) -----------------------------------------------
 
 FAULTED_TASKS = {"ticker", "follow", "offsets", "deliver-metrics", "logs-shipper", "hardware",
-                 "deliver-hardware", "lifecycle"}
+                 "deliver-hardware", "lifecycle", "hparams"}
 
 
 def test_every_supervised_task_raising_once_loses_nothing(ingest: RunningIngest, tmp_path: Path,

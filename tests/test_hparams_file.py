@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from sidecar.config import ConfigError
 from sidecar.sources.files.hparams import flatten, load_hparams
+from tests.conftest import Sidecar, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest
 
 NESTED: dict[str, Any] = {
     "model": {"name": "resnet50", "layers": [64, 128, {"units": 256, "act": "gelu"}],
@@ -197,3 +199,65 @@ def test_too_deeply_nested_json_is_reported_as_json(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_hparams(path)
     assert "JSON" in str(caught.value) and "YAML" not in str(caught.value)
+
+
+# --- through the real process: a file the trainer writes -------------------------------------
+
+WRITES_CONFIG_LATER = """
+import os, pathlib, sys, time
+path, go = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+time.sleep(0.3)  # the trainer starts, then Hydra writes its config
+path.parent.mkdir(parents=True)
+path.write_text("optimizer:\\n  lr: 0.1\\nseed: 1\\n")
+print("training", flush=True)
+deadline = time.monotonic() + 30
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+path.write_text("optimizer:\\n  lr: 0.01\\nseed: 1\\n")  # changed: sent again
+print("done", flush=True)
+"""
+
+
+def test_run_waits_for_a_file_the_trainer_writes_and_sends_it_again_when_it_changes(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    config = tmp_path / "outputs" / ".hydra" / "config.yaml"
+    go = tmp_path / "go"
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    run = Sidecar(["run", "--hparams", str(config), "--",
+                   *python_child(WRITES_CONFIG_LATER), str(config), str(go)], env,
+                  tmp_path / "run")
+    try:
+        ingest.wait_for(lambda: ingest.records("hparams"), 20)
+        assert ingest.records("hparams")[0]["params"] == {"optimizer.lr": 0.1, "seed": 1}
+        go.touch()
+    finally:
+        done = run.wait(60)
+    assert done.status == 0, done.stderr
+    sent = [r["params"] for r in ingest.records("hparams")]
+    assert sent == [{"optimizer.lr": 0.1, "seed": 1}, {"optimizer.lr": 0.01, "seed": 1}]
+    assert "configuration error" not in done.stderr.decode()
+
+
+def test_a_file_that_cannot_be_read_is_said_once_and_the_run_goes_on(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    config = tmp_path / "hparams.yaml"
+    config.write_text("- a list\n- not a mapping\n")
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--hparams", str(config), "--", *python_child("print('trained')")],
+                   env, tmp_path / "run")
+    assert done.status == 0, done.stderr
+    said = [line for line in done.stderr.decode().splitlines() if "not a mapping" in line]
+    assert len(said) == 1 and " WARNING " in said[0]
+    assert ingest.records("hparams") == []
+    assert any("trained" in c for r in ingest.records("logs") for c in r["chunks"])
+
+
+def test_a_file_that_never_appears_is_said_at_the_end(ingest: RunningIngest,
+                                                       tmp_path: Path) -> None:
+    config = tmp_path / "lightning_logs" / "version_0" / "hparams.yaml"
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--hparams", str(config), "--", *python_child("print('trained')")],
+                   env, tmp_path / "run")
+    assert done.status == 0, done.stderr
+    said = [line for line in done.stderr.decode().splitlines() if str(config) in line]
+    assert len(said) == 1 and " WARNING " in said[0] and "never appeared" in said[0]

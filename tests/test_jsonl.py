@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import signal
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,8 @@ from hypothesis import strategies as st
 
 from sidecar.sources.files import jsonl
 from sidecar.sources.files.jsonl import MAX_LINE_BYTES, JsonlParser
+from tests.conftest import RUN_ID, Sidecar, platform_env
+from tests.ingest_server import RunningIngest, wait_until
 
 NOW = 1_790_000_000.25  # the read time the caller supplies
 NOW_TS = datetime.fromtimestamp(NOW, UTC)
@@ -27,6 +32,7 @@ class Fed:
 
     points: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0
+    unusable: int = 0  # lines that gave no point: counted as invalid
     records: int = 0
     invalid: dict[str, int] = field(default_factory=dict)
     left: bytes = b""  # bytes offered but not consumed yet
@@ -44,6 +50,7 @@ def _follow(parser: JsonlParser, blocks: Sequence[bytes], now: float = NOW) -> F
         fed.most_held = max(fed.most_held, len(fed.left))
         fed.points += parsed.points
         fed.skipped += parsed.skipped
+        fed.unusable += parsed.unusable
         fed.records += parsed.records
         for key, count in parsed.invalid.items():
             fed.invalid[key] = fed.invalid.get(key, 0) + count
@@ -80,7 +87,7 @@ def test_key_value_object_is_one_point_with_its_step() -> None:
     fed = _parse('{"key": "loss", "value": 0.25, "step": 7, "epoch": 3, "note": "x"}\n')
     assert fed.points == [{"key": "loss", "step": 7, "value": 0.25, "ts": fed.points[0]["ts"]}]
     assert _when(fed.points[0]) == NOW_TS
-    assert fed.skipped == 0 and fed.records == 1
+    assert fed.skipped == fed.unusable == 0 and fed.records == 1
 
 
 def test_key_value_step_defaults_to_zero_not_the_line_number() -> None:
@@ -150,9 +157,11 @@ def test_record_time_from_the_first_time_field_else_the_read_time(
     assert _when(fed.points[0]) == expected
 
 
-def test_record_with_only_ignored_values_gives_no_points_and_is_not_skipped() -> None:
-    fed = _parse('{"name": "x", "tags": [1, 2], "none": null, "nested": {"s": "y"}}\n')
-    assert fed.points == [] and fed.skipped == 0
+def test_record_with_only_ignored_values_gives_no_points_and_is_counted() -> None:
+    parser = JsonlParser()
+    fed = _parse('{"name": "x", "tags": [1, 2], "none": null, "nested": {"s": "y"}}\n', parser)
+    assert fed.points == [] and fed.unusable == 1
+    assert parser.problem.startswith("line 1: no number in it")
 
 
 # --- line numbers ----------------------------------------------------------------------------
@@ -161,7 +170,7 @@ def test_record_with_only_ignored_values_gives_no_points_and_is_not_skipped() ->
 def test_line_number_counts_blank_and_bad_lines() -> None:
     fed = _parse('\n   \nnot json\n[1, 2]\n{"loss": 1}\n')
     assert [(p["key"], p["step"]) for p in fed.points] == [("loss", 4)]
-    assert fed.skipped == 2
+    assert fed.unusable == 2
 
 
 def test_line_number_continues_across_calls_and_a_resume() -> None:
@@ -192,22 +201,22 @@ def test_nan_and_infinities_are_counted_per_key_and_never_sent() -> None:
     assert [(p["key"], p["value"]) for p in fed.points] == [("acc", 0.5)]
     assert fed.invalid == {"loss": 2, "grad/norm": 1, "lr": 2}
     assert all(math.isfinite(p["value"]) for p in fed.points)
-    assert fed.skipped == 0
+    assert fed.skipped == fed.unusable == 0
 
 
 @pytest.mark.parametrize("line", [
     "not json", "{bad", '{"a": 1', "[1, 2]", "3", '"text"', "null", "true", "{} {}",
     '{"a": 1}}'])
-def test_a_line_not_json_or_not_an_object_is_skipped_and_counted(line: str) -> None:
+def test_a_line_not_json_or_not_an_object_is_counted_as_unusable(line: str) -> None:
     fed = _parse(f'{{"before": 1}}\n{line}\n{{"after": 2}}\n')
     assert [(p["key"], p["step"]) for p in fed.points] == [("before", 0), ("after", 2)]
-    assert fed.skipped == 1
+    assert fed.unusable == 1
 
 
 def test_invalid_utf8_line_is_skipped_not_fatal() -> None:
     fed = _follow(JsonlParser(), [b'{"a": "\xff\xfe"}\n\xc3\x28\n{"b": 1}\n'])
     assert [(p["key"], p["step"]) for p in fed.points] == [("b", 2)]
-    assert fed.skipped == 2
+    assert fed.unusable == 2
 
 
 def test_crlf_line_endings_are_accepted() -> None:
@@ -244,7 +253,7 @@ def test_over_long_line_is_skipped_and_counted_without_holding_it() -> None:
     data = b'{"a": 1}\n' + long_line + b'{"b": 2}\n'
     fed = _follow(JsonlParser(), _blocks(data, range(0, len(data), chunk)))
     assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 2)]
-    assert fed.skipped == 1
+    assert fed.unusable == 1
     assert fed.left == b""
     assert fed.most_held <= MAX_LINE_BYTES + chunk
 
@@ -256,7 +265,7 @@ def test_over_long_line_skipping_ends_at_its_newline_even_in_small_pieces(
     parser = JsonlParser()
     fed = _follow(parser, _blocks(data, range(0, len(data), 7)))
     assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 2), ("c", 3)]
-    assert fed.skipped == 1
+    assert fed.unusable == 1
     assert fed.most_held <= 32 + 7
     assert parser.state() == {"line": 4}
 
@@ -266,8 +275,8 @@ def test_over_long_line_is_skipped_however_it_arrives(monkeypatch: pytest.Monkey
     data = json.dumps({"loss": 1, "pad": "z" * 100}).encode() + b"\n"
     in_pieces = _follow(JsonlParser(), _blocks(data, range(0, len(data), 8)))
     whole = _follow(JsonlParser(), [data])
-    assert (in_pieces.points, in_pieces.skipped) == ([], 1)
-    assert (whole.points, whole.skipped) == ([], 1)
+    assert (in_pieces.points, in_pieces.unusable) == ([], 1)
+    assert (whole.points, whole.unusable) == ([], 1)
 
 
 # --- robustness --------------------------------------------------------------------------------
@@ -283,7 +292,7 @@ def test_random_bytes_never_raise_and_split_anywhere_gives_the_same_result(
     whole = _follow(JsonlParser(), [data])
     split = _follow(JsonlParser(), _blocks(data, cuts))
     assert split.points == whole.points
-    assert split.skipped == whole.skipped
+    assert split.unusable == whole.unusable
     assert split.invalid == whole.invalid
     assert split.left == whole.left == data[data.rfind(b"\n") + 1:]
 
@@ -312,8 +321,8 @@ def test_splitting_json_lines_at_any_byte_gives_the_same_points(
     whole = _follow(one, [data])
     split = _follow(many, _blocks(data, cuts))
     assert split.points == whole.points
-    assert (split.skipped, split.records, split.invalid) == (
-        whole.skipped, whole.records, whole.invalid)
+    assert (split.unusable, split.records, split.invalid) == (
+        whole.unusable, whole.records, whole.invalid)
     assert many.state() == one.state() == {"line": data.count(b"\n")}
     assert all(math.isfinite(p["value"]) and not isinstance(p["value"], bool)
                for p in whole.points)
@@ -335,7 +344,7 @@ def test_many_lines_in_one_call() -> None:
     ids=["milliseconds", "huge", "negative", "iso-min"])
 def test_out_of_range_time_does_not_raise(line: str) -> None:
     fed = _parse(line + "\n")
-    assert len(fed.points) + fed.skipped == 1
+    assert len(fed.points) + fed.unusable == 1
     assert all(p["key"] == "loss" for p in fed.points)
 
 
@@ -344,15 +353,136 @@ def test_out_of_range_time_does_not_raise(line: str) -> None:
 def test_integer_too_large_for_a_float_is_invalid_not_fatal(line: str) -> None:
     fed = _parse(line % ("0" * 400) + "\n")
     assert fed.points == []
-    assert fed.invalid.get("loss", 0) + fed.skipped == 1
+    assert fed.invalid.get("loss", 0) + fed.unusable == 1
 
 
 def test_deeply_nested_line_is_skipped_not_fatal() -> None:
     fed = _parse("[" * 100_000 + '\n{"after": 1}\n')
     assert [(p["key"], p["step"]) for p in fed.points] == [("after", 1)]
-    assert fed.skipped == 1
+    assert fed.unusable == 1
 
 
 def test_record_with_an_empty_key_sends_no_empty_key() -> None:
     fed = _parse('{"": 1, "ok": 2}\n')
     assert [p["key"] for p in fed.points] == ["ok"]
+
+
+# --- empty charts explained ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("lines", "said"), [
+    ("{'step': 0, 'loss': 1.0}", "line 1: single quotes: a Python dict"),
+    ('{"step": 0, "loss": "1.0"}', "line 1: no number in it: 'loss' is the string '1.0'"),
+    ('{"epoch": "one"}', "line 1: no number in it"),
+    ("epoch 1 loss 0.5", "line 1: not JSON (epoch 1 loss 0.5); a plain-text log goes to --log"),
+    ('[1, 2]', "line 1: a JSON array, not an object"),
+    ('{"loss": 1}\n{"loss": 2, ', "line 2: not JSON"),
+])
+def test_the_first_bad_line_is_described_with_its_number_and_fix(lines: str, said: str) -> None:
+    parser = JsonlParser()
+    fed = _parse(lines + "\n", parser)
+    assert parser.problem.startswith(said), parser.problem
+    assert fed.unusable == 1
+
+
+def test_a_python_dict_gets_the_json_dumps_hint_and_is_counted_every_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    parser = JsonlParser(source="out/metrics.jsonl")
+    fed = _parse("".join(f"{{'step': {i}, 'loss': 1.0}}\n" for i in range(5)), parser)
+    assert fed.points == [] and fed.unusable == 5 and fed.skipped == 0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1
+    assert said[0].startswith("--jsonl out/metrics.jsonl: line 1: single quotes: a Python dict")
+    assert "write json.dumps(record)" in said[0]
+
+
+# --- edge cases: keys given twice, steps no point can carry ----------------------------------
+
+
+def test_a_key_given_twice_in_a_record_sends_the_first_and_counts_the_other() -> None:
+    parser = JsonlParser()
+    fed = _parse('{"a/b": 1, "a": {"b": 2}, "c": 3}\n{"a": {"b": 4}, "a/b": 5}\n', parser)
+    assert [(p["key"], p["step"], p["value"]) for p in fed.points] == [
+        ("a/b", 0, 1), ("c", 0, 3), ("a/b", 1, 4)]
+    assert fed.unusable == 2
+    assert "the key 'a/b' is given twice" in parser.problem
+
+
+@pytest.mark.parametrize("step", ["1e300", str(2**63), str(-(2**63) - 1), "2.5", "-1e19"])
+@pytest.mark.parametrize("form", ['{"step": %s, "loss": 1}', '{"key": "loss", "value": 1, '
+                                  '"step": %s}'], ids=["record", "key-value"])
+def test_a_step_no_signed_64_bit_integer_holds_is_skipped_and_counted(step: str,
+                                                                      form: str) -> None:
+    parser = JsonlParser()
+    fed = _parse(form % step + '\n{"step": 3, "ok": 1}\n', parser)
+    assert [(p["key"], p["step"]) for p in fed.points] == [("ok", 3)]
+    assert fed.unusable == 1
+    assert "which is no step" in parser.problem
+
+
+@pytest.mark.parametrize("step", [2**63 - 1, -(2**63), 1e18])
+def test_steps_at_the_ends_of_the_signed_64_bit_range_are_sent(step: float) -> None:
+    fed = _parse(json.dumps({"step": step, "loss": 1}) + "\n")
+    assert [p["step"] for p in fed.points] == [int(step)]
+    assert isinstance(fed.points[0]["step"], int)
+
+
+# --- through the real process -----------------------------------------------------------------
+
+
+def test_watch_says_a_file_of_python_dicts_once_and_counts_it_invalid(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(f"{{'step': {i}, 'loss': 1.0}}\n" for i in range(5)))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"step": 1, "acc": 0.5}\n')
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_STATUS_ADDR="127.0.0.1:0",
+                       SIDECAR_HARDWARE_INTERVAL="0")
+    watch = Sidecar(["watch", "--jsonl", str(metrics), "--jsonl", str(good)], env,
+                    tmp_path / "watch")
+    try:
+        addr_file = tmp_path / "state" / RUN_ID / "status-addr"
+        wait_until(addr_file.exists, 20, "the status address")
+        address = addr_file.read_text().strip()
+
+        def jsonl_source() -> dict[str, Any]:
+            direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with direct.open(f"http://{address}/status", timeout=5) as response:
+                doc = json.loads(response.read())
+            return next(s for s in doc["sources"] if s["kind"] == "jsonl")
+
+        wait_until(lambda: jsonl_source()["invalid"] == 5, 20, "five invalid lines counted")
+        assert jsonl_source()["skipped"] == 0
+        ingest.wait_for(lambda: any(p["key"] == "acc" for r in ingest.records("metrics")
+                                    for p in r["points"]), 10)
+    finally:
+        watch.proc.send_signal(signal.SIGTERM)
+        done = watch.wait(60)
+    assert done.status == 0, done.stderr
+    warnings = [line for line in done.stderr.decode().splitlines() if " WARNING " in line]
+    said = [line for line in warnings if str(metrics) in line]
+    assert len(said) == 1, warnings
+    assert f"--jsonl {metrics}: line 1: single quotes: a Python dict" in said[0]
+    assert "write json.dumps(record)" in said[0]
+    assert not [line for line in warnings if str(good) in line]
+
+
+def test_a_record_of_5000_keys_is_refused_past_the_limit_in_one_error_line(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    metrics = tmp_path / "wide.jsonl"
+    metrics.write_text(json.dumps({"step": 1, **{f"k{i:05d}": i for i in range(5000)}}) + "\n")
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    watch = Sidecar(["watch", "--jsonl", str(metrics)], env, tmp_path / "watch")
+    try:
+        ingest.wait_for(lambda: sum(len(r["points"]) for r in ingest.records("metrics")) >= 4096,
+                        20)
+    finally:
+        watch.proc.send_signal(signal.SIGTERM)
+        done = watch.wait(60)
+    assert done.status == 0, done.stderr
+    assert {p["key"] for r in ingest.records("metrics") for p in r["points"]} == {
+        f"k{i:05d}" for i in range(4096)}
+    errors = [line for line in done.stderr.decode().splitlines() if " ERROR " in line]
+    assert len(errors) == 1, errors[:3]
+    assert "904 metric keys refused ('k04096', 'k04097', 'k04098', 'k04099', 'k04100' and " \
+           "899 more)" in errors[0]

@@ -4,7 +4,9 @@ never came is said."""
 
 from __future__ import annotations
 
+import json
 import logging
+import signal
 from pathlib import Path
 
 from sidecar.commands.receive import Fault
@@ -106,3 +108,59 @@ def test_replay_draws_no_carriage_return_into_a_log_file(ingest: RunningIngest,
     assert done.status == 0, done.stderr
     assert b"replay: 0/0 payloads delivered\n" in done.stderr
     assert b"\r" not in done.stderr
+
+
+# -- --message-format json: every message one object, with what it concerns ------------------
+
+
+def json_lines(stderr: bytes) -> list[dict[str, object]]:
+    """Every line of stderr, each of which must be one JSON object."""
+    return [json.loads(line) for line in stderr.decode().splitlines()]
+
+
+def test_json_messages_carry_the_run_the_node_and_the_route_or_source(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("{'step': 0, 'loss': 1.0}\n")
+    ingest.add_fault(Fault(route="hardware", status=400, times=1))
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_MESSAGE_FORMAT="json",
+                       NODE_NAME="gpu-07", SIDECAR_HARDWARE_INTERVAL="1")
+    watch = Sidecar(["watch", "--jsonl", str(metrics)], env, tmp_path / "watch")
+    try:
+        said = tmp_path / "watch" / "stderr"
+        wait_until(lambda: b'"route": "hardware"' in said.read_bytes(), 20,
+                   "the refused /hardware sample said")
+    finally:
+        watch.proc.send_signal(signal.SIGTERM)
+        done = watch.wait(60)
+    assert done.status == 0, done.stderr
+    messages = json_lines(done.stderr)
+    assert all(m["run_id"] == RUN_ID and m["node"] == "gpu-07" for m in messages), messages
+    assert {m["path"] for m in messages if m.get("source") == "jsonl"} == {str(metrics)}
+    [bad_line] = [m for m in messages if m.get("source") == "jsonl" and m["level"] == "warning"]
+    assert "single quotes: a Python dict" in str(bad_line["msg"])
+    refused = next(m for m in messages if m.get("route") == "hardware")
+    assert refused["level"] == "error" and "HTTP 400" in str(refused["msg"])
+
+
+def test_json_messages_include_configuration_and_usage_errors(tmp_path: Path) -> None:
+    env = platform_env("http://127.0.0.1:9/api/ingest", tmp_path / "state",
+                       NODE_NAME="gpu-07")
+    del env["STARFORGE_TOKEN"]
+    done = sidecar(["run", "--message-format", "json", "--", "true"], env, tmp_path / "a")
+    assert done.status == 2
+    [error] = json_lines(done.stderr)
+    assert error["level"] == "error" and error["command"] == "run"
+    assert (error["run_id"], error["node"], error["variable"]) == (RUN_ID, "gpu-07",
+                                                                   "STARFORGE_TOKEN")
+    assert str(error["msg"]).startswith("configuration error: STARFORGE_TOKEN is not set")
+    typo = sidecar(["watch", "--message-format=json", "--jsnol", "x"], env, tmp_path / "b")
+    assert typo.status == 2
+    [usage] = json_lines(typo.stderr)
+    assert usage["msg"] == "unknown option --jsnol; did you mean --jsonl?"
+    assert usage["command"] == "watch" and usage["run_id"] == RUN_ID
+    bad_addr = sidecar(["watch", "--log", "x", "--status-addr", "nowhere"],
+                       {**env, "SIDECAR_MESSAGE_FORMAT": "json", "STARFORGE_TOKEN": TOKEN},
+                       tmp_path / "c")
+    [addr] = json_lines(bad_addr.stderr)
+    assert addr["option"] == "--status-addr" and bad_addr.status == 2

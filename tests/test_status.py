@@ -314,11 +314,14 @@ async def test_nothing_secret_in_any_answer(tmp_path: Path) -> None:
     assert "***" in answers[0][1] and "***" in answers[1][1]
 
 
-async def test_busy_port_falls_back_with_one_warning(tmp_path: Path) -> None:
+async def test_busy_default_port_falls_back_with_one_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        monkeypatch.setattr("sidecar.observe.endpoint.DEFAULT_STATUS_ADDR", taken)  # not 9620:
+        #                                            whatever listens there on this machine
         with warnings_of_sidecar() as warnings:
             server = await start_status_server(taken, tmp_path / "run", sample)
         assert server is not None
@@ -332,6 +335,19 @@ async def test_busy_port_falls_back_with_one_warning(tmp_path: Path) -> None:
     assert [r.levelno for r in warnings] == [logging.WARNING]
     message = warnings[0].getMessage()
     assert taken in message and server.address in message and "in use" in message
+
+
+async def test_a_busy_address_given_explicitly_never_moves(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        with warnings_of_sidecar() as warnings:
+            server = await start_status_server(taken, tmp_path / "run", sample)
+    assert server is None
+    assert not (tmp_path / "run" / ADDR_FILE).exists()
+    assert [r.levelno for r in warnings] == [logging.WARNING]
+    assert "the status endpoint is off" in warnings[0].getMessage()
 
 
 async def test_addr_file_names_a_connectable_address(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from sidecar.commands import say
-from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve
+from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve, unknown_variables
 from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import add_secret, log, mask
 from sidecar.sources.files.discover import EVENT_FILES, match
@@ -53,6 +53,7 @@ _LOCAL_MEANING = {
 }
 SHOWN_FILES = 3  # files named in a source's line; --json lists up to MAX_LISTED_FILES
 MAX_LISTED_FILES = 100
+HEAD_BYTES = 64 << 10  # of each --jsonl file, parsed to tell whether it gives points
 _NETWORK_STEPS = frozenset({"dns", "tcp", "tls", "probe"})  # where a proxy may be the cause
 
 
@@ -86,6 +87,11 @@ class _Report:
     def failed(self) -> bool:
         return any(step.status == "fail" for step in self.steps)
 
+    @property
+    def warned(self) -> list[str]:
+        """The steps that warned, each named once."""
+        return list(dict.fromkeys(step.name for step in self.steps if step.status == "warn"))
+
     def finish(self, code: int, cfg: Config | None) -> None:
         verdict = {EXIT_OK: "ok", EXIT_FAILED: "failed", EXIT_CONFIG: "configuration error"}
         if self.as_json:
@@ -95,12 +101,15 @@ class _Report:
                 "result": verdict[code],
                 "endpoint": cfg.platform.endpoint if cfg else None,
                 "run_id": cfg.platform.run_id if cfg else None,
+                "warnings": self.warned,
                 "steps": [asdict(step) for step in self.steps],
             }
             self._print(json.dumps(doc, indent=2, ensure_ascii=False))
             return
         first = next((s for s in self.steps if s.status == "fail"), None)
-        if first is None:
+        if first is None and self.warned:
+            self._print(f"sidecar check: ok, with warnings ({', '.join(self.warned)})")
+        elif first is None:
             self._print("sidecar check: ok")
         else:
             self._print(f"sidecar check: {verdict[code]} (first failed step: {first.name})")
@@ -137,15 +146,17 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     timeout_s = args.timeout
     report = _Report(args.json, sys.stdout)
     cfg = _configuration(args, environ, report)
-    usable = cfg is not None and _sources(cfg, report)
+    _variables(environ, report)
+    if cfg is not None:
+        _sources(cfg, report)
     if cfg is None:
         code = EXIT_CONFIG
     elif not cfg.platform.enabled:
         code = EXIT_OK
     else:
         code = asyncio.run(_check_endpoint(cfg, environ, report, timeout_s))
-    if not usable:  # what `run` would refuse to start with, as a configuration error
-        code = EXIT_CONFIG
+    if code == EXIT_OK and report.failed:  # a source that would send nothing
+        code = EXIT_FAILED
     report.finish(code, cfg)
     return code
 
@@ -175,15 +186,76 @@ def _configuration(args: argparse.Namespace, environ: Mapping[str, str],
     return cfg
 
 
-def _sources(cfg: Config, report: _Report) -> bool:
-    """What each source option matches now, as `watch` would expand it; False when one is
-    unusable (an --hparams file that cannot be read)."""
+def _variables(environ: Mapping[str, str], report: _Report) -> None:
+    """SIDECAR_* variables no option reads: a typo there is otherwise silently ignored."""
+    unknown = unknown_variables(environ)
+    if unknown:
+        report.add("variables", "warn", "; ".join(unknown),
+                   unknown=[warning.split()[0] for warning in unknown])
+
+
+def _jsonl_heads(files: Sequence[str]) -> tuple[int, int, list[tuple[str, str]]]:
+    """What the head of each file gives, parsed as `watch` would: the points, the NaN or
+    infinite values (never sent), and (file, first bad line) for each file holding one."""
+    from sidecar.sources.files.jsonl import JsonlParser
+
+    points = not_finite = 0
+    problems: list[tuple[str, str]] = []
+    for name in files[:MAX_LISTED_FILES]:
+        try:
+            with open(name, "rb") as fh:
+                head = fh.read(HEAD_BYTES)
+        except OSError as exc:
+            problems.append((name, f"cannot be read ({exc.strerror})"))
+            continue
+        parser = JsonlParser()
+        parsed = parser.parse(head, time.time())
+        points += len(parsed.points)
+        not_finite += sum(parsed.invalid.values())
+        if parser.problem:
+            problems.append((name, parser.problem))
+    return points, not_finite, problems
+
+
+def _jsonl_step(what: str, pattern: str, files: list[str], report: _Report) -> None:
+    """A --jsonl pattern's files read at their head: fail when they hold lines and no point."""
+    points, not_finite, problems = _jsonl_heads(files)
+    listed = ", ".join(files[:SHOWN_FILES]) + (
+        f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
+    count = f"{len(files)} file{'s' if len(files) > 1 else ''} ({listed})"
+    details: dict[str, Any] = {"pattern": pattern, "files": files[:MAX_LISTED_FILES],
+                               "matched": len(files), "points": points,
+                               "problems": [{"file": f, "problem": p} for f, p in problems]}
+    said = "; ".join(f"{name} {problem}" for name, problem in problems[:SHOWN_FILES])
+    their, them = ("its", "it") if len(files) == 1 else ("their", "them")
+    if not points and problems:
+        report.add("jsonl", "fail", f"{what}: {count}, and no point in {their} first lines: "
+                   f"{said}", **details)
+    elif not points and not_finite:
+        report.add("jsonl", "fail", f"{what}: {count}, and only NaN or infinite values in "
+                   f"{their} first lines, which are never sent", **details)
+    elif problems:
+        report.add("jsonl", "warn", f"{what}: {count}, {points} points in {their} first lines, "
+                   f"but {said}", **details)
+    elif not points:
+        report.add("jsonl", "warn", f"{what}: {count}, no complete line in {them} yet; points "
+                   "are sent as the trainer writes them", **details)
+    else:
+        report.add("jsonl", "ok", f"{what}: {count}, {points} points in {their} first lines",
+                   **details)
+
+
+def _sources(cfg: Config, report: _Report) -> None:
+    """What each source option matches now, as `watch` would expand it."""
     for option, pattern in [*(("log", p) for p in cfg.log), *(("jsonl", p) for p in cfg.jsonl),
                             *(("tensorboard", p) for p in cfg.tensorboard)]:
         names, note = match(pattern, f"--{option}", option,
                             EVENT_FILES if option == "tensorboard" else "")
         files = [p for p in names if os.path.isfile(p)]
         what = f"--{option} {pattern}"
+        if files and option == "jsonl":
+            _jsonl_step(what, pattern, files, report)
+            continue
         if files:
             more = f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
             report.add(option, "ok", f"{what}: {len(files)} file{'s' if len(files) > 1 else ''} "
@@ -196,16 +268,25 @@ def _sources(cfg: Config, report: _Report) -> bool:
         report.add(option, "warn", f"{what}: {note or 'nothing matches yet'}; {hint}",
                    pattern=pattern, matched=0)
     if cfg.hparams is not None:
-        from sidecar.sources.files.hparams import load_hparams
+        _hparams(cfg.hparams, report)
 
-        try:
-            params = load_hparams(cfg.hparams)
-        except ConfigError as exc:  # `run` and `watch` would stop on it, with exit status 2
-            report.add("hparams", "fail", str(exc), path=str(cfg.hparams))
-            return False
-        report.add("hparams", "ok", f"--hparams {cfg.hparams}: {len(params)} parameters",
-                   path=str(cfg.hparams), parameters=len(params))
-    return True
+
+def _hparams(path: Path, report: _Report) -> None:
+    """The --hparams file as `run` would read it: one the trainer writes later is waited for,
+    one that cannot be read is never sent (the run goes on either way)."""
+    from sidecar.sources.files.hparams import load_hparams
+
+    if not path.exists():
+        report.add("hparams", "warn", f"--hparams {path} does not exist yet; it is sent once "
+                   "the trainer writes it (check the path if it never does)", path=str(path))
+        return
+    try:
+        params = load_hparams(path)
+    except ConfigError as exc:
+        report.add("hparams", "fail", f"{exc}: nothing of it would be sent", path=str(path))
+        return
+    report.add("hparams", "ok", f"--hparams {path}: {len(params)} parameters",
+               path=str(path), parameters=len(params))
 
 
 async def _check_endpoint(cfg: Config, environ: Mapping[str, str], report: _Report,
@@ -231,6 +312,12 @@ def _state_dir(cfg: Config, report: _Report) -> None:
         existing = existing.parent
     if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
         report.add("state", "ok", f"{cfg.run_dir} is writable", path=str(cfg.run_dir))
+        return
+    if cfg.state_dir_is_default:
+        report.add("state", "warn", f"{cfg.run_dir} cannot be written ({existing} is not a "
+                   "writable folder): `run` keeps its state in a private folder under the "
+                   "temporary directory instead, which a reboot may clear; pass --state-dir "
+                   "(SIDECAR_STATE_DIR) a lasting writable folder", path=str(cfg.run_dir))
         return
     report.add("state", "fail", f"{cfg.run_dir} cannot be written ({existing} is not a writable "
                "folder): the spool and the lifecycle journal live there; pass --state-dir "

@@ -2,10 +2,10 @@
 
 It serves what a `snapshot()` callable returns at request time, so the daemon's live objects stay
 the only source of truth; nothing here counts anything itself. The endpoint listens on loopback by
-default (CONTRACT 2, --status-addr); a busy port falls back to an ephemeral loopback port with
-one WARNING, never failing the run, and the address actually bound is written to
-`<run_dir>/status-addr` for `sidecar status`. Nothing secret is in any answer: the snapshot has
-no token, and every answer is masked besides.
+default (CONTRACT 2, --status-addr); the default port, busy, falls back to an ephemeral port of
+the same interface with one WARNING, never failing the run, and the address actually bound is
+written to `<run_dir>/status-addr` for `sidecar status`. Nothing secret is in any answer: the
+snapshot has no token, and every answer is masked besides.
 
 The server is h11's HTTP/1.1 framing over asyncio streams (aiohttp's server side cost 2 MB and a
 share of the start-up, issue 17): keep-alive and pipelining, HEAD, 405 for other methods; a
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import h11
 
 from sidecar import __version__
+from sidecar.config import DEFAULT_STATUS_ADDR, parse_host_port
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
-from sidecar.config import parse_host_port
 from sidecar.delivery.client import RouteStats
 from sidecar.log import log, mask
 from sidecar.statefile import read_state
@@ -71,7 +71,7 @@ class SourceSnapshot(NamedTuple):
     bytes_read: int = 0
     lines_read: int = 0  # lines or records
     points: int = 0  # metric points produced
-    invalid: int = 0  # NaN/infinite values not sent
+    invalid: int = 0  # NaN/infinite values and JSONL lines giving no point, not sent
     skipped: int = 0  # unparseable lines or corrupt records
 
 
@@ -451,7 +451,9 @@ async def start_status_server(addr: str, run_dir: Path | None,
                               snapshot: Callable[[], StatusSnapshot], *,
                               idle_timeout_s: float = IDLE_TIMEOUT_S) -> StatusServer | None:
     """Serve the status endpoint on `addr` (HOST:PORT, or "off" for none); never raises for a
-    port that cannot be had: it falls back to an ephemeral loopback port, or to nothing."""
+    port that cannot be had. The default address, busy, falls back to an ephemeral port of the
+    same interface; an address given explicitly is checked before the start (cli.py), so one
+    busy here was taken since: the endpoint is off, rather than somewhere nobody looks."""
     if addr == "off":
         return None
     host, port = parse_host_port(addr, "--status-addr")
@@ -460,14 +462,17 @@ async def start_status_server(addr: str, run_dir: Path | None,
         listener = await asyncio.start_server(connections.accept, host, port,
                                               limit=MAX_REQUEST_BYTES)
     except OSError as exc:
-        fallback = _FALLBACK_HOSTS[6 if ":" in host else 4]
+        if addr != DEFAULT_STATUS_ADDR:
+            log.warning("--status-addr %s: cannot listen there (%s); the status endpoint is off "
+                        "for this run", addr, _reason(exc))
+            return None
         try:
-            listener = await asyncio.start_server(connections.accept, fallback, 0,
+            listener = await asyncio.start_server(connections.accept, host, 0,
                                                   limit=MAX_REQUEST_BYTES)
         except OSError as second:
-            log.warning("--status-addr %s: cannot listen there (%s) nor on an ephemeral "
-                        "loopback port (%s); the status endpoint is off for this run",
-                        addr, _reason(exc), _reason(second))
+            log.warning("--status-addr %s: cannot listen there (%s) nor on an ephemeral port of "
+                        "%s (%s); the status endpoint is off for this run",
+                        addr, _reason(exc), host, _reason(second))
             return None
         log.warning("--status-addr %s: cannot listen there (%s); the status endpoint is on %s "
                     "instead", addr, _reason(exc), _bound(listener))

@@ -43,7 +43,8 @@ _SOURCE_COUNTERS = (
     ("bytes_read", "sidecar_source_read_bytes", "bytes read from the source"),
     ("lines_read", "sidecar_source_read_lines", "lines or records read from the source"),
     ("points", "sidecar_source_points", "metric points produced"),
-    ("invalid", "sidecar_source_invalid", "NaN or infinite values, counted and not sent"),
+    ("invalid", "sidecar_source_invalid", "NaN or infinite values and JSONL lines that give no "
+     "point, counted and not sent"),
     ("skipped", "sidecar_source_skipped", "unparseable lines or corrupt records skipped"),
 )
 

@@ -8,12 +8,13 @@ from typing import Any, Protocol
 class Parsed:
     """The outcome of parsing some bytes of one file."""
 
-    __slots__ = ("consumed", "hparams", "invalid", "points", "records", "skipped", "text")
+    __slots__ = ("consumed", "hparams", "invalid", "points", "records", "skipped", "text",
+                 "unusable")
 
     def __init__(self, consumed: int, text: str = "",
                  points: list[dict[str, Any]] | None = None,
                  hparams: dict[str, Any] | None = None, records: int = 0, skipped: int = 0,
-                 invalid: dict[str, int] | None = None) -> None:
+                 invalid: dict[str, int] | None = None, unusable: int = 0) -> None:
         # bytes taken from the front of the input; the rest is offered again later
         self.consumed = consumed
         self.text = text  # for /logs
@@ -22,6 +23,8 @@ class Parsed:
         self.records = records  # lines or records taken
         self.skipped = skipped  # bad lines or records, skipped and counted
         self.invalid = {} if invalid is None else invalid  # NaN/inf values per key, not sent
+        self.unusable = unusable  # lines or values not sent (not JSON, no number, a key given
+        #                           twice): counted as invalid, as NaN values are
 
 
 class Parser(Protocol):

@@ -603,14 +603,14 @@ class Follower:
             self._parse(tail, parsed)
 
     def _parse(self, tail: _Tail, parsed: Parsed) -> None:
-        if not (parsed.consumed or parsed.skipped or parsed.text):
+        if not (parsed.consumed or parsed.skipped or parsed.unusable or parsed.text):
             return
         tail.buffer = tail.buffer[parsed.consumed:]
         stats = self.stats[tail.spec.kind]
         stats.records += parsed.records
         stats.points += len(parsed.points)
         stats.skipped += parsed.skipped
-        stats.invalid += sum(parsed.invalid.values())
+        stats.invalid += sum(parsed.invalid.values()) + parsed.unusable
         entry: list[Any] = [tail.consumed, False, tail.parser.state()]
         tail.pending.append(entry)
 

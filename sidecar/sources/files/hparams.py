@@ -1,15 +1,90 @@
-"""`--hparams FILE`: a JSON, YAML or TOML config flattened with dots for /hparams (CONTRACT 2)."""
+"""`--hparams FILE`: a JSON, YAML or TOML config flattened with dots for /hparams (CONTRACT 2).
+
+The trainer often writes the file itself once it starts (Hydra's `.hydra/config.yaml`,
+Lightning's `hparams.yaml`): it is waited for, as a --log or --jsonl file is, read once a writer
+has left it alone for a moment, and sent again whenever its content changes (/hparams upserts).
+A file that cannot be read as a config is said in one WARNING a version and never stops the run.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sidecar.config import ConfigError
+from sidecar.log import log
+from sidecar.supervise import fault_point
+from sidecar.threads import off_loop
 
 Scalar = str | int | float | bool | None
+POLL_S = 1.0  # how often the file is looked at
+SETTLE_S = 0.5  # a file modified less than this long ago may be half-written: read it later
+READ_TIMEOUT_S = 10.0  # a read that hangs (a dead NFS mount) is given up, and tried again later
+WAITING_SAID_AFTER_S = 60.0  # a file still missing this long after start gets one INFO
+
+
+class HparamsFile:
+    """Follows one --hparams file: `push` gets its flattened content each time it changes."""
+
+    __slots__ = ("_failed", "_push", "_said_waiting", "_seen", "_sent", "_started", "path")
+
+    def __init__(self, path: Path, push: Callable[[dict[str, Scalar]], None]) -> None:
+        self.path = path
+        self._push = push
+        self._seen: tuple[int, int, int] | None = None  # (inode, size, mtime) last read
+        self._sent: dict[str, Scalar] | None = None
+        self._failed = ""  # the last version's error, said once
+        self._said_waiting = False
+        self._started = time.monotonic()
+
+    async def run(self) -> None:
+        """Look at the file every POLL_S until cancelled."""
+        while True:
+            fault_point()
+            await self.check()
+            await asyncio.sleep(POLL_S)
+
+    async def check(self, final: bool = False) -> None:
+        """Send the file's content if it is new; `final` (shutdown): read it even if it was
+        modified a moment ago."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            if final and self._sent is None:
+                log.warning("--hparams %s never appeared in this run: nothing of it was sent; "
+                            "check the path the trainer writes its config to", self.path)
+            elif not self._said_waiting and (
+                    time.monotonic() - self._started >= WAITING_SAID_AFTER_S):
+                self._said_waiting = True
+                log.info("--hparams %s does not exist yet; it is sent once it appears", self.path)
+            return
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if version == self._seen or (not final and time.time() - st.st_mtime < SETTLE_S):
+            return
+        try:
+            params = await off_loop(lambda: load_hparams(self.path), READ_TIMEOUT_S, "hparams")
+        except TimeoutError:
+            return  # tried again at the next look
+        except ConfigError as exc:
+            self._seen = version
+            if str(exc) != self._failed:
+                self._failed = str(exc)
+                log.warning("%s; it is sent once it can be read (the run goes on)", exc)
+            return
+        self._seen, self._failed = version, ""
+        if params == self._sent:
+            return
+        again = self._sent is not None
+        self._sent = params
+        self._push(params)
+        log.info("--hparams %s: %d parameters sent%s", self.path, len(params),
+                 " again: the file changed" if again else "")
 
 
 def load_hparams(path: Path) -> dict[str, Scalar]:

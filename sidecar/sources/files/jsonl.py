@@ -1,8 +1,13 @@
 """JSONL metric logs -> /metrics points (CONTRACT 5, JSONL).
 
 Each complete line is one JSON object. `{"key", "value"}` is one point; any other object is a
-record whose numeric leaves become points, nested keys joined with `/`. A line that is not JSON,
-or not an object, is skipped and counted. A last line without its newline waits.
+record whose numeric leaves become points, nested keys joined with `/`. A line that cannot give
+a point (not JSON, not an object, no number in it, a step no point can carry) is counted as
+invalid, and the first of each file is said in one WARNING naming the line, what is wrong with it
+and the fix: an empty chart is always explained. A last line without its newline waits.
+
+One key given twice in a record (`{"a/b": 1, "a": {"b": 2}}`: both are `a/b`) sends the first in
+the line's order; the others are counted as invalid.
 """
 
 from __future__ import annotations
@@ -13,24 +18,33 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from sidecar.log import log
 from sidecar.records import iso_ts
 from sidecar.sources.base import Parsed
 
 STEP_FIELDS = ("step", "global_step", "_step", "iteration")
 TIME_FIELDS = ("ts", "timestamp", "_timestamp", "time")
 MAX_LINE_BYTES = 16 << 20  # a longer line is skipped and counted rather than held in memory
+MIN_STEP, MAX_STEP = -(1 << 63), (1 << 63) - 1  # a step is a signed 64-bit integer
+SHOWN_LINE_CHARS = 60  # of a bad line, quoted in its WARNING
+EXAMPLE_RECORD = '{"step": 1, "loss": 0.5}'
 
 
 class JsonlParser:
-    """Parses one JSONL file; `line` is the 0-based number of the next line (the default step)."""
+    """Parses one JSONL file; `line` is the 0-based number of the next line (the default step).
 
-    def __init__(self, line: int = 0) -> None:
+    `source` (the file's name) given, the first line that cannot give a point is said in a
+    WARNING; either way `problem` holds what was wrong with it, for `sidecar check`."""
+
+    def __init__(self, line: int = 0, source: str = "") -> None:
         self.line = line
+        self.source = source
+        self.problem = ""  # the first bad line: its number, what is wrong, the fix
         self._skipping = False  # inside an over-long line, dropping it up to its newline
 
     @classmethod
-    def resume(cls, state: dict[str, Any]) -> JsonlParser:
-        return cls(line=int(state.get("line", 0)))
+    def resume(cls, state: dict[str, Any], source: str = "") -> JsonlParser:
+        return cls(line=int(state.get("line", 0)), source=source)
 
     def state(self) -> dict[str, Any]:
         return {"line": self.line}
@@ -51,18 +65,30 @@ class JsonlParser:
             out.consumed = first + 1
         if end <= out.consumed:
             if len(data) - out.consumed > MAX_LINE_BYTES:
-                self._skipping, out.consumed, out.skipped = True, len(data), 1
+                self._skipping, out.consumed = True, len(data)
+                self._bad(out, _too_long())
             return out
         read_ts = iso_ts(now)
         for raw in data[out.consumed:end].split(b"\n")[:-1]:
             if len(raw) > MAX_LINE_BYTES:
                 out.records += 1
-                out.skipped += 1
+                self._bad(out, _too_long())
             else:
                 self._line(raw, read_ts, out)
             self.line += 1
         out.consumed = end
         return out
+
+    def _bad(self, out: Parsed, what: str) -> None:
+        """The current line (or a value of it) cannot be sent, for the reason `what`: counted,
+        and the first of the file said."""
+        out.unusable += 1
+        if self.problem:
+            return
+        self.problem = f"line {self.line + 1}: {what}"
+        if self.source:
+            log.warning("--jsonl %s: %s; each such line is counted as invalid (said for the "
+                        "first of this file)", self.source, self.problem)
 
     def _line(self, raw: bytes, read_ts: str, out: Parsed) -> None:
         if not raw.strip():
@@ -70,24 +96,46 @@ class JsonlParser:
         out.records += 1
         try:
             obj = json.loads(raw)
-        except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
-            out.skipped += 1
+        except RecursionError:
+            self._bad(out, "nested too deeply to read")
+            return
+        except ValueError as exc:  # not JSON (or not UTF-8)
+            self._bad(out, _not_json(raw, exc))
             return
         if not isinstance(obj, dict):
-            out.skipped += 1
+            self._bad(out, f"a JSON {_kind(obj)}, not an object; each line should be one "
+                      f"object, as in {EXAMPLE_RECORD}")
             return
         ts = _time_of(obj) or read_ts
         if "key" in obj and _is_number(obj.get("value")):
             step = _integer(obj.get("step", 0))
-            if not isinstance(obj["key"], str) or not obj["key"] or step is None:
-                out.skipped += 1
-                return
-            _point(out, obj["key"], step, obj["value"], ts)
+            if not isinstance(obj["key"], str) or not obj["key"]:
+                self._bad(out, f"\"key\" is {json.dumps(obj['key'])[:SHOWN_LINE_CHARS]}, not a "
+                          "metric name")
+            elif step is None:
+                self._bad(out, _bad_step("step", obj.get("step")))
+            else:
+                _point(out, obj["key"], step, obj["value"], ts)
             return
-        step = next((s for s in (_integer(obj[f]) for f in STEP_FIELDS if f in obj)
-                     if s is not None), self.line)
+        step = self.line
+        for name in STEP_FIELDS:
+            if _is_number(obj.get(name)) and not isinstance(obj[name], bool):
+                found = _integer(obj[name])
+                if found is None:
+                    self._bad(out, _bad_step(name, obj[name]))
+                    return
+                step = found
+                break
+        seen: set[str] = set()
         for key, value in _leaves(obj, top=True):
+            if key in seen:
+                self._bad(out, f"the key {key!r} is given twice (nested and with a slash, as "
+                          "in {\"a/b\": 1, \"a\": {\"b\": 2}}); the first is sent")
+                continue
+            seen.add(key)
             _point(out, key, step, value, ts)
+        if not seen:
+            self._bad(out, _no_number(obj))
 
 
 def _point(out: Parsed, key: str, step: int, value: Any, ts: str) -> None:
@@ -119,13 +167,69 @@ def _is_number(value: Any) -> bool:
 
 
 def _integer(value: Any) -> int | None:
+    """`value` as a step: an integer (or an integral float) a signed 64-bit integer holds."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
+    if isinstance(value, float):
+        if not value.is_integer():
+            return None
+        value = int(value)
+    if isinstance(value, int) and MIN_STEP <= value <= MAX_STEP:
         return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
     return None
+
+
+def _too_long() -> str:
+    return f"longer than {MAX_LINE_BYTES >> 20} MiB; is this file JSONL, one record a line?"
+
+
+def _bad_step(name: str, value: Any) -> str:
+    shown = json.dumps(value)[:SHOWN_LINE_CHARS]
+    return (f"{name!r} is {shown}, which is no step: a step is a whole number within the signed "
+            "64-bit range")
+
+
+def _kind(obj: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(obj), "number")
+
+
+def _not_json(raw: bytes, exc: ValueError) -> str:
+    """What is wrong with a line json.loads refused, and the likely fix."""
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return "not UTF-8 text; is this file JSONL?"
+    shown = text if len(text) <= SHOWN_LINE_CHARS else text[:SHOWN_LINE_CHARS] + "..."
+    quote = min((i for i in (text.find("'"), text.find('"')) if i >= 0), default=-1)
+    if text.startswith("{") and quote >= 0 and text[quote] == "'":
+        return (f"single quotes: a Python dict ({shown}); write json.dumps(record), not "
+                "print(record) or str(record)")
+    if not text.startswith(("{", "[")):
+        return (f"not JSON ({shown}); a plain-text log goes to --log, metrics to --jsonl as one "
+                f"JSON object a line, as in {EXAMPLE_RECORD}")
+    return f"not JSON ({exc}: {shown}); write each record with json.dumps"
+
+
+def _no_number(obj: dict[str, Any]) -> str:
+    """Why a record gave no point, and the fix."""
+    quoted = [key for key, value in obj.items() if isinstance(value, str) and _numeric(value)]
+    if quoted:
+        return (f"no number in it: {quoted[0]!r} is the string {obj[quoted[0]]!r}; write "
+                "numbers unquoted (float(value), or value.item() for a tensor)")
+    if any(key in STEP_FIELDS or key in TIME_FIELDS for key in obj):
+        return (f"no number in it but its step or time (keys: {', '.join(list(obj)[:5])}); a "
+                f"metric needs a value of its own, as in {EXAMPLE_RECORD}")
+    return (f"no number in it (keys: {', '.join(list(obj)[:5]) or 'none'}): only numbers and "
+            "booleans become points; strings, lists and nulls are ignored")
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _time_of(obj: dict[str, Any]) -> str | None:
