@@ -35,7 +35,14 @@ from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
 from sidecar.log import log, mask, secrets
 from sidecar.node import resolve_node
-from sidecar.sources.console.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
+from sidecar.sources.console.child import (
+    FORWARDED_SIGNALS,
+    READ_BYTES,
+    Child,
+    Pump,
+    ReadOrder,
+    SpawnError,
+)
 from sidecar.sources.console.lines import LineAssembler
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.files.hparams import load_hparams
@@ -104,6 +111,7 @@ class _Stream:
         self.tail = tail  # the recent text and what of it the ingest acknowledged (crash tail)
         self.stall = stall  # told of every block, read or skipped
         self.closed = asyncio.Event()
+        self.others: Sequence[_Stream] = ()  # the command's other streams (none with --tty)
         self._skipped = 0
 
     def allowance(self) -> tuple[int, str]:
@@ -126,8 +134,15 @@ class _Stream:
         if self.shipper is None:
             return
         self.scanner.feed(self.name, block)
+        now = time.monotonic()
+        for other in self.others:  # what they hold was written first
+            other.commit(now)
         self._mark_gap()
-        self._put(self.assembler.feed(block, time.monotonic()))
+        self._put(self.assembler.feed(block, now))
+
+    def commit(self, now: float) -> None:
+        if self.shipper is not None:
+            self._put(self.assembler.commit(now))
 
     def skip(self, size: int, why: str) -> None:
         self.stall.activity()
@@ -191,6 +206,8 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
                        scanner, tail, stall)
                for name, tail in zip(names, new_tails(len(names)), strict=True)]
+    for stream in streams:
+        stream.others = [other for other in streams if other is not stream]
     child = Child(argv, child_env, tty=cfg.tty)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
     oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet
@@ -217,9 +234,10 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     interrupted = asyncio.Event()
     for signum in FORWARDED_SIGNALS:
         loop.add_signal_handler(signum, _on_signal, child, signum, interrupted)
+    order = ReadOrder()
     for fd, sink, stream in zip(fds, (1, 2)[:len(fds)], streams, strict=True):
         Pump(stream.name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set,
-             loop).start()
+             loop, order).start()
     if cfg.running_when == "spawn":
         await lifecycle.record("running", running_at)
 
