@@ -35,7 +35,14 @@ from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
 from sidecar.log import format_duration, log, mask, secrets
 from sidecar.node import resolve_node
-from sidecar.sources.console.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
+from sidecar.sources.console.child import (
+    FORWARDED_SIGNALS,
+    READ_BYTES,
+    Child,
+    Pump,
+    ReadOrder,
+    SpawnError,
+)
 from sidecar.sources.console.lines import LineAssembler
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
@@ -106,6 +113,7 @@ class _Stream:
         self.stall = stall  # told of every block, read or skipped
         self.closed = asyncio.Event()  # the pipe's end: no process holds it any more
         self.ended = False  # finished for /logs: what comes after is not forwarded
+        self.others: Sequence[_Stream] = ()  # the command's other streams (none with --tty)
         self._skipped = 0
 
     def allowance(self) -> tuple[int, str]:
@@ -132,8 +140,15 @@ class _Stream:
         if self.shipper is None:
             return
         self.scanner.feed(self.name, block)
+        now = time.monotonic()
+        for other in self.others:  # what they hold was written first
+            other.commit(now)
         self._mark_gap()
-        self._put(self.assembler.feed(block, time.monotonic()))
+        self._put(self.assembler.feed(block, now))
+
+    def commit(self, now: float) -> None:
+        if self.shipper is not None:
+            self._put(self.assembler.commit(now))
 
     def skip(self, size: int, why: str) -> None:
         if self.ended:
@@ -218,6 +233,8 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
                        scanner, tail, stall)
                for name, tail in zip(names, new_tails(len(names)), strict=True)]
     stall.say = lambda line: _say(streams, line)  # through the streams' line assemblers
+    for stream in streams:
+        stream.others = [other for other in streams if other is not stream]
     child = Child(argv, child_env, tty=cfg.tty)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
     oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet
@@ -244,9 +261,10 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     interrupted = asyncio.Event()
     for signum in FORWARDED_SIGNALS:
         loop.add_signal_handler(signum, _on_signal, child, signum, interrupted)
+    order = ReadOrder()
     for fd, sink, stream in zip(fds, (1, 2)[:len(fds)], streams, strict=True):
         Pump(stream.name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set,
-             loop).start()
+             loop, order).start()
     if cfg.running_when == "spawn":
         await lifecycle.record("running", running_at)
 

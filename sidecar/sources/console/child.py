@@ -45,6 +45,81 @@ _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
 
 
+class ReadOrder:
+    """The order in which the command's streams had output waiting, kept in the order in which
+    their blocks reach the loop: `/logs` chunks carry no stream or time, so their order is all
+    the console has. A pump pausing to let more output gather (COALESCE_S) stops as soon as
+    another stream has output, so that what it reads was written before that: woken by the
+    kernel when the other pipe becomes readable (the other pump need not have run yet), or by
+    that pump once it knows. And a pump offers what it read only once no other stream holds
+    output that waited longer (at most `max_wait_s`: a pump stuck writing to a blocked sink
+    holds nobody up for long)."""
+
+    def __init__(self, max_wait_s: float = 2 * COALESCE_S) -> None:
+        self.max_wait_s = max_wait_s
+        self._changed = threading.Condition()
+        self._waiting: dict[str, float] = {}  # stream: since when its pump knows output waits
+        self._sources: dict[str, int] = {}  # stream: the pipe its pump reads, while it is open
+        self._nudges: dict[str, int] = {}  # stream: an eventfd that ends its pump's pause
+
+    def watch(self, name: str, source_fd: int) -> None:
+        with self._changed:
+            self._sources[name] = source_fd
+            self._nudges[name] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def unwatch(self, name: str) -> None:
+        """The pump is about to close its pipe: nobody polls that descriptor any more."""
+        with self._changed:
+            self._sources.pop(name, None)
+            nudge = self._nudges.pop(name, None)
+        if nudge is not None:
+            os.close(nudge)
+
+    def ready(self, name: str) -> None:
+        """In a pump: output waits on `name` (poll said so), read or not yet."""
+        with self._changed:
+            if name in self._waiting:
+                return
+            self._waiting[name] = time.monotonic()
+            self._changed.notify_all()
+            for stream, nudge in self._nudges.items():
+                if stream != name:
+                    os.eventfd_write(nudge, 1)
+
+    def pause(self, name: str, wait_s: float) -> None:
+        """In a pump, to let more of `name`'s output gather: `wait_s` at most, and not at all
+        while another stream has output waiting (it must not overtake what waits here)."""
+        wake = select.poll()
+        with self._changed:
+            nudge = self._nudges.get(name)
+            if nudge is None:
+                return
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(nudge)  # nudges from before: what they said is in _waiting
+            if any(stream != name for stream in self._waiting):
+                return
+            wake.register(nudge, select.POLLIN)
+            for stream, fd in self._sources.items():
+                if stream != name:
+                    wake.register(fd, select.POLLIN)
+        wake.poll(wait_s * 1000)
+
+    def turn(self, name: str) -> None:
+        """In a pump, before it offers what it read: until no other stream holds output that
+        waited longer (or `max_wait_s` passed: a pump stuck writing to a blocked sink)."""
+        with self._changed:
+            since = self._waiting.get(name, float("inf"))
+            self._changed.wait_for(
+                lambda: all(other >= since for stream, other in self._waiting.items()
+                            if stream != name), self.max_wait_s)
+
+    def done(self, name: str) -> None:
+        """In a pump: what it read is offered (or skipped); nothing of `name` waits any more."""
+        with self._changed:
+            if self._waiting.pop(name, None) is not None:
+                self._changed.notify_all()
+
+
 class SpawnError(Exception):
     """The command could not be started (not found, not executable)."""
 
@@ -66,6 +141,7 @@ class Pump:
     def __init__(self, name: str, source_fd: int, sink_fd: int, gate: Gate,
                  on_block: Callable[[bytes], None], on_skip: Callable[[int, str], None],
                  on_eof: Callable[[], None], loop: asyncio.AbstractEventLoop,
+                 order: ReadOrder | None = None,
                  max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         """`on_block`, on the loop: a block to forward; `on_skip`, on the loop: bytes not
         forwarded, and why."""
@@ -77,6 +153,8 @@ class Pump:
         self.on_skip = on_skip
         self.on_eof = on_eof
         self.loop = loop
+        self.order = ReadOrder() if order is None else order  # shared by a command's pumps
+        self.order.watch(name, source_fd)
         self.max_pending_bytes = max_pending_bytes
         self.dropped_bytes = 0  # offered while the loop was too far behind
         self._pending = 0
@@ -102,6 +180,7 @@ class Pump:
         try:
             while True:
                 ready.poll()  # decide once output waits, not before: a wait may be long
+                self.order.ready(self.name)
                 self._coalesce()
                 wanted, why = self._allowance()
                 if wanted:
@@ -109,7 +188,9 @@ class Pump:
                     if not block:
                         break
                     self._read(len(block))
+                    self.order.turn(self.name)
                     self._forward(block)
+                    self.order.done(self.name)
                     continue
                 moved = self._splice()
                 if moved is None:
@@ -118,10 +199,13 @@ class Pump:
                 if not moved:
                     break
                 self.loop.call_soon_threadsafe(self.on_skip, moved, why)
+                self.order.done(self.name)
         except OSError as exc:
             if exc.errno != errno.EIO:  # EIO: a terminal whose last writer closed it, the end
                 log.warning("reading the command's %s failed: %s", self.name, exc)
         finally:
+            self.order.unwatch(self.name)
+            self.order.done(self.name)
             os.close(self.source_fd)
             self.loop.call_soon_threadsafe(self.on_eof)
 
@@ -154,7 +238,7 @@ class Pump:
         """Right after a small read, let more output gather before the next one."""
         wait = self._small_read_at + COALESCE_S - time.monotonic()
         if wait > 0:
-            time.sleep(wait)
+            self.order.pause(self.name, wait)
 
     def _read(self, size: int) -> None:
         self._small_read_at = time.monotonic() if size < SMALL_READ_BYTES else float("-inf")

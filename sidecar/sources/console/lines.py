@@ -86,7 +86,21 @@ class LineAssembler:
         """Called periodically: a partial line after a quiet second, a progress bar's state."""
         if self._screen is not None:
             return self._lines(self._screen.tick(now))
-        if not self._pending or now - self._last_feed < self.quiet_flush_s:
+        if now - self._last_feed < self.quiet_flush_s:
+            return ""
+        return self._partial()
+
+    def commit(self, now: float) -> str:
+        """Another stream of the command wrote: on a terminal both share, its text lands after
+        everything this one showed, so what this one holds goes first: its partial line, and
+        the lines the cursor left (not the line a bar is still being redrawn on)."""
+        if self._screen is not None:
+            return self._lines(self._screen.commit(now))
+        return self._partial()
+
+    def _partial(self) -> str:
+        """The unfinished line as it stands, but what could be the start of a secret."""
+        if not self._pending:
             return ""
         partial = self.secrets.mask(self._pending)
         cut = len(partial) - self.secrets.unfinished(partial)  # kept: may begin a secret

@@ -107,6 +107,13 @@ class Screen:
             self._snapshot()
         return self._take()
 
+    def commit(self, now: float) -> str:
+        """Another stream wrote to the terminal this one shares: its text went below the
+        cursor, so the lines the cursor left are final now, however recently it left them."""
+        self._now = now
+        self._settle(hold=0.0)
+        return self._take()
+
     def finish(self, text: str = "") -> str:
         """The stream ended with `text`: every line is final; the last one gets no line end of
         its own."""
@@ -225,9 +232,11 @@ class Screen:
 
     # -- what is sent ----------------------------------------------------------------------------
 
-    def _settle(self) -> None:
-        """Send the lines at the top that are final: left downwards and not come back."""
-        hold = self.hold_s if self._went_up else 0.0
+    def _settle(self, hold: float | None = None) -> None:
+        """Send the lines at the top that are final: left downwards and not come back (for
+        `hold` seconds; by default `hold_s` once the cursor ever went up, else none)."""
+        if hold is None:
+            hold = self.hold_s if self._went_up else 0.0
         while self._y > 0 and self._now - self._rows[0].left_at >= hold:
             if self._rows[0].wraps and self._y == 1:
                 break  # its continuation is still being written: sent together, masked whole

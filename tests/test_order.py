@@ -1,0 +1,101 @@
+"""The console shows lines in the order they were printed: `/logs` chunks carry no stream and no
+time, so their order across the command's stdout and stderr is all the platform has. A real
+`sidecar run`, real children writing on two pipes, real HTTP over loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest
+from tests.test_run import log_text
+
+# Lines on both streams, each its own write, `gap` seconds apart, in a fixed order: both
+# streams in a row, several lines in a row on one of them, and single alternations.
+ALTERNATING = """
+import os, sys, time
+gap = float(sys.argv[1])
+time.sleep(1.0)  # the sidecar is up (see the README: its own start-up is the exception)
+plan = "oeoeooeeoeeeoooeoeoeooeoeeoeoeoooeeoeoeo" * 2
+for n, stream in enumerate(plan):
+    os.write(1 if stream == "o" else 2, f"line {n} on {stream}\\n".encode())
+    time.sleep(gap)
+time.sleep(1.5)  # all sent before the exit: what the crash tail takes over is its own test
+"""
+
+# A tqdm-style loop: a line on stdout, a bar redrawn on stderr and closed with its final state
+# and a newline, then a line on stdout; three epochs.
+BAR_THEN_LINE = """
+import sys, time
+time.sleep(1.0)
+for epoch in range(3):
+    print(f"epoch {epoch} starts", flush=True)
+    for step in range(1, 11):
+        sys.stderr.write(f"\\rtrain: {step * 10:3d}%|{'#' * step:<10}| {step}/10")
+        sys.stderr.flush()
+        time.sleep(0.003)
+    sys.stderr.write("\\n")
+    sys.stderr.flush()
+    time.sleep(0.005)
+    print(f"epoch {epoch} done", flush=True)
+    time.sleep(0.005)
+time.sleep(1.5)
+"""
+
+
+# Two bars drawn as tqdm draws nested ones: the inner one a line below, reached with a line
+# feed and left with a cursor move up, so the screen model holds a line the cursor left until
+# it is sure the cursor does not come back; then a line on stdout.
+NESTED_BARS_THEN_LINE = """
+import sys, time
+time.sleep(1.0)
+for epoch in range(3):
+    sys.stderr.write(f"\\repoch {epoch}: 0/1")
+    for step in range(1, 6):
+        sys.stderr.write(f"\\n\\rbatch {step}/5\\x1b[A\\repoch {epoch}: 0/1")
+        sys.stderr.flush()
+        time.sleep(0.003)
+    sys.stderr.write(f"\\repoch {epoch}: 1/1\\n\\rbatch 5/5 done\\n")
+    sys.stderr.flush()
+    time.sleep(0.01)
+    print(f"epoch {epoch} done", flush=True)
+    time.sleep(0.01)
+time.sleep(1.5)
+"""
+
+
+def test_writes_5_ms_apart_on_two_streams_arrive_in_the_order_written(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(ALTERNATING), "0.005"], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    lines = log_text(ingest).splitlines()
+    numbers = [int(line.split()[1]) for line in lines]
+    assert numbers == list(range(80)), lines
+
+
+def test_a_closed_bar_reaches_the_log_before_the_line_printed_after_it(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """The bar's final state is held while the screen model waits to see whether the cursor
+    comes back up; a line on the other stream would have ended that wait on a shared terminal."""
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(BAR_THEN_LINE)], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    lines = log_text(ingest).splitlines()
+    for epoch in range(3):
+        final = lines.index(f"epoch {epoch} done") - 1
+        assert lines[final] == "train: 100%|##########| 10/10", lines
+        assert lines.index(f"epoch {epoch} starts") < final
+
+
+def test_lines_held_by_the_screen_model_go_before_a_later_line_of_the_other_stream(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """After the cursor once went up, a line it left is held for a few seconds in case it
+    comes back; on a terminal shared with stdout, stdout's next line would have ended that."""
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(NESTED_BARS_THEN_LINE)], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    lines = log_text(ingest).splitlines()
+    for epoch in range(3):
+        at = lines.index(f"epoch {epoch} done")
+        assert lines[at - 2:at] == [f"epoch {epoch}: 1/1", "batch 5/5 done"], lines
