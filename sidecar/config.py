@@ -329,7 +329,8 @@ def check_endpoint(endpoint: str, variable: str) -> str:
         raise ConfigError(f"{variable}={shown!r}: the port is not a number from 1 to 65535; "
                           f"it should look like {EXAMPLE_ENDPOINT} or http://host:8080/api/ingest")
     if not parts.path.endswith(INGEST_PATH) or parts.query or parts.fragment:
-        raise ConfigError(f"{variable}={shown!r} does not end in {INGEST_PATH} (CONTRACT 3); "
+        raise ConfigError(f"{variable}={shown!r} does not end in {INGEST_PATH} (see "
+                          "docs/ingest.md); "
                           f"give the base URL the platform shows, as in {EXAMPLE_ENDPOINT}: the "
                           "routes (/lifecycle, /metrics, ...) are added to it")
     return endpoint

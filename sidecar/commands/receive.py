@@ -1,4 +1,4 @@
-"""A local ingest server that enforces the contract (CONTRACT.md sections 3 and 4).
+"""A local ingest server that checks every request as docs/ingest.md describes it.
 
 It is `sidecar receive` on a machine without the platform, and the server every integration
 test talks to over loopback HTTP: it validates each route's body as strictly as the platform
@@ -32,8 +32,8 @@ DEFAULT_PREFIX = "/api/ingest"
 CONTROL_PATH = "/_control/faults"
 LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
 ARTIFACT_KINDS = ("checkpoint", "hf_export", "eval_report", "merged_model")
-MAX_POINTS_PER_REQUEST = 2048  # CONTRACT section 4, /metrics
-FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # CONTRACT section 3
+MAX_POINTS_PER_REQUEST = 2048  # docs/ingest.md, Routes and bodies
+FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # docs/ingest.md, Requests
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any batch the sidecar builds; beyond it: 413
 _SHUTDOWN_TIMEOUT_S = 2.0  # handlers still running at stop() are cancelled after this
