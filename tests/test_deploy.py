@@ -349,8 +349,72 @@ def test_multi_node_rank_is_the_completion_index() -> None:
     assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     assert service["spec"]["clusterIP"] == "None" and spec["subdomain"] == service["metadata"][
         "name"]
-    labels = job["spec"]["template"]["metadata"]["labels"]
+    # The Job controller labels its pods with the Job's name: the Service selects these alone.
+    labels = {**job["spec"]["template"]["metadata"]["labels"],
+              "batch.kubernetes.io/job-name": job["metadata"]["name"]}
     assert service["spec"]["selector"].items() <= labels.items()
+    assert check_names().problems(objects) == []
+
+
+@functools.cache
+def check_names() -> ModuleType:
+    """deploy/kubernetes/check_names.py, which deploy/validate.sh runs on every rendering."""
+    spec = importlib.util.spec_from_file_location("check_names",
+                                                  DEPLOY / "kubernetes" / "check_names.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def readme_run_kustomization() -> str:
+    """The README's per-run kustomization, as a user copies it."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    [block] = [b for b in re.findall(r"^```yaml\n(.*?)^```", readme, re.M | re.S)
+               if b.startswith("# runs/run-4f2a91/kustomization.yaml")]
+    return block
+
+
+def render_run(tmp_path: Path, kustomization: str) -> list[Manifest]:
+    """`kustomization` rendered from runs/run-4f2a91/, beside this repository's deploy/."""
+    run = tmp_path / "runs" / "run-4f2a91"
+    run.mkdir(parents=True)
+    (tmp_path / "deploy").symlink_to(DEPLOY)
+    (run / "kustomization.yaml").write_text(kustomization)
+    (run / "token").write_text("not-a-token\n")
+    assert KUBECTL is not None
+    out = subprocess.run([KUBECTL, "kustomize", str(run)], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@needs_kubectl
+def test_readme_per_run_names_reach_the_subdomain_selector_and_rendezvous(
+        tmp_path: Path) -> None:
+    objects = render_run(tmp_path, readme_run_kustomization())
+    job, service = the(objects, "Job"), the(objects, "Service")
+    assert job["metadata"]["name"] == service["metadata"]["name"] == "train-run-4f2a91"
+    spec = job["spec"]["template"]["spec"]
+    assert spec["subdomain"] == "train-run-4f2a91"
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": "train-run-4f2a91"}
+    trainer = container(spec, "trainer")
+    [address] = option_values(trainer, "--master-addr")
+    assert check_names()._expand(address, {k: v for k, v in env(trainer).items()
+                                           if isinstance(v, str)}) == \
+        "train-run-4f2a91-0.train-run-4f2a91"
+    assert check_names().problems(objects) == []
+
+
+@needs_kubectl
+def test_names_check_catches_a_rename_that_leaves_the_subdomain_behind(tmp_path: Path) -> None:
+    """Without the replacements after the renaming, the rendezvous names a Service that is not
+    there: the check validate.sh runs says so."""
+    kustomization = re.sub(r"^transformers:.*\n(  - .*\n)+", "", readme_run_kustomization(),
+                           flags=re.M)
+    assert "transformers" not in kustomization
+    found = check_names().problems(render_run(tmp_path, kustomization))
+    assert any("subdomain 'train' names no Service" in p for p in found), found
+    assert any("--master-addr" in p for p in found), found
 
 
 def test_dockerfile_runs_sidecar_unprivileged_with_a_healthcheck() -> None:
