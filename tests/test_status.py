@@ -77,8 +77,11 @@ def sample(**changes: Any) -> StatusSnapshot:
         routes=(
             RouteSnapshot("lifecycle", requests=3, accepted=2, failures=1, retries=1,
                           last_success=1_790_000_100.0, last_failure="HTTP 502"),
-            RouteSnapshot("logs", requests=40, accepted=37, failures=3, retries=2, dropped=512,
-                          queue_depth=4, spool_bytes=0, last_success=1_790_000_110.0),
+            RouteSnapshot("logs", requests=40, accepted=37, failures=3, retries=2, dropped=5,
+                          queue_depth=4, spool_bytes=0, last_success=1_790_000_110.0,
+                          dropped_chars=512, latency_counts=(1, 0, 2, 30, 4, 0, 0, 0, 0, 0, 0,
+                                                             0, 3),
+                          latency_sum_s=92.5),
             RouteSnapshot("metrics", requests=9, accepted=9, queue_depth=1, spool_bytes=65536,
                           last_success=1_790_000_111.0),
         ),
@@ -171,6 +174,17 @@ async def test_metrics_equal_the_snapshot(tmp_path: Path) -> None:
                      route=r) == route.last_success
         assert value("sidecar_route_last_success_age_seconds",
                      route=r) == snap.taken_at - route.last_success
+        assert value("sidecar_route_request_duration_seconds_count", route=r) == sum(
+            route.latency_counts)
+        assert value("sidecar_route_request_duration_seconds_sum", route=r) == route.latency_sum_s
+    # Items and characters are series of their own, one unit each.
+    assert value("sidecar_route_dropped_total", route="logs") == 5
+    assert value("sidecar_route_dropped_characters_total", route="logs") == 512
+    assert ("sidecar_route_dropped_characters_total", (("route", "metrics"),)) not in found
+    buckets = [(le, value("sidecar_route_request_duration_seconds_bucket", route="logs", le=le))
+               for le in ("0.005", "0.025", "0.05", "0.1", "30.0", "+Inf")]
+    assert buckets == [("0.005", 1), ("0.025", 3), ("0.05", 33), ("0.1", 37), ("30.0", 37),
+                       ("+Inf", 40)]
     for source in snap.sources:
         labels = {"source": source.name, "kind": source.kind}
         assert value("sidecar_source_read_bytes_total", **labels) == source.bytes_read
@@ -178,7 +192,10 @@ async def test_metrics_equal_the_snapshot(tmp_path: Path) -> None:
         assert value("sidecar_source_points_total", **labels) == source.points
         assert value("sidecar_source_invalid_total", **labels) == source.invalid
         assert value("sidecar_source_skipped_total", **labels) == source.skipped
-    assert all(name.startswith("sidecar_") for name, _ in found)
+    assert all(name.startswith(("sidecar_", "process_")) for name, _ in found)
+    # The sidecar's own CPU and memory, from the process collector.
+    assert value("process_cpu_seconds_total") > 0
+    assert value("process_resident_memory_bytes") > 1 << 20
 
 
 async def test_metrics_count_what_the_ingest_received(ingest: RunningIngest,
@@ -212,8 +229,44 @@ async def test_metrics_count_what_the_ingest_received(ingest: RunningIngest,
     assert found[("sidecar_route_failures_total", (("route", "logs"),))] == sum(
         received.rejected.values()) == 2
     assert found[("sidecar_route_requests_total", (("route", "logs"),))] == 5
+    assert found[("sidecar_route_request_duration_seconds_count", (("route", "logs"),))] == 5
+    assert 0 < found[("sidecar_route_request_duration_seconds_sum", (("route", "logs"),))] < 60
     assert scraped == 200
     assert before.startswith("not ready") and ready == 200
+
+
+async def test_dropped_logs_count_chunks_and_their_characters_apart(
+        ingest: RunningIngest) -> None:
+    """/logs given up on: sidecar_route_dropped_total counts chunks (items, as on every route),
+    sidecar_route_dropped_characters_total their characters."""
+    from sidecar.delivery.logs import LogShipper
+
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    shipper = LogShipper(client, RUN_ID, linger_s=0.5)
+    ingest.add_fault(Fault(route="logs", status=400))
+    texts = ["first line\n", "second\n", "third and last\n"]
+    shipper.start()
+    try:
+        for text in texts:
+            shipper.put(text)
+        assert await shipper.flush(10.0)
+    finally:
+        await shipper.stop()
+        await client.close()
+    snap = StatusSnapshot(RUN_ID, "gpu-07", "run", False, 0.0,
+                          routes=(RouteSnapshot.of("logs", client.route_stats("logs")),))
+    server = await start_status_server("127.0.0.1:0", None, lambda: snap)
+    assert server is not None
+    try:
+        _, text = await get(server.address, "/metrics")
+    finally:
+        await server.close()
+    found = samples(text)
+    assert ingest.stats.routes["logs"].rejected == {400: 1}
+    assert found[("sidecar_route_dropped_total", (("route", "logs"),))] == len(texts)
+    assert found[("sidecar_route_dropped_characters_total", (("route", "logs"),))] == sum(
+        map(len, texts))
 
 
 async def test_healthz_and_readyz_transitions(tmp_path: Path) -> None:
@@ -245,7 +298,7 @@ async def test_status_json_round_trips(tmp_path: Path) -> None:
     assert status == 200
     doc = json.loads(text)
     assert doc["ready"] is True and doc["version"] == "0.1.0"
-    assert doc["routes"][1]["route"] == "logs" and doc["routes"][1]["dropped"] == 512
+    assert doc["routes"][1]["route"] == "logs" and doc["routes"][1]["dropped_chars"] == 512
     assert StatusSnapshot.from_json(doc).to_json() == snap.to_json()
 
 
@@ -267,13 +320,16 @@ def test_the_status_document_keeps_its_keys_their_order_and_its_own_copies() -> 
         "routes": [
             {"route": "lifecycle", "requests": 3, "accepted": 2, "failures": 1, "retries": 1,
              "dropped": 0, "queue_depth": 0, "spool_bytes": 0, "last_success": 1_790_000_100.0,
-             "last_failure": "HTTP 502"},
+             "last_failure": "HTTP 502", "dropped_chars": 0, "latency_counts": [],
+             "latency_sum_s": 0.0},
             {"route": "logs", "requests": 40, "accepted": 37, "failures": 3, "retries": 2,
-             "dropped": 512, "queue_depth": 4, "spool_bytes": 0,
-             "last_success": 1_790_000_110.0, "last_failure": ""},
+             "dropped": 5, "queue_depth": 4, "spool_bytes": 0,
+             "last_success": 1_790_000_110.0, "last_failure": "", "dropped_chars": 512,
+             "latency_counts": [1, 0, 2, 30, 4, 0, 0, 0, 0, 0, 0, 0, 3], "latency_sum_s": 92.5},
             {"route": "metrics", "requests": 9, "accepted": 9, "failures": 0, "retries": 0,
              "dropped": 0, "queue_depth": 1, "spool_bytes": 65536,
-             "last_success": 1_790_000_111.0, "last_failure": ""},
+             "last_success": 1_790_000_111.0, "last_failure": "", "dropped_chars": 0,
+             "latency_counts": [], "latency_sum_s": 0.0},
         ],
         "sources": [
             {"name": "stdout", "kind": "child", "bytes_read": 123_456, "lines_read": 789,
