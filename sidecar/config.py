@@ -66,6 +66,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams",
            metavar="FILE"),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off"),
+    Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",
+           metavar="ID", shown_default="the environment's, else those the job's processes use"),
     Option("state-dir", "path", None, "where offsets and the spool live, one folder per run",
            metavar="DIR", shown_default="$XDG_STATE_HOME/sidecar, else ~/.local/state/sidecar"),
     Option("status-addr", "str", DEFAULT_STATUS_ADDR, "local status endpoint HOST:PORT, or off",
@@ -165,6 +167,7 @@ class Config(NamedTuple):
     tensorboard: tuple[str, ...] = ()
     hparams: Path | None = None
     hardware_interval: float = 10.0
+    gpus: str = ""
     state_dir: Path = Path()
     status_addr: str = DEFAULT_STATUS_ADDR
     drain_timeout: float = 20.0
@@ -247,6 +250,8 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str]) 
         values[opt.attr], sources[opt.attr] = _pick(
             opt, getattr(args, opt.attr, None), environ, file_values)
     _check_ranges(values, sources)
+    if values.get("gpus"):
+        check_gpus(values["gpus"], sources["gpus"])
     if "log_prefix" in values:
         check_log_prefix(values["log_prefix"], sources["log_prefix"])
     platform = resolve_platform(environ)
@@ -532,6 +537,16 @@ def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None
 
 
 MIN_HARDWARE_INTERVAL_S = 1.0
+
+
+def check_gpus(value: str, source: str) -> None:
+    """--gpus: NVML indexes (0, 3) or UUIDs (GPU-..., MIG-...), comma-separated."""
+    for token in (t.strip() for t in value.split(",")):
+        uuid = token.upper().startswith(("GPU-", "MIG-")) and len(token) > 4
+        if not (token.isdigit() or uuid):
+            raise ConfigError(f"{source}={value!r}: {token!r} is neither a GPU index nor a UUID; "
+                              "give NVML indexes or UUIDs separated by commas, for example 0,1 "
+                              "or GPU-5f2c...,GPU-91ab... (`nvidia-smi -L` lists them)")
 
 
 def parse_host_port(addr: str, option: str) -> tuple[str, int]:

@@ -252,10 +252,20 @@ def test_node_and_pod_come_from_the_downward_api(overlay: str) -> None:
 
 
 @needs_kubectl
-def test_sidecar_sees_gpus_without_requesting_any() -> None:
-    spec = pod_spec("native-sidecar")
+@pytest.mark.parametrize("overlay", POD_SIDECAR_OVERLAYS)
+def test_sidecar_sees_gpus_without_requesting_any_and_the_trainers_processes(
+        overlay: str) -> None:
+    """NVIDIA_VISIBLE_DEVICES=all shows it every GPU of the node; the shared process namespace
+    lets it tell the trainer's GPUs from other pods' (by NVML's per-GPU process list)."""
+    spec = pod_spec(overlay)
     assert env(container(spec, "sidecar"))["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert "nvidia.com/gpu" in container(spec, "trainer")["resources"]["limits"]
+    assert spec["shareProcessNamespace"] is True
+
+
+@needs_kubectl
+def test_the_wrapper_is_its_containers_pid_1() -> None:
+    assert "shareProcessNamespace" not in pod_spec("wrapper")
 
 
 # A stand-in trainer: prints, exits with argv[1]; on SIGTERM prints again ("checkpointing") and
