@@ -64,6 +64,8 @@ def test_every_link_into_the_ingest_document_lands_on_a_section() -> None:
     links = {m for text in texts for m in re.findall(r"ingest\.md#([\w-]+)", text)}
     assert links, "the README points into docs/ingest.md"
     assert links <= known, sorted(links - known)
+    inside = set(re.findall(r"\]\(#([\w-]+)\)", INGEST_DOC.read_text(encoding="utf-8")))
+    assert inside and inside <= known, sorted(inside - known)
 
 
 def test_the_ingest_document_names_every_route_the_sidecar_posts_to() -> None:
