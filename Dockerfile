@@ -69,10 +69,12 @@ ENV PATH=/opt/sidecar/bin:$PATH \
 USER 10001:10001
 WORKDIR /var/lib/sidecar
 EXPOSE 9620
+COPY deploy/docker/healthcheck.py /opt/sidecar/healthcheck.py
 # Docker and Podman only (Kubernetes ignores HEALTHCHECK; the manifests probe /healthz with
-# httpGet). Python's urllib, since the slim base has no curl; the port follows
-# SIDECAR_STATUS_ADDR; proxies are bypassed, as HTTP_PROXY must not see a loopback probe.
+# httpGet). Python's urllib, since the slim base has no curl: the address the daemon bound (its
+# state dir's status-addr, else SIDECAR_STATUS_ADDR), proxies bypassed; healthy without probing
+# when the status endpoint is off.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=15s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request as r; port = os.environ.get('SIDECAR_STATUS_ADDR', '127.0.0.1:9620').rpartition(':')[2]; r.build_opener(r.ProxyHandler({})).open(f'http://127.0.0.1:{port}/healthz', timeout=4)"]
+    CMD ["python", "/opt/sidecar/healthcheck.py"]
 ENTRYPOINT ["sidecar"]
 CMD ["watch"]

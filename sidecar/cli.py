@@ -149,8 +149,8 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
             add_option(replay, name)
 
     if wanted("receive"):
-        receive = command("receive", "a local ingest server that checks the contract and stores "
-                          "what it accepts")
+        receive = command("receive", "a local ingest server that checks every request as "
+                          "docs/ingest.md describes it and stores what it accepts")
         _add(receive, "--host", "127.0.0.1", "the address to listen on", metavar="HOST")
         _add(receive, "--port", 8080, "the port to listen on; 0: any free one", type=int,
              metavar="PORT")

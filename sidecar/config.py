@@ -68,6 +68,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams",
            metavar="FILE"),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off"),
+    Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",
+           metavar="ID", shown_default="the environment's, else those the job's processes use"),
     Option("state-dir", "path", None, "where offsets and the spool live, one folder per run",
            metavar="DIR", shown_default="$XDG_STATE_HOME/sidecar, else ~/.local/state/sidecar"),
     Option("status-addr", "str", DEFAULT_STATUS_ADDR, "local status endpoint HOST:PORT, or off",
@@ -167,6 +169,7 @@ class Config(NamedTuple):
     tensorboard: tuple[str, ...] = ()
     hparams: Path | None = None
     hardware_interval: float = 10.0
+    gpus: str = ""
     state_dir: Path = Path()
     status_addr: str = DEFAULT_STATUS_ADDR
     drain_timeout: float = 20.0
@@ -258,6 +261,8 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
         if origins is not None:
             origins[opt.name] = _origin(opt, cli, environ, file_values, config_file)
     _check_ranges(values, sources)
+    if values.get("gpus"):
+        check_gpus(values["gpus"], sources["gpus"])
     if "log_prefix" in values:
         check_log_prefix(values["log_prefix"], sources["log_prefix"])
     platform = resolve_platform(environ)
@@ -340,7 +345,8 @@ def check_endpoint(endpoint: str, variable: str) -> str:
         raise ConfigError(f"{variable}={shown!r}: the port is not a number from 1 to 65535; "
                           f"it should look like {EXAMPLE_ENDPOINT} or http://host:8080/api/ingest")
     if not parts.path.endswith(INGEST_PATH) or parts.query or parts.fragment:
-        raise ConfigError(f"{variable}={shown!r} does not end in {INGEST_PATH} (CONTRACT 3); "
+        raise ConfigError(f"{variable}={shown!r} does not end in {INGEST_PATH} (see "
+                          "docs/ingest.md); "
                           f"give the base URL the platform shows, as in {EXAMPLE_ENDPOINT}: the "
                           "routes (/lifecycle, /metrics, ...) are added to it")
     return endpoint
@@ -573,6 +579,16 @@ def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None
 
 
 MIN_HARDWARE_INTERVAL_S = 1.0
+
+
+def check_gpus(value: str, source: str) -> None:
+    """--gpus: NVML indexes (0, 3) or UUIDs (GPU-..., MIG-...), comma-separated."""
+    for token in (t.strip() for t in value.split(",")):
+        uuid = token.upper().startswith(("GPU-", "MIG-")) and len(token) > 4
+        if not (token.isdigit() or uuid):
+            raise ConfigError(f"{source}={value!r}: {token!r} is neither a GPU index nor a UUID; "
+                              "give NVML indexes or UUIDs separated by commas, for example 0,1 "
+                              "or GPU-5f2c...,GPU-91ab... (`nvidia-smi -L` lists them)")
 
 
 def parse_host_port(addr: str, option: str) -> tuple[str, int]:

@@ -210,14 +210,15 @@ class Pipeline(Sink):
             find_trainer_python=find_trainer_python))
         if cfg.hardware_interval > 0:
             # imported here: with sampling off, its NVML and psutil code is never loaded
-            from sidecar.sources.telemetry.hardware import HardwareSampler, gpu_filter_from_env
+            from sidecar.sources.telemetry.hardware import HardwareSampler, choose_gpus
 
             disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
                           *(Path(p) for p in cfg.tensorboard)]
+            gpus = choose_gpus(cfg.gpus, child_env, environ, watching=trainer_pid is None)
             self.sampler = HardwareSampler(
                 run_id=cfg.platform.run_id, node=self.node.name, interval_s=cfg.hardware_interval,
-                emit=self.emit, gpu_filter=gpu_filter_from_env(child_env),
-                trainer_pid=trainer_pid, disk_paths=disk_paths)
+                emit=self.emit, gpu_filter=gpus.filter, by_processes=gpus.by_processes,
+                gpu_rule=gpus.rule, trainer_pid=trainer_pid, disk_paths=disk_paths)
             self._sampler_task = supervise("hardware", self.sampler.sample_forever)
 
     async def _stop_telemetry(self) -> None:

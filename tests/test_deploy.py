@@ -7,14 +7,17 @@ deploy/validate.sh; the bundle is built and run by deploy/bundle/build.sh.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import fnmatch
 import functools
 import glob
 import importlib.util
+import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,6 +41,7 @@ DRAIN_TIMEOUT_S = next(float(o.default) for o in OPTIONS if o.name == "drain-tim
 # What SIGKILL-free shutdown needs beyond the drain itself: the process's own exit, the kubelet.
 SHUTDOWN_MARGIN_S = 5
 SOURCE_OPTIONS = ("--log", "--jsonl", "--tensorboard")
+RUN = "run-4f2a91"
 
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
 
@@ -248,10 +252,20 @@ def test_node_and_pod_come_from_the_downward_api(overlay: str) -> None:
 
 
 @needs_kubectl
-def test_sidecar_sees_gpus_without_requesting_any() -> None:
-    spec = pod_spec("native-sidecar")
+@pytest.mark.parametrize("overlay", POD_SIDECAR_OVERLAYS)
+def test_sidecar_sees_gpus_without_requesting_any_and_the_trainers_processes(
+        overlay: str) -> None:
+    """NVIDIA_VISIBLE_DEVICES=all shows it every GPU of the node; the shared process namespace
+    lets it tell the trainer's GPUs from other pods' (by NVML's per-GPU process list)."""
+    spec = pod_spec(overlay)
     assert env(container(spec, "sidecar"))["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert "nvidia.com/gpu" in container(spec, "trainer")["resources"]["limits"]
+    assert spec["shareProcessNamespace"] is True
+
+
+@needs_kubectl
+def test_the_wrapper_is_its_containers_pid_1() -> None:
+    assert "shareProcessNamespace" not in pod_spec("wrapper")
 
 
 # A stand-in trainer: prints, exits with argv[1]; on SIGTERM prints again ("checkpointing") and
@@ -349,8 +363,72 @@ def test_multi_node_rank_is_the_completion_index() -> None:
     assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     assert service["spec"]["clusterIP"] == "None" and spec["subdomain"] == service["metadata"][
         "name"]
-    labels = job["spec"]["template"]["metadata"]["labels"]
+    # The Job controller labels its pods with the Job's name: the Service selects these alone.
+    labels = {**job["spec"]["template"]["metadata"]["labels"],
+              "batch.kubernetes.io/job-name": job["metadata"]["name"]}
     assert service["spec"]["selector"].items() <= labels.items()
+    assert check_names().problems(objects) == []
+
+
+@functools.cache
+def check_names() -> ModuleType:
+    """deploy/kubernetes/check_names.py, which deploy/validate.sh runs on every rendering."""
+    spec = importlib.util.spec_from_file_location("check_names",
+                                                  DEPLOY / "kubernetes" / "check_names.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def readme_run_kustomization() -> str:
+    """The README's per-run kustomization, as a user copies it."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    [block] = [b for b in re.findall(r"^```yaml\n(.*?)^```", readme, re.M | re.S)
+               if b.startswith("# runs/run-4f2a91/kustomization.yaml")]
+    return block
+
+
+def render_run(tmp_path: Path, kustomization: str) -> list[Manifest]:
+    """`kustomization` rendered from runs/run-4f2a91/, beside this repository's deploy/."""
+    run = tmp_path / "runs" / "run-4f2a91"
+    run.mkdir(parents=True)
+    (tmp_path / "deploy").symlink_to(DEPLOY)
+    (run / "kustomization.yaml").write_text(kustomization)
+    (run / "token").write_text("not-a-token\n")
+    assert KUBECTL is not None
+    out = subprocess.run([KUBECTL, "kustomize", str(run)], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@needs_kubectl
+def test_readme_per_run_names_reach_the_subdomain_selector_and_rendezvous(
+        tmp_path: Path) -> None:
+    objects = render_run(tmp_path, readme_run_kustomization())
+    job, service = the(objects, "Job"), the(objects, "Service")
+    assert job["metadata"]["name"] == service["metadata"]["name"] == "train-run-4f2a91"
+    spec = job["spec"]["template"]["spec"]
+    assert spec["subdomain"] == "train-run-4f2a91"
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": "train-run-4f2a91"}
+    trainer = container(spec, "trainer")
+    [address] = option_values(trainer, "--master-addr")
+    assert check_names()._expand(address, {k: v for k, v in env(trainer).items()
+                                           if isinstance(v, str)}) == \
+        "train-run-4f2a91-0.train-run-4f2a91"
+    assert check_names().problems(objects) == []
+
+
+@needs_kubectl
+def test_names_check_catches_a_rename_that_leaves_the_subdomain_behind(tmp_path: Path) -> None:
+    """Without the replacements after the renaming, the rendezvous names a Service that is not
+    there: the check validate.sh runs says so."""
+    kustomization = re.sub(r"^transformers:.*\n(  - .*\n)+", "", readme_run_kustomization(),
+                           flags=re.M)
+    assert "transformers" not in kustomization
+    found = check_names().problems(render_run(tmp_path, kustomization))
+    assert any("subdomain 'train' names no Service" in p for p in found), found
+    assert any("--master-addr" in p for p in found), found
 
 
 def test_dockerfile_runs_sidecar_unprivileged_with_a_healthcheck() -> None:
@@ -359,9 +437,85 @@ def test_dockerfile_runs_sidecar_unprivileged_with_a_healthcheck() -> None:
     assert re.search(r"^ARG PYTHON_IMAGE=python:\S+-slim", text, re.M)
     assert re.search(r"^USER [1-9][0-9]*:[1-9][0-9]*$", final, re.M), "numeric, non-root"
     assert 'ENTRYPOINT ["sidecar"]' in final
-    healthcheck = next(line for line in final.splitlines() if line.strip().startswith("CMD ["))
-    assert "urllib" in healthcheck and "/healthz" in healthcheck and "curl" not in healthcheck
+    script = (ROOT / healthcheck_script()).read_text()
+    assert "urllib" in script and "/healthz" in script and "curl" not in script
     assert "org.opencontainers.image.version" in final
+
+
+def healthcheck_script() -> str:
+    """The repository path of the script the image's HEALTHCHECK runs (what its COPY copies)."""
+    final = (ROOT / "Dockerfile").read_text().rsplit("\nFROM ", 1)[1]
+    command = next(line for line in final.splitlines() if line.strip().startswith("CMD ["))
+    argv = json.loads(command.strip().removeprefix("CMD "))
+    assert argv[0] == "python", "the image's venv Python, first on PATH"
+    copied = dict(re.findall(r"^COPY (\S+) (\S+)$", final, re.M))
+    sources = [source for source, target in copied.items() if target == argv[1]]
+    assert sources, f"the image has no {argv[1]}"
+    return sources[0]
+
+
+async def healthcheck(environ: dict[str, str]) -> tuple[int, str]:
+    """The image's HEALTHCHECK command, run here as Docker would run it in the container."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / healthcheck_script()), env=environ,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode is not None
+    return process.returncode, out.decode()
+
+
+def refused_addr() -> str:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{closed.getsockname()[1]}"
+
+
+async def test_healthcheck_with_the_status_endpoint_off_is_healthy(tmp_path: Path) -> None:
+    status, out = await healthcheck({"SIDECAR_STATUS_ADDR": "off",
+                                     "SIDECAR_STATE_DIR": str(tmp_path)})
+    assert (status, out) == (0, "sidecar status endpoint is off: nothing to probe\n")
+
+
+async def test_healthcheck_probes_the_address_the_daemon_bound(tmp_path: Path) -> None:
+    """The address written to the state dir (the default port was busy: an ephemeral one), not
+    only the configured one; with nothing answering, unhealthy, naming what it tried."""
+    from sidecar.observe.endpoint import start_status_server
+
+    configured = refused_addr()
+    environ = {"SIDECAR_STATUS_ADDR": configured, "SIDECAR_STATE_DIR": str(tmp_path)}
+    assert (await healthcheck(environ))[0] == 1
+    (tmp_path / RUN).mkdir()
+
+    def snapshot() -> Any:
+        raise AssertionError("/healthz needs no snapshot")
+
+    server = await start_status_server("127.0.0.1:0", tmp_path / RUN, snapshot)
+    assert server is not None
+    try:
+        status, out = await healthcheck(environ)
+    finally:
+        await server.close()
+    assert (status, out) == (0, f"sidecar answers at {server.address}\n")
+    status, out = await healthcheck(environ)
+    assert status == 1 and f"does not answer: {configured}" in out
+
+
+@pytest.mark.parametrize(("argv", "found"), [
+    (["sidecar", "watch", "--status-addr", "off"], "off"),
+    (["sidecar", "watch", "--status-addr=0.0.0.0:9621", "--log", "x"], "0.0.0.0:9621"),
+    (["sidecar", "watch"], None),
+])
+def test_healthcheck_reads_the_daemons_own_status_addr(argv: list[str], found: str | None,
+                                                       tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("healthcheck", ROOT / healthcheck_script())
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cmdline = tmp_path / "cmdline"
+    cmdline.write_bytes("\0".join(argv).encode() + b"\0")
+    assert module.status_addr_flag(argv) == found
+    assert module.configured_addr({"SIDECAR_STATUS_ADDR": "1.2.3.4:5"}, cmdline) == (
+        found or "1.2.3.4:5")
 
 
 def unit_settings() -> dict[str, str]:

@@ -31,11 +31,12 @@ from sidecar.sources.telemetry.hardware import (
     ParentTable,
     ProcessReading,
     Rates,
+    choose_gpus,
     counter_rate,
     gpu_filter_from_env,
 )
 from sidecar.sources.telemetry.nvml import _field_value
-from tests.conftest import RUN_ID, Sidecar, platform_env, python_child
+from tests.conftest import RUN_ID, Sidecar, clean_environ, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest, wait_until
 from tests.nvml_stub.build import BuildError, build, gcc
 
@@ -739,3 +740,79 @@ def test_two_nodes_against_one_ingest(ingest: RunningIngest, tmp_path: Path,
     assert {r["node"] for r in ingest.records("hardware")} == {"node-0", "node-1"}
     assert [r["event"] for r in ingest.records("lifecycle")] == [
         "starting", "running", "succeeded"]
+
+
+# -- the job's GPUs: which rule, said once ------------------------------------------------------
+
+NOT_A_PID = 4_000_000_000  # above any pid_max: a process of another pod, not visible here
+
+
+def test_a_pod_sidecar_samples_only_the_gpus_its_pods_processes_run_on(
+        stub_dir: Path, tmp_path: Path) -> None:
+    """NVIDIA_VISIBLE_DEVICES=all shows the sidecar every GPU of the node: it samples the one
+    the trainer (another process of the pod) runs on, not the sidecar's own, not another
+    pod's, not an idle one."""
+    with subprocess.Popen(["sleep", "60"]) as trainer:
+        try:
+            script = {"count": 4, **{f"{i}.util_gpu": 10 + i for i in range(4)},
+                      "0.procs": "0:4096",  # the sidecar's own process, never the job's
+                      "1.procs": f"{NOT_A_PID}:1048576,{trainer.pid}:1048576",
+                      "2.procs": f"{NOT_A_PID}:1048576"}
+            result, stderr = drive(stub_dir, tmp_path, script, samples=2, pod_sidecar=True,
+                                   child_env={"NVIDIA_VISIBLE_DEVICES": "all"})
+        finally:
+            trainer.kill()
+    for payload in result["payloads"]:
+        assert {k.split("/")[1] for k in gpu_keys(payload)} == {"1"}
+    assert result["stats"]["gpu_status"] == "1 of 4 GPUs"
+    assert stderr.count("GPUs sampled: those on which this pod's processes run") == 1
+    assert "sampling GPU(s) 1 " in stderr
+
+
+def test_gpus_option_names_the_jobs_gpus_before_the_environment(stub_dir: Path,
+                                                                tmp_path: Path) -> None:
+    script = {"count": 4, **{f"{i}.util_gpu": 10 + i for i in range(4)}}
+    result, stderr = drive(stub_dir, tmp_path, script, samples=2, gpus=f"0,{UUID.format(2)}",
+                           child_env={"CUDA_VISIBLE_DEVICES": "1"})
+    for payload in result["payloads"]:
+        assert {k.split("/")[1] for k in gpu_keys(payload)} == {"0", "2"}
+    assert stderr.count(f"GPUs sampled: those --gpus names (0,{UUID.format(2)}): 2, 0 ") == 1
+
+
+def fake_proc(tmp_path: Path, pid1: bytes) -> Path:
+    (tmp_path / "proc" / "1").mkdir(parents=True)
+    (tmp_path / "proc" / "1" / "cmdline").write_bytes(pid1)
+    return tmp_path / "proc"
+
+
+@pytest.mark.parametrize(("option", "child_env", "environ", "watching", "pid1", "rule"), [
+    ("3", {"CUDA_VISIBLE_DEVICES": "0"}, {"POD_NAME": "p"}, True, b"/pause\0", "--gpus"),
+    ("", {"CUDA_VISIBLE_DEVICES": "0"}, {"POD_NAME": "p"}, True, b"/pause\0",
+     "CUDA_VISIBLE_DEVICES='0' names"),
+    ("", {"NVIDIA_VISIBLE_DEVICES": "all"}, {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, True,
+     b"/pause\0", "this pod's processes run"),
+    ("", {"NVIDIA_VISIBLE_DEVICES": "all"}, {"POD_NAME": "p"}, True, b"sidecar\0watch\0",
+     "shareProcessNamespace: true"),
+    ("", {}, {"POD_NAME": "p"}, False, b"/pause\0", "every GPU this node shows (nothing"),
+    ("", {}, {}, True, b"/pause\0", "every GPU this node shows (nothing"),
+])
+def test_the_rule_for_the_jobs_gpus(tmp_path: Path, option: str, child_env: dict[str, str],
+                                    environ: dict[str, str], watching: bool, pid1: bytes,
+                                    rule: str) -> None:
+    """--gpus, else the variables naming the job's GPUs, else (a pod's sidecar seeing the pod's
+    processes) the GPUs they run on, else every GPU, saying which."""
+    choice = choose_gpus(option, child_env, environ, watching=watching,
+                         proc=fake_proc(tmp_path, pid1))
+    assert rule in choice.rule
+    assert choice.by_processes == (rule == "this pod's processes run")
+    if option:
+        assert choice.filter is not None and choice.filter.selects(3, UUID.format(3))
+        assert not choice.filter.selects(0, UUID.format(0))
+
+
+def test_a_gpus_value_that_names_no_gpu_is_a_configuration_error(tmp_path: Path) -> None:
+    env = {**clean_environ(), "STARFORGE_ENABLED": "0"}
+    done = sidecar(["run", "--gpus", "0,first", "--", sys.executable, "-c", "pass"], env,
+                   tmp_path / "run")
+    assert done.status == 2
+    assert b"--gpus='0,first': 'first' is neither a GPU index nor a UUID" in done.stderr

@@ -354,7 +354,8 @@ async def test_the_store_holds_exactly_the_accepted_bodies_in_arrival_order(
         await post(session, ingest.url(route), payload)
 
     store = tmp_path / "store"
-    expected_files = {"lifecycle.jsonl", "metrics.jsonl", "logs.jsonl", "environment_nodes.jsonl"}
+    expected_files = {"lifecycle.jsonl", "metrics.jsonl", "logs.jsonl", "environment_nodes.jsonl",
+                      "rejected.jsonl"}
     assert {path.name for path in store.iterdir()} == expected_files
     for route in ("lifecycle", "metrics", "logs", "environment/nodes"):
         lines = (store / (route.replace("/", "_") + ".jsonl")).read_text().splitlines()
@@ -386,7 +387,34 @@ async def test_counters_follow_every_request(
     assert stats.routes["logs"].log_bytes == len("héllo\nok\n".encode())
     metrics = stats.routes["metrics"]
     assert (metrics.accepted, metrics.items, metrics.rejected) == (1, 3, {400: 1, 401: 1})
-    assert stats.summary() == "lifecycle 3 | logs 2 chunks 10 B | metrics 3 points | rejected 3"
+    assert stats.summary() == (
+        "lifecycle 3 | logs 2 chunks 10 B | metrics 3 points | rejected 3: metrics 400 "
+        'points[0].step must be an integer, got "x"; metrics 401 missing Authorization: Bearer '
+        "<token>; /api/ingest/nope 404 no ingest route at /api/ingest/nope (rejected.jsonl)")
+
+
+async def test_each_rejected_request_is_kept_with_its_route_status_and_reason(
+    ingest: RunningIngest, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    bad = point("metrics", step="x")
+    await post(session, ingest.url("metrics"), bad)
+    await post(session, ingest.url("lifecycle"), GOOD["lifecycle"], headers={})
+    await post(session, ingest.url("lifecycle"), GOOD["lifecycle"], headers={})
+    await post(session, ingest.url("metrics"), GOOD["metrics"])
+
+    lines = (tmp_path / "store" / "rejected.jsonl").read_text().splitlines()
+    kept = [json.loads(line) for line in lines]
+    assert [(k["route"], k["status"], k["reason"]) for k in kept] == [
+        ("metrics", 400, 'points[0].step must be an integer, got "x"'),
+        ("lifecycle", 401, "missing Authorization: Bearer <token>"),
+        ("lifecycle", 401, "missing Authorization: Bearer <token>"),
+    ]
+    assert json.loads(kept[0]["body"]) == bad and kept[0]["method"] == "POST"
+    assert TOKEN not in "".join(lines)
+    assert ingest.records("metrics") == [GOOD["metrics"]]
+    assert ingest.stats.summary() == (
+        'metrics 2 points | rejected 3: metrics 400 points[0].step must be an integer, got "x"; '
+        "2x lifecycle 401 missing Authorization: Bearer <token> (rejected.jsonl)")
 
 
 def test_the_summary_line_names_routes_items_and_sizes() -> None:
@@ -398,7 +426,9 @@ def test_the_summary_line_names_routes_items_and_sizes() -> None:
     stats.routes["metrics"].accepted, stats.routes["metrics"].items = 1, 2048
     stats.routes["metrics"].rejected = {413: 1}
 
-    expected = "lifecycle 3 | logs 12 chunks 4.1 KB | metrics 2048 points | rejected 1"
+    stats.reject("metrics", 413, "2049 items, at most 2048 accepted")
+    expected = ("lifecycle 3 | logs 12 chunks 4.1 KB | metrics 2048 points | rejected 1: "
+                "metrics 413 2049 items, at most 2048 accepted (rejected.jsonl)")
     assert stats.summary() == expected
 
 
@@ -698,7 +728,8 @@ def test_serve_announces_itself_writes_the_ready_file_and_stops_cleanly(
     lines = out.splitlines()
     assert lines[0] == f"receiving on {url}, storing in {store}"
     assert url.startswith("http://127.0.0.1:") and url.endswith("/api/ingest")
-    assert lines[-1] == "lifecycle 1 | rejected 1"
+    assert lines[-1] == "lifecycle 1 | rejected 1: lifecycle 401 bearer token rejected " \
+        "(rejected.jsonl)"
     assert TOKEN not in out + err
     assert os.listdir(ready.parent) == ["url"]
     stored = (store / "lifecycle.jsonl").read_text().splitlines()
@@ -713,11 +744,25 @@ def test_serve_on_a_busy_port_says_so_and_fails(
         busy.listen()
         port = busy.getsockname()[1]
         status = serve(
-            tmp_path, host="127.0.0.1", port=port, token=TOKEN, run_id=None, faults_enabled=False
+            tmp_path / "store", host="127.0.0.1", port=port, token=TOKEN, run_id=None,
+            faults_enabled=False
         )
 
     captured = capsys.readouterr()
     assert status == 1
+    assert not (tmp_path / "store").exists(), "--dir is created only once the port is had"
     assert f"cannot start receiving on 127.0.0.1:{port}" in captured.err
     assert "address already in use" in captured.err
     assert TOKEN not in captured.out + captured.err
+
+
+def test_serve_with_a_dir_it_cannot_create_names_it_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    store = tmp_path / "file" / "store"
+    status = serve(store, host="127.0.0.1", port=0, token=TOKEN, run_id=None,
+                   faults_enabled=False)
+
+    assert status == 1
+    assert f"cannot store in --dir {store}: Not a directory" in capsys.readouterr().err

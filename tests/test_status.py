@@ -77,8 +77,11 @@ def sample(**changes: Any) -> StatusSnapshot:
         routes=(
             RouteSnapshot("lifecycle", requests=3, accepted=2, failures=1, retries=1,
                           last_success=1_790_000_100.0, last_failure="HTTP 502"),
-            RouteSnapshot("logs", requests=40, accepted=37, failures=3, retries=2, dropped=512,
-                          queue_depth=4, spool_bytes=0, last_success=1_790_000_110.0),
+            RouteSnapshot("logs", requests=40, accepted=37, failures=3, retries=2, dropped=5,
+                          queue_depth=4, spool_bytes=0, last_success=1_790_000_110.0,
+                          dropped_chars=512, latency_counts=(1, 0, 2, 30, 4, 0, 0, 0, 0, 0, 0,
+                                                             0, 3),
+                          latency_sum_s=92.5),
             RouteSnapshot("metrics", requests=9, accepted=9, queue_depth=1, spool_bytes=65536,
                           last_success=1_790_000_111.0),
         ),
@@ -171,6 +174,17 @@ async def test_metrics_equal_the_snapshot(tmp_path: Path) -> None:
                      route=r) == route.last_success
         assert value("sidecar_route_last_success_age_seconds",
                      route=r) == snap.taken_at - route.last_success
+        assert value("sidecar_route_request_duration_seconds_count", route=r) == sum(
+            route.latency_counts)
+        assert value("sidecar_route_request_duration_seconds_sum", route=r) == route.latency_sum_s
+    # Items and characters are series of their own, one unit each.
+    assert value("sidecar_route_dropped_total", route="logs") == 5
+    assert value("sidecar_route_dropped_characters_total", route="logs") == 512
+    assert ("sidecar_route_dropped_characters_total", (("route", "metrics"),)) not in found
+    buckets = [(le, value("sidecar_route_request_duration_seconds_bucket", route="logs", le=le))
+               for le in ("0.005", "0.025", "0.05", "0.1", "30.0", "+Inf")]
+    assert buckets == [("0.005", 1), ("0.025", 3), ("0.05", 33), ("0.1", 37), ("30.0", 37),
+                       ("+Inf", 40)]
     for source in snap.sources:
         labels = {"source": source.name, "kind": source.kind}
         assert value("sidecar_source_read_bytes_total", **labels) == source.bytes_read
@@ -178,7 +192,10 @@ async def test_metrics_equal_the_snapshot(tmp_path: Path) -> None:
         assert value("sidecar_source_points_total", **labels) == source.points
         assert value("sidecar_source_invalid_total", **labels) == source.invalid
         assert value("sidecar_source_skipped_total", **labels) == source.skipped
-    assert all(name.startswith("sidecar_") for name, _ in found)
+    assert all(name.startswith(("sidecar_", "process_")) for name, _ in found)
+    # The sidecar's own CPU and memory, from the process collector.
+    assert value("process_cpu_seconds_total") > 0
+    assert value("process_resident_memory_bytes") > 1 << 20
 
 
 async def test_metrics_count_what_the_ingest_received(ingest: RunningIngest,
@@ -212,8 +229,44 @@ async def test_metrics_count_what_the_ingest_received(ingest: RunningIngest,
     assert found[("sidecar_route_failures_total", (("route", "logs"),))] == sum(
         received.rejected.values()) == 2
     assert found[("sidecar_route_requests_total", (("route", "logs"),))] == 5
+    assert found[("sidecar_route_request_duration_seconds_count", (("route", "logs"),))] == 5
+    assert 0 < found[("sidecar_route_request_duration_seconds_sum", (("route", "logs"),))] < 60
     assert scraped == 200
     assert before.startswith("not ready") and ready == 200
+
+
+async def test_dropped_logs_count_chunks_and_their_characters_apart(
+        ingest: RunningIngest) -> None:
+    """/logs given up on: sidecar_route_dropped_total counts chunks (items, as on every route),
+    sidecar_route_dropped_characters_total their characters."""
+    from sidecar.delivery.logs import LogShipper
+
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    shipper = LogShipper(client, RUN_ID, linger_s=0.5)
+    ingest.add_fault(Fault(route="logs", status=400))
+    texts = ["first line\n", "second\n", "third and last\n"]
+    shipper.start()
+    try:
+        for text in texts:
+            shipper.put(text)
+        assert await shipper.flush(10.0)
+    finally:
+        await shipper.stop()
+        await client.close()
+    snap = StatusSnapshot(RUN_ID, "gpu-07", "run", False, 0.0,
+                          routes=(RouteSnapshot.of("logs", client.route_stats("logs")),))
+    server = await start_status_server("127.0.0.1:0", None, lambda: snap)
+    assert server is not None
+    try:
+        _, text = await get(server.address, "/metrics")
+    finally:
+        await server.close()
+    found = samples(text)
+    assert ingest.stats.routes["logs"].rejected == {400: 1}
+    assert found[("sidecar_route_dropped_total", (("route", "logs"),))] == len(texts)
+    assert found[("sidecar_route_dropped_characters_total", (("route", "logs"),))] == sum(
+        map(len, texts))
 
 
 async def test_healthz_and_readyz_transitions(tmp_path: Path) -> None:
@@ -245,7 +298,7 @@ async def test_status_json_round_trips(tmp_path: Path) -> None:
     assert status == 200
     doc = json.loads(text)
     assert doc["ready"] is True and doc["version"] == "0.1.0"
-    assert doc["routes"][1]["route"] == "logs" and doc["routes"][1]["dropped"] == 512
+    assert doc["routes"][1]["route"] == "logs" and doc["routes"][1]["dropped_chars"] == 512
     assert StatusSnapshot.from_json(doc).to_json() == snap.to_json()
 
 
@@ -267,13 +320,16 @@ def test_the_status_document_keeps_its_keys_their_order_and_its_own_copies() -> 
         "routes": [
             {"route": "lifecycle", "requests": 3, "accepted": 2, "failures": 1, "retries": 1,
              "dropped": 0, "queue_depth": 0, "spool_bytes": 0, "last_success": 1_790_000_100.0,
-             "last_failure": "HTTP 502"},
+             "last_failure": "HTTP 502", "dropped_chars": 0, "latency_counts": [],
+             "latency_sum_s": 0.0},
             {"route": "logs", "requests": 40, "accepted": 37, "failures": 3, "retries": 2,
-             "dropped": 512, "queue_depth": 4, "spool_bytes": 0,
-             "last_success": 1_790_000_110.0, "last_failure": ""},
+             "dropped": 5, "queue_depth": 4, "spool_bytes": 0,
+             "last_success": 1_790_000_110.0, "last_failure": "", "dropped_chars": 512,
+             "latency_counts": [1, 0, 2, 30, 4, 0, 0, 0, 0, 0, 0, 0, 3], "latency_sum_s": 92.5},
             {"route": "metrics", "requests": 9, "accepted": 9, "failures": 0, "retries": 0,
              "dropped": 0, "queue_depth": 1, "spool_bytes": 65536,
-             "last_success": 1_790_000_111.0, "last_failure": ""},
+             "last_success": 1_790_000_111.0, "last_failure": "", "dropped_chars": 0,
+             "latency_counts": [], "latency_sum_s": 0.0},
         ],
         "sources": [
             {"name": "stdout", "kind": "child", "bytes_read": 123_456, "lines_read": 789,
@@ -433,7 +489,7 @@ def test_once_prints_the_table(tmp_path: Path) -> None:
     assert lines[routes].split() == ["ROUTE", "REQUESTS", "REQ/S", "ACCEPTED", "FAILED",
                                      "RETRIES", "DROPPED", "QUEUE", "SPOOL", "LAST", "OK"]
     assert lines[routes + 1].split()[:8] == ["lifecycle", "3", "-", "2", "1", "1", "0", "0"]
-    assert lines[routes + 2].split()[:8] == ["logs", "40", "-", "37", "3", "2", "512", "4"]
+    assert lines[routes + 2].split()[:8] == ["logs", "40", "-", "37", "3", "2", "5", "4"]
     assert "64.0 KiB" in lines[routes + 3]
     assert lines[routes + 4] == "lifecycle last error: HTTP 502"
     sources = next(i for i, line in enumerate(lines) if line.startswith("SOURCE"))
@@ -452,19 +508,61 @@ def cells(lines: list[str], key: str) -> list[str]:
     return [cell for line in lines if line.startswith(key + " ") for cell in line.split()[1:]]
 
 
-@pytest.mark.parametrize("columns", [80, 60])
-def test_once_fits_the_terminal_and_keeps_every_column(columns: int) -> None:
-    with serving(sample, None) as address:  # one taken_at: "LAST OK" is the same in both
-        narrow = status_process(["--once", "--status-addr", address], wide(columns))
+def busy_sample() -> StatusSnapshot:
+    """sample() with the widest rows a day's run has: a long route name, six-figure counts,
+    a spool of megabytes, hours since the last success, a TensorBoard source."""
+    snap = sample()
+    heavy_route = RouteSnapshot("environment/nodes", requests=123_456, accepted=123_400,
+                                failures=56, retries=56, queue_depth=1, spool_bytes=123_456_789,
+                                last_success=snap.taken_at - 12 * 3600)
+    tensorboard = SourceSnapshot("/data/run/tensorboard", "tensorboard", bytes_read=123_456_789,
+                                 lines_read=1_234_567, points=9_876_543, invalid=0, skipped=3)
+    return sample(routes=(*snap.routes, heavy_route), sources=(*snap.sources, tensorboard))
+
+
+def tables(lines: list[str]) -> dict[str, list[list[str]]]:
+    """Each table's blocks of lines, by the header of its first column."""
+    found: dict[str, list[list[str]]] = {}
+    for index, line in enumerate(lines):
+        if line.startswith(("ROUTE ", "SOURCE ")):
+            block = lines[index:]
+            found.setdefault(line.split()[0], []).append(block[:block.index("")]
+                                                           if "" in block else block)
+    return found
+
+
+def test_once_at_80_columns_keeps_each_table_whole() -> None:
+    with serving(busy_sample, None) as address:
+        narrow = status_process(["--once", "--status-addr", address], wide(80))
         full = status_process(["--once", "--status-addr", address], wide())
     assert narrow.returncode == 0, narrow.stderr
-    lines = narrow.stdout.splitlines()
-    assert max(len(line) for line in lines) <= columns, narrow.stdout
-    full_lines = full.stdout.splitlines()
+    lines, full_lines = narrow.stdout.splitlines(), full.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, narrow.stdout
     assert max(len(line) for line in full_lines) > 80  # the narrow one had something to fit
-    assert cells(lines, "logs") == cells(full_lines, "logs")  # wrapped, nothing cut off
-    assert "SKIPPED" in narrow.stdout and "LAST OK" in narrow.stdout
+    found = tables(lines)
+    assert [len(found["ROUTE"]), len(found["SOURCE"])] == [1, 1], narrow.stdout
+    [routes], [sources] = found["ROUTE"], found["SOURCE"]
+    assert routes[0].split() == ["ROUTE", "REQS", "REQ/S", "ACKED", "FAILED", "RETRY", "DROP",
+                                 "QUEUE", "SPOOL", "LAST", "OK"]
+    assert cells(routes, "environment/nodes") == ["123k", "-", "123k", "56", "56", "0", "1",
+                                                  "118M", "12h00m"]
+    assert cells(routes, "logs") == [*cells(full_lines, "logs")[:7], "0B", "10s"]
+    assert sources[0].split() == ["SOURCE", "KIND", "READ", "/S", "LINES", "/S", "POINTS", "/S",
+                                  "INVAL", "SKIP"]
+    assert cells(sources, "/data/run/tensorboard") == ["tensorboard", "118M", "-", "1.23M", "-",
+                                                       "9.88M", "-", "0", "3"]
     assert "lifecycle last error: HTTP 502" in narrow.stdout
+
+
+def test_once_narrower_than_80_wraps_a_table_and_keeps_every_column() -> None:
+    with serving(busy_sample, None) as address:
+        narrow = status_process(["--once", "--status-addr", address], wide(60))
+    assert narrow.returncode == 0, narrow.stderr
+    lines = narrow.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 60, narrow.stdout
+    assert len(tables(lines)["ROUTE"]) == 2
+    assert cells(lines, "logs") == ["40", "-", "37", "3", "2", "5", "4", "0B", "10s"]
+    assert "SKIP" in narrow.stdout and "LAST OK" in narrow.stdout
     jsonl = next(line for line in lines if "metrics.jsonl" in line)
     assert jsonl.startswith("…") and jsonl.split()[0].endswith("metrics.jsonl")
 
@@ -487,9 +585,26 @@ def test_status_addr_that_is_not_host_port(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and "not known" not in done.stderr
 
 
-def test_two_daemons_and_no_run_id_asks_which(tmp_path: Path) -> None:
+@contextmanager
+def refusing() -> Iterator[str]:
+    """A loopback address that refuses connections while the test runs: a port bound, never
+    listened on, so no other process can take it. Given as the configured --status-addr, it keeps
+    `sidecar status` from finding a daemon that happens to run on this machine at the default
+    127.0.0.1:9620."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{bound.getsockname()[1]}"
+
+
+@pytest.fixture
+def nowhere() -> Iterator[str]:
+    with refusing() as address:
+        yield address
+
+
+def test_two_daemons_and_no_run_id_asks_which(tmp_path: Path, nowhere: str) -> None:
     state = tmp_path / "state"
-    env = wide(SIDECAR_STATE_DIR=str(state), SIDECAR_STATUS_ADDR="off")
+    env = wide(SIDECAR_STATE_DIR=str(state), SIDECAR_STATUS_ADDR=nowhere)
     other = "run-second"
     with serving(Counters().snapshot, state / RUN_ID) as first, \
             serving(lambda: sample(run_id=other, mode="watch"), state / other) as second:
@@ -507,13 +622,13 @@ def test_two_daemons_and_no_run_id_asks_which(tmp_path: Path) -> None:
     assert "no daemon of run run-none answers" in unknown.stderr and other in unknown.stderr
 
 
-def test_a_stale_address_file_is_not_a_second_daemon(tmp_path: Path) -> None:
+def test_a_stale_address_file_is_not_a_second_daemon(tmp_path: Path, nowhere: str) -> None:
     state = tmp_path / "state"
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         (state / "run-old").mkdir(parents=True)
         (state / "run-old" / ADDR_FILE).write_text(f"127.0.0.1:{closed.getsockname()[1]}\n")
-    env = wide(SIDECAR_STATE_DIR=str(state), SIDECAR_STATUS_ADDR="off")
+    env = wide(SIDECAR_STATE_DIR=str(state), SIDECAR_STATUS_ADDR=nowhere)
     with serving(Counters().snapshot, state / RUN_ID):
         done = status_process(["--once"], env, cli=True)
     assert done.returncode == 0, done.stderr
@@ -545,10 +660,10 @@ def test_head_minus_one_in_a_shell() -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_address_found_in_the_state_dir(ingest: RunningIngest, tmp_path: Path) -> None:
+def test_address_found_in_the_state_dir(ingest: RunningIngest, tmp_path: Path,
+                                        nowhere: str) -> None:
     state = tmp_path / "state"
-    env = platform_env(ingest, state)
-    del env["SIDECAR_STATUS_ADDR"]
+    env = {**platform_env(ingest, state), "SIDECAR_STATUS_ADDR": nowhere}
     with serving(Counters().snapshot, state / RUN_ID):
         from_run_dir = status_process(["--once"], env)
         shell = {k: v for k, v in env.items() if not k.startswith("STARFORGE_")}
@@ -576,8 +691,10 @@ class Terminal:
     def __init__(self, command: list[str], rows: int = 40, columns: int = 160) -> None:
         master, slave = os.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+        # The terminal's own size, not a COLUMNS/LINES the test runner may have set.
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
         self.proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         os.close(slave)
         self.master = master
         self.output = b""

@@ -1,8 +1,9 @@
-"""A local ingest server that enforces the contract (CONTRACT.md sections 3 and 4).
+"""A local ingest server that checks every request as docs/ingest.md describes it.
 
 It is `sidecar receive` on a machine without the platform, and the server every integration
 test talks to over loopback HTTP: it validates each route's body as strictly as the platform
-would, appends what it accepts to `<store_dir>/<route>.jsonl`, counts everything, and (for tests
+would, appends what it accepts to `<store_dir>/<route>.jsonl` and what it refuses, with the
+route, status and reason, to `<store_dir>/rejected.jsonl`, counts everything, and (for tests
 only) misbehaves on request through injected faults.
 """
 
@@ -20,10 +21,11 @@ import struct
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from aiohttp import ClientError as aiohttp_ClientError
 from aiohttp import web
 
 __all__ = ["DEFAULT_PREFIX", "Fault", "IngestServer", "IngestStats", "RouteStats", "serve"]
@@ -32,13 +34,15 @@ DEFAULT_PREFIX = "/api/ingest"
 CONTROL_PATH = "/_control/faults"
 LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
 ARTIFACT_KINDS = ("checkpoint", "hf_export", "eval_report", "merged_model")
-MAX_POINTS_PER_REQUEST = 2048  # CONTRACT section 4, /metrics
-FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # CONTRACT section 3
+MAX_POINTS_PER_REQUEST = 2048  # docs/ingest.md, Routes and bodies
+FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # docs/ingest.md, Requests
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any batch the sidecar builds; beyond it: 413
 _SHUTDOWN_TIMEOUT_S = 2.0  # handlers still running at stop() are cancelled after this
 _SUMMARY_INTERVAL_S = 1.0
 _MAX_SHOWN_CHARS = 40  # how much of an offending value a rejection reason quotes
+REJECTED_STORE = "rejected.jsonl"  # no route's store name: a route's has no "rejected"
+_MAX_KEPT_BODY_CHARS = 64 * 1024  # of a rejected body, in the rejected store
 
 
 class _Rejected(Exception):
@@ -387,6 +391,14 @@ class RouteStats:
 
 
 @dataclass
+class Rejections:
+    """The requests of one route (or one unknown path) refused with one status."""
+
+    count: int = 0
+    last_reason: str = ""
+
+
+@dataclass
 class IngestStats:
     """Counters of everything the server received."""
 
@@ -397,6 +409,14 @@ class IngestStats:
     )
     arrivals: list[str] = field(default_factory=list)  # the route of each accepted request, in
     #                                                    order across routes
+    rejections: dict[tuple[str, int], Rejections] = field(default_factory=dict)  # by route or
+    #                                                    unknown path, and status; in first order
+
+    def reject(self, where: str, status: int, reason: str) -> None:
+        """Count a refusal of a request to a route (or an unknown path) and keep its reason."""
+        kept = self.rejections.setdefault((where, status), Rejections())
+        kept.count += 1
+        kept.last_reason = reason
 
     def rejected_total(self) -> int:
         """Requests answered with an error status, on any path."""
@@ -419,8 +439,17 @@ class IngestStats:
             parts.append(part)
         rejected = self.rejected_total()
         if rejected:
-            parts.append(f"rejected {rejected}")
+            parts.append(f"rejected {rejected}: {self._rejection_reasons()} ({REJECTED_STORE})")
         return " | ".join(parts)
+
+    def _rejection_reasons(self) -> str:
+        """Each route's (or path's) refusals by status with the latest reason:
+        `metrics 400 points[0].step must be an integer, got "x"; 2x lifecycle 401 ...`."""
+        said = []
+        for (where, status), kept in self.rejections.items():
+            times = f"{kept.count}x " if kept.count > 1 else ""
+            said.append(f"{times}{where} {status} {kept.last_reason}".rstrip())
+        return "; ".join(said)
 
 
 def _human_bytes(size: int) -> str:
@@ -474,8 +503,9 @@ class IngestServer:
         return f"http://{host}:{self._port}{self._prefix}"
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        """Create the store directory and listen on host:port (port 0: an ephemeral one)."""
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        """Listen on host:port (port 0: an ephemeral one), then create the store directory: a
+        port that cannot be had leaves no directory behind. OSError naming the store directory
+        (its `filename`) when that cannot be created."""
         self._host, self._port = host, port
         self._runner = web.AppRunner(
             self._app, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
@@ -483,9 +513,16 @@ class IngestServer:
         await self._runner.setup()
         try:
             await self.start_listening()
+            self._make_store_dir()
         except BaseException:
             await self.stop()
             raise
+
+    def _make_store_dir(self) -> None:
+        try:
+            self.store_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.store_dir)) from exc
 
     async def stop(self) -> None:
         """Stop listening, end hung handlers and close every connection."""
@@ -565,12 +602,15 @@ class IngestServer:
         route = self._paths.get(request.path)
         if route is None:
             self.stats.not_found += 1
-            return _answer(404, {"ok": False, "error": f"no ingest route at {request.path}"})
+            reason = f"no ingest route at {request.path}"
+            await self._keep_rejected(request, request.path, 404, reason)
+            return _answer(404, {"ok": False, "error": reason})
         counts = self.stats.routes[route]
         try:
             payload = await self._ingest(route, request)
         except _Rejected as exc:
             counts.rejected[exc.status] = counts.rejected.get(exc.status, 0) + 1
+            await self._keep_rejected(request, route, exc.status, exc.reason)
             return _answer(exc.status, {"ok": False, "error": exc.reason}, exc.headers)
         except _Reset:
             counts.aborted += 1
@@ -683,6 +723,25 @@ class IngestServer:
             )
 
 
+    async def _keep_rejected(self, request: web.Request, where: str, status: int,
+                             reason: str) -> None:
+        """Count the refusal and append the request (route, status, reason, the body as text,
+        bounded) to the rejected store. The headers are not kept: they carry the token."""
+        self.stats.reject(where, status, reason)
+        try:
+            raw = await request.read()
+        except (web.HTTPRequestEntityTooLarge, aiohttp_ClientError, OSError):
+            raw = b""  # too large (the reason says so), or the client went away
+        text = raw.decode("utf-8", "replace")
+        record = {"ts": datetime.now(UTC).isoformat(), "route": where, "method": request.method,
+                  "status": status, "reason": reason, "body": text[:_MAX_KEPT_BODY_CHARS]}
+        if len(text) > _MAX_KEPT_BODY_CHARS:
+            record["body_chars"] = len(text)
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with (self.store_dir / REJECTED_STORE).open("a", encoding="utf-8") as store:
+            store.write(line)
+
+
 def _abort(request: web.Request) -> None:
     """Close the connection with a TCP reset, so the client sees an error and no answer."""
     transport = request.transport
@@ -719,7 +778,12 @@ async def _serve(server: IngestServer, host: str, port: int, summary: bool,
     try:
         await server.start(host, port)
     except OSError as exc:
-        print(f"sidecar receive: cannot start receiving on {host}:{port}: {exc}", file=sys.stderr)
+        if exc.filename == str(server.store_dir):
+            print(f"sidecar receive: cannot store in --dir {server.store_dir}: {exc.strerror}",
+                  file=sys.stderr)
+        else:
+            print(f"sidecar receive: cannot start receiving on {host}:{port}: {exc}",
+                  file=sys.stderr)
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -48,6 +49,12 @@ EXIT_NO_ANSWER = 1
 EXIT_AMBIGUOUS = 2
 REFRESH_S = 1.0
 KEY_MIN_WIDTH = 16  # a table's first column is never cut shorter, to fit a narrow terminal
+# A table too wide for the terminal is drawn compact, in one block, before it is split: these
+# headers, numbers in at most 5 characters (12345, 123k, 1.23M), sizes without their space and
+# "iB" (64.0K, 118M), rates under their "/S" header without their own "/s", times without "ago".
+SHORT_HEADERS = {"REQUESTS": "REQS", "ACCEPTED": "ACKED", "RETRIES": "RETRY",
+                 "DROPPED": "DROP", "READ/S": "/S", "LINES/S": "/S", "POINTS/S": "/S",
+                 "INVALID": "INVAL", "SKIPPED": "SKIP", "LAST READ": "READ"}
 FETCH_TIMEOUT_S = 2.0
 
 # ANSI: the alternate screen (the shell's screen comes back on exit), cursor home, clear to the
@@ -283,6 +290,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], empty: str,
     again."""
     if not rows:
         return [headers[0], f"  ({empty})"]
+    if not _fits(headers, rows, width):
+        headers = [SHORT_HEADERS.get(h, h) for h in headers]
+        rows = [[row[0], *(_compact(cell) for cell in row[1:])] for row in rows]
     widths = [max(len(row[i]) for row in (headers, *rows)) for i in range(len(headers))]
     gap = 2 if sum(widths) + 2 * (len(widths) - 1) <= width else 1
     excess = sum(widths) + gap * (len(widths) - 1) - width
@@ -306,6 +316,39 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], empty: str,
         lines += [*([""] if lines else []), line(headers, columns),
                   *(line(row, columns) for row in rows)]
     return lines
+
+
+def _fits(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> bool:
+    """Whether the table fits `width` in one block, one space apart, its first column cut."""
+    widths = [max(len(row[i]) for row in (headers, *rows)) for i in range(len(headers))]
+    first = min(widths[0], max(KEY_MIN_WIDTH, len(headers[0])))
+    return first + sum(widths[1:]) + len(widths) - 1 <= width
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?) (B|KiB|MiB|GiB)(/s)?")
+_COUNT = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _compact(cell: str) -> str:
+    """A cell in at most about 5 characters: `123456` 123k, `117.7 MiB` 118M, `2h01m ago` 2h01m."""
+    size = _SIZE.fullmatch(cell)
+    if size is not None:
+        return _short_number(float(size[1]), integer=size[2] == "B") + size[2][0]
+    if _COUNT.fullmatch(cell):
+        return _short_number(float(cell), integer="." not in cell)
+    return cell.removesuffix(" ago")
+
+
+def _short_number(value: float, *, integer: bool) -> str:
+    if value < 100 and not integer:
+        return f"{value:.1f}"
+    if value < 100_000:
+        return f"{value:.0f}"
+    for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9)):
+        scaled = value / scale
+        if scaled < 999.5:
+            return f"{scaled:.3g}{unit}"
+    return f"{value / 1e12:.3g}T"
 
 
 def _cut(text: str, width: int) -> str:

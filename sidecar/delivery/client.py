@@ -8,6 +8,7 @@ HTTP failure: the caller reads the returned `Answer` and decides (split, dead-le
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import enum
 import json
@@ -63,6 +64,8 @@ CONNECT_TIMEOUT_S = 5.0
 DRAIN_BACKOFF_S = 0.5
 MAX_RETRY_AFTER_S = 300.0
 MAX_CONNECTIONS = 8
+# Upper bounds of the buckets of one attempt's duration (/metrics' request duration histogram).
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Verdict(enum.Enum):
@@ -96,17 +99,26 @@ class Answer(NamedTuple):
 class RouteStats:
     """Counters of one route, for the status endpoint and the shutdown summary."""
 
-    __slots__ = ("accepted", "dropped", "failures", "last_failure", "last_success", "requests",
-                 "retries")
+    __slots__ = ("accepted", "dropped", "dropped_chars", "failures", "last_failure",
+                 "last_success", "latency_counts", "latency_sum_s", "requests", "retries")
 
     def __init__(self) -> None:
         self.requests = 0
         self.accepted = 0
         self.failures = 0
         self.retries = 0
-        self.dropped = 0
+        self.dropped = 0  # items given up on (chunks of text, for /logs)
+        self.dropped_chars = 0  # the characters of those, on a route that carries text
         self.last_success: float | None = None
         self.last_failure = ""
+        # attempts by the first of LATENCY_BUCKETS_S their duration fits, the last: longer
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.latency_sum_s = 0.0
+
+    def observe_latency(self, seconds: float) -> None:
+        """Count one attempt that took `seconds`, answered or not."""
+        self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.latency_sum_s += seconds
 
     @property
     def trouble(self) -> str:
@@ -221,6 +233,7 @@ class IngestClient:
         stats.requests += 1
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"}
         headers.update(dict.fromkeys(self.token_headers, self._token))
+        started = time.monotonic()
         try:
             reply = await self._transport.post(policy.path, body, headers, policy.timeout_s)
             answer = classify(reply.status, reply.headers.get("retry-after"))
@@ -240,6 +253,7 @@ class IngestClient:
             if self._throttle.admit(f"{route}:unexpected") is not None:
                 log.error("/%s: a request failed unexpectedly (%s: %s); it is retried",
                           route, exc.__class__.__name__, exc)
+        stats.observe_latency(time.monotonic() - started)
         self._account(route, stats, answer)
         return answer
 

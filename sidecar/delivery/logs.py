@@ -87,8 +87,8 @@ class LogShipper:
         return self._buffered + self.max_request_chars <= self.max_buffer_chars
 
     def count_dropped(self, size: int, why: str) -> None:
-        """Count output a source dropped on this batcher's behalf."""
-        self._drop(size, why)
+        """Count output a source dropped on this batcher's behalf (one piece of `size`)."""
+        self._drop(size, why, 1)
 
     def put(self, text: str, ticket: Ticket | None = None, piece: Piece | None = None) -> None:
         """Queue `text` for `/logs`; never blocks. `ticket` is released once it was sent or
@@ -105,7 +105,7 @@ class LogShipper:
         while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
             oldest, done, _ = self._chunks.popleft()
             self._buffered -= len(oldest)
-            self._drop(len(oldest), "the log buffer is full while the ingest is slow")
+            self._drop(len(oldest), "the log buffer is full while the ingest is slow", 1)
             if done is not None:
                 done.release()
         self._wake.set()
@@ -164,7 +164,7 @@ class LogShipper:
         """Stop shipping; what is still buffered is counted as dropped."""
         await cancel(self._task)
         if self._buffered:
-            self._drop(self._buffered, "shutdown reached its drain deadline")
+            self._drop(self._buffered, "shutdown reached its drain deadline", len(self._chunks))
             self._chunks.clear()
             self._buffered = 0
 
@@ -200,7 +200,8 @@ class LogShipper:
             if answer.ok:
                 self.sent_chars += size
             else:
-                self._drop(size, f"the ingest did not take it ({answer.detail or answer.status})")
+                self._drop(size, f"the ingest did not take it ({answer.detail or answer.status})",
+                           len(entries))
             for text, ticket, span in entries:
                 if ticket is not None:
                     ticket.release()
@@ -274,11 +275,14 @@ class LogShipper:
         self._buffered -= size
         return batch
 
-    def _drop(self, chars: int, why: str) -> None:
+    def _drop(self, chars: int, why: str, items: int) -> None:
+        """Count `items` texts of `chars` characters given up on, and say so once a minute."""
         if chars <= 0:  # nothing lost: no count, and no "dropped 0 characters"
             return
         self.dropped_chars += chars
-        self.client.route_stats("logs").dropped += chars
+        stats = self.client.route_stats("logs")
+        stats.dropped += items
+        stats.dropped_chars += chars
         now = time.monotonic()
         if now - self._warned_at >= 60.0:
             self._warned_at = now

@@ -48,11 +48,14 @@ class RouteSnapshot(NamedTuple):
     accepted: int = 0
     failures: int = 0
     retries: int = 0
-    dropped: int = 0  # payloads given up on (for /logs: characters of output)
+    dropped: int = 0  # items given up on (for /logs: chunks of text)
     queue_depth: int = 0  # payloads waiting in memory
     spool_bytes: int = 0  # bytes waiting on disk
     last_success: float | None = None  # epoch seconds of the last 2xx
     last_failure: str = ""  # why the last failed attempt failed, no secret in it
+    dropped_chars: int = 0  # characters of the text dropped (/logs)
+    latency_counts: tuple[int, ...] = ()  # attempts by duration bucket (LATENCY_BUCKETS_S)
+    latency_sum_s: float = 0.0  # the attempts' durations, summed
 
     @classmethod
     def of(cls, route: str, stats: RouteStats, *, queue_depth: int = 0,
@@ -60,7 +63,8 @@ class RouteSnapshot(NamedTuple):
         """The snapshot of `IngestClient.stats[route]` plus what the route's batcher holds."""
         return cls(route, stats.requests, stats.accepted, stats.failures, stats.retries,
                    stats.dropped, queue_depth, spool_bytes, stats.last_success,
-                   stats.last_failure)
+                   stats.last_failure, stats.dropped_chars, tuple(stats.latency_counts),
+                   stats.latency_sum_s)
 
 
 class SourceSnapshot(NamedTuple):
@@ -166,7 +170,8 @@ class StatusSnapshot:
             return cls(
                 run_id=str(doc["run_id"]), node=str(doc["node"]), mode=str(doc["mode"]),
                 offline=bool(doc["offline"]), started_at=float(doc["started_at"]),
-                routes=tuple(RouteSnapshot(**r) for r in doc.get("routes", ())),
+                routes=tuple(RouteSnapshot(**{**r, "latency_counts": tuple(
+                    r.get("latency_counts", ()))}) for r in doc.get("routes", ())),
                 sources=tuple(SourceSnapshot(**s) for s in doc.get("sources", ())),
                 files=tuple(FileSnapshot(**f) for f in doc.get("files", ())),
                 matches=tuple(MatchSnapshot(**m) for m in doc.get("matches", ())),

@@ -9,10 +9,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from sidecar import __version__
+from sidecar.delivery.client import LATENCY_BUCKETS_S
 
 if TYPE_CHECKING:
     from sidecar.observe.endpoint import StatusSnapshot
@@ -24,6 +35,8 @@ def exposition(snapshot: Callable[[], StatusSnapshot]) -> Callable[[], bytes]:
     """A renderer of one fresh snapshot per call, in the Prometheus text format."""
     registry = CollectorRegistry()
     registry.register(_SnapshotCollector(snapshot))
+    # The sidecar's own CPU time, memory and open files (process_*), from /proc/self.
+    ProcessCollector(registry=registry)
     return lambda: generate_latest(registry)
 
 
@@ -33,8 +46,9 @@ _ROUTE_COUNTERS = (
     ("accepted", "sidecar_route_accepted", "requests the ingest acknowledged (2xx)"),
     ("failures", "sidecar_route_failures", "attempts that failed (network, 3xx, 4xx, 5xx)"),
     ("retries", "sidecar_route_retries", "attempts that were retries after a backoff"),
-    ("dropped", "sidecar_route_dropped", "payloads given up on (for logs: characters)"),
+    ("dropped", "sidecar_route_dropped", "items given up on (points, chunks of text...)"),
 )
+_TEXT_ROUTES = ("logs", "logs/tail")  # routes whose items are text: their characters count too
 _ROUTE_GAUGES = (
     ("queue_depth", "sidecar_route_queue_depth", "payloads waiting in memory"),
     ("spool_bytes", "sidecar_route_spool_bytes", "bytes waiting in the on-disk spool"),
@@ -102,6 +116,14 @@ def _route_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
         for route in snap.routes:
             gauge.add_metric([route.route], getattr(route, attr))
         yield gauge
+    dropped_chars = CounterMetricFamily("sidecar_route_dropped_characters",
+                                        "characters of the text given up on (logs)",
+                                        labels=["route"])
+    for route in snap.routes:
+        if route.route in _TEXT_ROUTES:
+            dropped_chars.add_metric([route.route], route.dropped_chars)
+    yield dropped_chars
+    yield _latency_histogram(snap)
     when = GaugeMetricFamily("sidecar_route_last_success_timestamp_seconds",
                              "when the ingest last acknowledged this route, epoch s",
                              labels=["route"])
@@ -114,6 +136,20 @@ def _route_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
             age.add_metric([route.route], max(snap.taken_at - route.last_success, 0.0))
     yield when
     yield age
+
+
+def _latency_histogram(snap: StatusSnapshot) -> Metric:
+    histogram = HistogramMetricFamily("sidecar_route_request_duration_seconds",
+                                      "how long one attempt took, answered or not",
+                                      labels=["route"])
+    for route in snap.routes:
+        counts = list(route.latency_counts) or [0] * (len(LATENCY_BUCKETS_S) + 1)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        histogram.add_metric([route.route], buckets, sum_value=route.latency_sum_s)
+    return histogram
 
 
 def _source_metrics(snap: StatusSnapshot) -> Iterator[Metric]:

@@ -9,6 +9,9 @@ path puts the stand-in first: this is that process. CONFIG (JSON):
     interval_s      the sampler's period
     nvml_timeout_s  how long a GPU read may take
     child_env       the child's environment, for the GPU filter
+    gpus            --gpus
+    pod_sidecar     true: a pod's native sidecar sharing the pod's process namespace, whose GPUs
+                    are those the pod's processes (every other process here) run on
     trainer         true: this process is the trainer (its pid is the one the stand-in reports)
     calls           [[gpu, "nvmlFunction"], ...]: stand-in call counts to report
     environment     true: also take the environment snapshot
@@ -36,7 +39,11 @@ from typing import Any
 from sidecar import log as sidecar_log
 from sidecar.node import Node
 from sidecar.sources.telemetry.environment import environment_snapshot
-from sidecar.sources.telemetry.hardware import HardwareSampler, SamplerStats, gpu_filter_from_env
+from sidecar.sources.telemetry.hardware import (
+    HardwareSampler,
+    SamplerStats,
+    choose_gpus,
+)
 
 TICK_S = 0.01
 RUN_TIMEOUT_S = 30.0
@@ -61,9 +68,14 @@ async def drive(config: dict[str, Any]) -> dict[str, Any]:
             ticks.append(time.monotonic())
             await asyncio.sleep(TICK_S)
 
+    child_env = config.get("child_env", {})
+    gpus = choose_gpus(config.get("gpus", ""), child_env, {}, watching=False)
+    if config.get("pod_sidecar"):
+        gpus = gpus._replace(by_processes=True, rule="those on which this pod's processes run")
     sampler = HardwareSampler(
         run_id="run-1", node="node-a", interval_s=config.get("interval_s", 0.05), emit=emit,
-        gpu_filter=gpu_filter_from_env(config.get("child_env", {})),
+        gpu_filter=gpus.filter,
+        by_processes=gpus.by_processes, gpu_rule=gpus.rule,
         trainer_pid=os.getpid if config.get("trainer") else None,
         disk_paths=[Path(tempfile.gettempdir())], sysfs_root=Path("/nonexistent-sysfs"),
         nvml_timeout_s=config.get("nvml_timeout_s", 2.0))

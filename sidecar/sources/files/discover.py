@@ -118,12 +118,17 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
 
 
 def watch_roots(patterns: Iterable[str]) -> set[str]:
-    """The folders to watch for `patterns`: each one's fixed folder, or its parent while it does
-    not exist yet (never higher: a recursive watch of a large tree costs more than polling)."""
-    roots: set[str] = set()
-    for pattern in patterns:
-        for candidate in (fixed_folder(pattern), fixed_folder(pattern).parent):
-            if candidate.is_dir() and candidate != candidate.parent:
-                roots.add(str(candidate))
-                break
-    return roots
+    """The folders to watch for `patterns`: each one's fixed folder, or while it does not exist
+    yet its nearest existing parent, where the next folder of the path will appear."""
+    roots = (nearest_folder(fixed_folder(pattern)) for pattern in patterns)
+    return {str(root) for root in roots if root is not None}
+
+
+def nearest_folder(path: Path) -> Path | None:
+    """`path` if it is a folder, else its nearest parent that is; None when none is (a file in
+    the way)."""
+    while not path.is_dir():
+        if path.exists() or path == path.parent:
+            return None
+        path = path.parent
+    return path

@@ -212,9 +212,9 @@ class Follower:
                 self._wake.clear()  # before the look: a change during it means another look
                 if self._look or time.monotonic() - self._looked_at >= interval:
                     self._look = False
+                    if self._events is not None:  # before the look: what appears after the
+                        self._events.watch(_watch_folders(self.specs))  # watch sends an event
                     await self.step()
-                    if self._events is not None:
-                        self._events.watch(_watch_folders(self.specs))
                     self._looked_at = time.monotonic()
                 else:  # only room in the sink: the files followed are read on, none looked for
                     await self._read_followed()
@@ -682,8 +682,15 @@ def _watch_folders(specs: Sequence[SourceSpec]) -> list[str]:
     for spec in specs:
         recursive = bool(spec.tree) or any("**" in pattern for pattern in spec.patterns)
         for root in sorted(_roots(spec)):
-            if recursive:
+            # A parent watched until the pattern's folder appears is watched alone, never the
+            # tree below it: a recursive watch of a large tree costs more than polling.
+            if recursive and root in _fixed_folders(spec):
                 folders.extend(str(folder) for folder in discover.folders(Path(root)))
             else:
                 folders.append(root)
     return folders
+
+
+def _fixed_folders(spec: SourceSpec) -> set[str]:
+    patterns = [str(Path(p) / spec.tree) for p in spec.patterns] if spec.tree else spec.patterns
+    return {str(discover.fixed_folder(pattern)) for pattern in patterns}

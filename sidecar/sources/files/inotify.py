@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from sidecar.log import log
 _IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x002, 0x004, 0x008
 _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x040, 0x080, 0x100, 0x200
 _IN_DELETE_SELF, _IN_MOVE_SELF, _IN_ONLYDIR = 0x400, 0x800, 0x01000000
+_IN_IGNORED = 0x8000  # a watch ended: its folder was removed (or moved off the filesystem)
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then len name bytes
 _MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE
          | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR)
 _READ_BYTES = 64 << 10
@@ -65,19 +68,29 @@ class Inotify:
         self._fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-        self._watched: set[str] = set()
+        # folder -> its watch (-1: it could not be watched) and the folder's device and inode
+        self._watched: dict[str, tuple[int, int, int]] = {}
         self._on_event = on_event
         asyncio.get_running_loop().add_reader(self._fd, self._readable)
 
     def watch(self, folders: Iterable[str]) -> None:
-        """Add watches for `folders` not watched yet (a watch on a removed folder just ends)."""
+        """Add watches for `folders` not watched yet. A folder removed
+        and made again is watched again: its watch ended with it (IN_IGNORED), or, while a file
+        of the old one is still open (which keeps it, and its watch, alive), the name now
+        leads to another inode."""
         for folder in folders:
-            if folder in self._watched:
+            try:
+                st = os.stat(folder)
+            except OSError:
+                continue  # gone again: the next look sees its parent
+            known = self._watched.get(folder)
+            if known is not None and known[1:] == (st.st_dev, st.st_ino):
                 continue
-            if self._add_watch(self._fd, os.fsencode(folder), _MASK) < 0:
+            wd = self._add_watch(self._fd, os.fsencode(folder), _MASK)
+            if wd < 0:
                 errno = ctypes.get_errno()
                 log.info("no file events for %s (%s); it is polled", folder, os.strerror(errno))
-            self._watched.add(folder)
+            self._watched[folder] = (wd, st.st_dev, st.st_ino)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -87,8 +100,8 @@ class Inotify:
 
     def _readable(self) -> None:
         try:
-            while os.read(self._fd, _READ_BYTES):
-                pass
+            while data := os.read(self._fd, _READ_BYTES):
+                self._forget_ended(data)
         except BlockingIOError:
             pass
         except OSError as exc:
@@ -96,3 +109,15 @@ class Inotify:
             self.close()
             return
         self._on_event()
+
+    def _forget_ended(self, data: bytes) -> None:
+        """Drop the watches the kernel ended (IN_IGNORED), so that their folders are watched
+        again once they exist again."""
+        ended, offset = set(), 0
+        while offset + _EVENT.size <= len(data):
+            wd, mask, _, name_len = _EVENT.unpack_from(data, offset)
+            if mask & _IN_IGNORED:
+                ended.add(wd)
+            offset += _EVENT.size + name_len
+        if ended:
+            self._watched = {f: w for f, w in self._watched.items() if w[0] not in ended}

@@ -2,9 +2,9 @@
 sysfs.
 
 Every `interval_s`, on a fixed schedule that does not drift, one sample becomes one `/hardware`
-payload (CONTRACT 4) with this node's name. Keys are slash-separated with the unit last
-(CONTRACT 6): `gpu/0/power_watts`, `net/eth0/rx_bytes_per_second`,
-`ib/mlx5_0/1/tx_bytes_per_second`.
+payload (docs/ingest.md, Routes and bodies) with this node's name. Keys are slash-separated
+with the unit last (docs/ingest.md, Nodes and ranks): `gpu/0/power_watts`,
+`net/eth0/rx_bytes_per_second`, `ib/mlx5_0/1/tx_bytes_per_second`.
 
 A sample's reads (the host, each GPU, disk usage) run one after another on one worker thread,
 each with its own timeout: a GPU fallen off the bus, or a dead NFS mount under the state dir,
@@ -41,6 +41,7 @@ from sidecar.sources.telemetry.nvml import (
     XidEvent,
     XidWatcher,
     gpu_filter_from_env,
+    gpu_filter_from_option,
 )
 from sidecar.supervise import fault_point
 from sidecar.threads import Worker
@@ -48,14 +49,14 @@ from sidecar.threads import Worker
 if TYPE_CHECKING:
     import psutil
 
-__all__ = ["GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector", "Rates",
-           "SamplerStats", "gpu_filter_from_env"]
+__all__ = ["GpuChoice", "GpuFilter", "HardwareSampler", "HostProbe", "InfinibandCollector",
+           "Rates", "SamplerStats", "choose_gpus", "gpu_filter_from_env"]
 
 Emit = Callable[[str, dict[str, Any]], None]
 
 GPU_STAGGER_S = 0.05  # a GPU's read taking longer than this overlaps the next GPU's
 HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
-MAX_POINTS_PER_REQUEST = 2048  # as /metrics (CONTRACT 4): a big node's sample is split
+MAX_POINTS_PER_REQUEST = 2048  # as /metrics (docs/ingest.md): a big node's sample is split
 MIN_RATE_INTERVAL_S = 0.001  # two readings closer than this give no rate (noise, not data)
 IB_WORD_BYTES = 4  # port_xmit_data / port_rcv_data count 4-byte words (IB spec, PortCounters)
 MAX_XIDS_KEPT = 64  # the run's XID events kept for the failure summary
@@ -621,6 +622,62 @@ class InfinibandCollector:
 # ---- the sampler --------------------------------------------------------------------------
 
 
+# ---- which of the node's GPUs are the job's ----------------------------------------------------
+
+
+class GpuChoice(NamedTuple):
+    """Which of the node's GPUs are the job's, and the rule that says so (said once at INFO)."""
+
+    filter: GpuFilter | None  # the GPUs that may be the job's; None: every GPU the node shows
+    by_processes: bool  # of those, only the ones on which this pod's processes run
+    rule: str
+
+
+def choose_gpus(option: str, child_env: Mapping[str, str], environ: Mapping[str, str], *,
+                watching: bool, proc: Path = Path("/proc")) -> GpuChoice:
+    """The job's GPUs by the first rule that applies: `--gpus`; the job's CUDA_VISIBLE_DEVICES
+    or NVIDIA_VISIBLE_DEVICES naming them; for a pod sidecar (`watch` in Kubernetes) that shares
+    the pod's process namespace, those on which the pod's processes run; else every GPU the
+    node shows. (The kubelet's pod-resources socket, which names a pod's devices, is not read.)
+    """
+    if option:
+        return GpuChoice(gpu_filter_from_option(option), False, f"those --gpus names ({option})")
+    named = gpu_filter_from_env(child_env)
+    if named is not None:
+        return GpuChoice(named, False, f"those {named.describe()} names")
+    in_a_pod = "KUBERNETES_SERVICE_HOST" in environ or "POD_NAME" in environ
+    if watching and in_a_pod:
+        if shares_process_namespace(proc):
+            return GpuChoice(None, True, "those on which this pod's processes run (NVML's "
+                             "process list; --gpus names them otherwise)")
+        return GpuChoice(None, False, "every GPU this node shows, other pods' too: this pod's "
+                         "processes are not visible to the sidecar (`shareProcessNamespace: "
+                         "true` in the pod's spec shows them); --gpus names the job's")
+    return GpuChoice(None, False, "every GPU this node shows (nothing names the job's: --gpus, "
+                     "CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES would)")
+
+
+def shares_process_namespace(proc: Path = Path("/proc")) -> bool:
+    """Whether this container sees its pod's processes: PID 1 is the pod's pause process, as
+    with `shareProcessNamespace: true`, not this container's own entrypoint."""
+    try:
+        argv0 = (proc / "1" / "cmdline").read_bytes().split(b"\0", 1)[0]
+    except OSError:
+        return False
+    return os.path.basename(argv0) == b"pause"
+
+
+def pod_pids(proc: Path = Path("/proc")) -> frozenset[int]:
+    """The processes this one sees but itself: in a pod sharing its process namespace, the
+    pod's (the trainer's among them)."""
+    ours = os.getpid()
+    try:
+        return frozenset(int(name) for name in os.listdir(proc)
+                         if name.isdigit() and int(name) != ours)
+    except OSError:
+        return frozenset()
+
+
 class SamplerStats:
     """What the status endpoint shows of the sampler."""
 
@@ -701,7 +758,7 @@ class HardwareSampler:
                  disk_paths: Sequence[Path], sysfs_root: Path = Path("/sys"),
                  nvml_timeout_s: float = NVML_TIMEOUT_S,
                  host_timeout_s: float = HOST_TIMEOUT_S, probe: HostProbe | None = None,
-                 gpus: bool = True) -> None:
+                 gpus: bool = True, by_processes: bool = False, gpu_rule: str = "") -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s={interval_s}: the sampler needs a positive period")
         self.run_id = run_id
@@ -712,6 +769,12 @@ class HardwareSampler:
         self.nvml_timeout_s = nvml_timeout_s
         self.host_timeout_s = host_timeout_s
         self.use_gpus = gpus
+        self.by_processes = by_processes  # of the GPUs the filter allows, those the pod uses
+        self.gpu_rule = gpu_rule or (f"those {gpu_filter.describe()} names" if gpu_filter
+                                     else "every GPU this node shows")
+        self._candidates: list[GpuDevice] = []  # by_processes: the GPUs not seen used yet
+        self._count = 0  # the GPUs the node shows
+        self._process_lists: dict[str, nvml.ProcessList] = {}
         probe = probe or HostProbe()
         self._host = HostCollector(probe, trainer_pid)
         self._disks = DiskUsageCollector(probe, disk_paths)
@@ -781,18 +844,61 @@ class HardwareSampler:
             self._leave(worker)
             self._no_gpus(f"NVML did not answer within {self.nvml_timeout_s:g} s")
             return
-        self._devices = devices
         if not devices:
             self._no_gpus("no NVIDIA GPU found" if count == 0 or self.gpu_filter is None else
                           f"{self.gpu_filter.describe()} selects none of this node's "
                           f"{count} GPUs")
             return
-        self._gpu_parts = {d.key: _gpu_part(d, self.nvml_timeout_s) for d in devices}
-        self._stats.gpu_status = f"{len(devices)} of {count} GPUs"
-        log.info("sampling %d GPU(s): %s", len(devices),
-                 ", ".join(f"{d.index} {d.name}" for d in devices))
+        self._count = count
+        if self.by_processes:
+            self._candidates = devices
+            self._stats.gpu_status = f"0 of {count} GPUs (none used by this pod yet)"
+            log.info("GPUs sampled: %s; none runs one of them yet", self.gpu_rule)
+        else:
+            self._select(devices)
+            log.info("GPUs sampled: %s: %d, %s", self.gpu_rule, len(devices),
+                     ", ".join(f"{d.index} {d.name}" for d in devices))
         self._xid = XidWatcher(devices)
         self._xid.start()
+
+    def _select(self, devices: list[GpuDevice]) -> None:
+        """Sample `devices` from now on, beside those sampled already."""
+        self._devices += devices
+        self._gpu_parts.update({d.key: _gpu_part(d, self.nvml_timeout_s) for d in devices})
+        self._stats.gpu_status = f"{len(self._devices)} of {self._count} GPUs"
+
+    async def _select_used_by_the_pod(self) -> None:
+        """Add the GPUs on which a process of this pod now runs; a GPU once the job's stays."""
+        if not self._candidates:
+            return
+        worker = self._sweeper()
+        try:
+            used = await worker.call(self._used_by_the_pod, self.nvml_timeout_s)
+        except TimeoutError:
+            self._leave(worker)
+            return
+        if used:
+            self._candidates = [d for d in self._candidates if d not in used]
+            self._select(used)
+            log.info("sampling GPU(s) %s: this pod's processes run on them",
+                     ", ".join(f"{d.index} {d.name}" for d in used))
+
+    def _used_by_the_pod(self) -> list[GpuDevice]:
+        """The candidate GPUs whose compute processes include one of this pod's (a thread)."""
+        pids = pod_pids()
+        used = []
+        for device in self._candidates:
+            processes = self._process_lists.get(device.key)
+            if processes is None:
+                processes = self._process_lists[device.key] = nvml.ProcessList(device.handle)
+            try:
+                running = processes.read()
+            except nvml.NvmlError as exc:
+                log.debug("%s: its processes cannot be listed: %s", device.describe(), exc)
+                continue
+            if any(pid in pids for pid, _ in running):
+                used.append(device)
+        return used
 
     def _no_gpus(self, reason: str) -> None:
         self._stats.gpu_status = reason
@@ -811,6 +917,8 @@ class HardwareSampler:
         """Read everything once and emit the sample."""
         await self.start()
         began = time.perf_counter()
+        if self.by_processes:
+            await self._select_used_by_the_pod()
         gpu_parts = [self._gpu_parts[d.key] for d in self._devices]
         in_order = [self._host_part, self._disk_part, *gpu_parts]  # the order points go out in
         sweep = _Sweep(self._ready([self._host_part, *gpu_parts, self._disk_part]),
@@ -910,7 +1018,8 @@ class HardwareSampler:
                 if rate is not None and math.isfinite(rate):
                     points.append({"key": f"{key}_per_second", "value": rate, "ts": ts})
         if self._xid is not None:
-            xids = self._xid.drain()
+            sampled = {d.index for d in self._devices}  # another pod's GPU's XIDs are not ours
+            xids = [e for e in self._xid.drain() if e.index in sampled]
             self.xids.extend(xids)
             points += [{"key": f"gpu/{e.index}/xid_code", "value": e.xid, "ts": iso_ts(e.at_s)}
                        for e in xids]

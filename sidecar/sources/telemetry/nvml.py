@@ -244,6 +244,13 @@ def gpu_filter_from_env(child_env: Mapping[str, str]) -> GpuFilter | None:
     return GpuFilter("NVIDIA_VISIBLE_DEVICES", value, uuids=tuple(tokens))
 
 
+def gpu_filter_from_option(value: str) -> GpuFilter:
+    """The GPUs `--gpus` names: NVML indexes and UUIDs, comma-separated (checked by config)."""
+    tokens = [t.strip() for t in value.split(",")]
+    return GpuFilter("--gpus", value, frozenset(int(t) for t in tokens if t.isdigit()),
+                     tuple(t for t in tokens if _is_uuid(t)))
+
+
 def _parse_cuda_visible(value: str) -> GpuFilter | None:
     if value.strip().lower() == "all":
         return None
