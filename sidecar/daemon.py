@@ -117,8 +117,8 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await serve_status(cfg, node, "watch", client, pipeline, None, report)
-    log.info("watching %d log, %d jsonl, %d tensorboard source(s)", len(cfg.log),
-             len(cfg.jsonl), len(cfg.tensorboard))
+    log.info("watching %d log, %d jsonl, %d tensorboard source(s), %d checkpoint folder(s)",
+             len(cfg.log), len(cfg.jsonl), len(cfg.tensorboard), len(cfg.checkpoints))
     await stop.wait()
     await cancel(stall_ticker)
     log.info("stopping: reading every file to its end, delivering for at most %.0f s",
