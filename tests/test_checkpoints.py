@@ -135,3 +135,253 @@ def test_torch_save_and_safetensors_each_once_and_never_half_written(
     assert first["run_id"] == RUN_ID
     assert by_path[f"{BUCKET}/model-300.safetensors"]["format"] == "safetensors"
     assert by_path[f"{BUCKET}/model-300.safetensors"]["step"] == 300
+
+
+# -- HF Trainer and save_pretrained ---------------------------------------------------------------
+
+HF_WRITER = """
+import sys, time, torch
+from pathlib import Path
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+root, go = Path(sys.argv[1]), Path(sys.argv[2])
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        ids = torch.tensor([(i + j) % 32 for j in range(8)])
+        return {"input_ids": ids, "labels": ids}
+
+def trainer(steps):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32,
+                                       n_positions=16, eos_token_id=0, bos_token_id=0))
+    args = TrainingArguments(output_dir=str(root / "out"), max_steps=steps, save_steps=1,
+                             save_total_limit=2, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, disable_tqdm=True, logging_steps=100)
+    return Trainer(model=model, args=args, train_dataset=Data())
+
+trainer(4).train()  # checkpoint-1 and -2 are rotated away as -3 and -4 are saved
+go.write_text("trained")
+while go.read_text() != "resume":
+    time.sleep(0.05)
+trainer(4).train(resume_from_checkpoint=str(root / "out" / "checkpoint-3"))  # -4 rewritten
+model = trainer(1).model
+model.save_pretrained(root / "export", max_shard_size="4KB")
+model.save_pretrained(root / "merged")
+"""
+
+
+def test_hf_trainer_rotation_resume_and_save_pretrained(ingest: RunningIngest,
+                                                        tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    go = tmp_path / "go"
+    go.write_text("")
+    watch = Watch(ingest, tmp_path, root).start()
+    writer = subprocess.Popen([sys.executable, "-c", HF_WRITER, str(root), str(go)],
+                              stderr=subprocess.DEVNULL)
+    first = under(root, "out/checkpoint-3", "out/checkpoint-4")
+    try:
+        wait_until(lambda: go.read_text() == "trained", WRITER_TIMEOUT_S)
+        ingest.wait_for(lambda: sorted(paths(ingest)) == first, 30)
+        go.write_text("resume")
+        assert writer.wait(WRITER_TIMEOUT_S) == 0
+    finally:
+        writer.kill()
+    ingest.wait_for(lambda: len(artifacts(ingest)) >= 5, 30)
+    done = watch.stop()
+    assert done.status == 0, done.stderr
+    assert paths(ingest) == Counter({f"{BUCKET}/out/checkpoint-3": 1,
+                                     f"{BUCKET}/out/checkpoint-4": 2,  # rewritten after resume
+                                     f"{BUCKET}/export": 1, f"{BUCKET}/merged": 1})
+    by_path = {a["path"]: a for a in artifacts(ingest)}
+    four = by_path[f"{BUCKET}/out/checkpoint-4"]
+    assert (four["kind"], four["format"], four["step"]) == ("checkpoint", "hf-trainer", 4)
+    assert four["size_bytes"] == sum(
+        f.stat().st_size for f in (root / "out" / "checkpoint-4").iterdir())
+    export = by_path[f"{BUCKET}/export"]
+    assert (export["kind"], export["format"]) == ("hf_export", "hf") and "step" not in export
+    assert len(list((root / "export").glob("model-*.safetensors"))) > 1  # sharded
+    assert by_path[f"{BUCKET}/merged"]["kind"] == "merged_model"
+
+
+def _await_line(watch: Watch, *needles: str, timeout: float = 30.0) -> None:
+    wait_until(lambda: all(n in watch.stderr() for n in needles), timeout,
+               f"the sidecar's messages to say {needles}", watch.stderr)
+
+
+# -- torch.distributed.checkpoint, 2 processes ----------------------------------------------------
+
+DCP_WRITER = """
+import sys, time, torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from pathlib import Path
+
+class Slow(dcp.FileSystemWriter):
+    def write_data(self, plan, planner):  # rank 1 holds its shard until told to go on
+        if dist.get_rank() == 1:
+            go = Path(sys.argv[3])
+            while go.read_text() != "go":
+                time.sleep(0.05)
+        return super().write_data(plan, planner)
+
+def main(rank, folder, init):
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    state = {f"rank{rank}": torch.full((256,), float(rank))}  # each rank's own tensor
+    path = str(Path(folder) / "step-10")
+    dcp.save(state, storage_writer=Slow(path), checkpoint_id=path)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+"""
+
+
+def test_distributed_checkpoint_from_two_processes_once_after_metadata(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    go = tmp_path / "go"
+    go.write_text("")
+    script = tmp_path / "dcp_writer.py"
+    script.write_text(DCP_WRITER)
+    watch = Watch(ingest, tmp_path, root, "--log-level", "debug").start()
+    writer = subprocess.Popen([sys.executable, str(script), str(root), str(tmp_path / "init"),
+                               str(go)], stderr=subprocess.DEVNULL)
+    try:
+        # rank 0's shard is written, rank 1's held back: no .metadata, nothing registered
+        _await_line(watch, f"{root / 'step-10'} is not complete: no .metadata yet")
+        assert artifacts(ingest) == []
+        go.write_text("go")
+        assert writer.wait(WRITER_TIMEOUT_S) == 0
+    finally:
+        writer.kill()
+    ingest.wait_for(lambda: artifacts(ingest), 30)
+    done = watch.stop()
+    assert done.status == 0, done.stderr
+    assert paths(ingest) == Counter([f"{BUCKET}/step-10"])
+    (record,) = artifacts(ingest)
+    assert (record["format"], record["step"], record["kind"]) == ("distcp", 10, "checkpoint")
+    assert sorted(p.name for p in (root / "step-10").iterdir())[0] == ".metadata"
+    assert len(list((root / "step-10").glob("*.distcp"))) == 2
+
+
+# -- Lightning ModelCheckpoint --------------------------------------------------------------------
+
+LIGHTNING_WRITER = """
+import sys, torch
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, _):
+        return self.layer(batch[0]).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)),
+                                   batch_size=2)
+saver = ModelCheckpoint(dirpath=sys.argv[1], save_top_k=-1, every_n_train_steps=2,
+                        save_last=sys.argv[2] if sys.argv[2] == "link" else True)
+L.Trainer(max_steps=4, callbacks=[saver], logger=False, enable_progress_bar=False,
+          enable_model_summary=False, accelerator="cpu").fit(Tiny(), data)
+"""
+
+
+@pytest.mark.parametrize("save_last", ["copy", "link"])
+def test_lightning_checkpoints_once_and_last_ckpt_is_an_alias(
+        ingest: RunningIngest, tmp_path: Path, save_last: str) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    watch = Watch(ingest, tmp_path, root).start()
+    write(LIGHTNING_WRITER, str(root), save_last)
+    assert (root / "last.ckpt").is_symlink() == (save_last == "link")
+    expected = under(root, "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt")
+    ingest.wait_for(lambda: sorted(paths(ingest)) == expected, 30)
+    done = watch.stop()  # the drain looks once more: last.ckpt would be registered by now
+    assert done.status == 0, done.stderr
+    assert paths(ingest) == Counter(expected)
+    assert {(a["format"], a["step"]) for a in artifacts(ingest)} == {
+        ("lightning-ckpt", 2), ("lightning-ckpt", 4)}
+
+
+# -- DeepSpeed's and Megatron's layouts, written in their order ------------------------------------
+
+LAYOUT_WRITER = """
+import sys, time, torch
+from pathlib import Path
+
+root, go = Path(sys.argv[1]), Path(sys.argv[2])
+
+def wait(word):
+    while go.read_text() != word:
+        time.sleep(0.05)
+
+# DeepSpeed save_checkpoint: rank 0's model states, every rank's optimizer shard, then rank 0
+# writes `latest` before the barrier; here rank 1 is slow: its shard is half written.
+ds = root / "deepspeed" / "global_step20"
+ds.mkdir(parents=True)
+torch.save({"module": torch.zeros(64)}, ds / "mp_rank_00_model_states.pt")
+torch.save({"optim": torch.zeros(64)}, ds / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+torch.save({"optim": torch.ones(1024)}, ds / "whole")
+whole = (ds / "whole").read_bytes()
+(ds / "whole").unlink()
+shard = ds / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+with open(shard, "wb") as fh:
+    fh.write(whole[: len(whole) // 2]); fh.flush()
+    (root / "deepspeed" / "latest").write_text("global_step20")
+    go.write_text("deepspeed-half")
+    wait("deepspeed-finish")
+    fh.write(whole[len(whole) // 2:])
+
+# Megatron (torch_dist): the DCP files, then metadata.json, then the tracker written in place.
+mg = root / "megatron"
+it = mg / "iter_0000030"
+it.mkdir(parents=True)
+for rank in (0, 1):
+    torch.save({"w": torch.zeros(16)}, it / f"__{rank}_0.distcp")
+torch.save({}, it / "common.pt")
+(it / ".metadata").write_bytes(b"metadata")
+(it / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+go.write_text("megatron-no-tracker")
+wait("megatron-finish")
+(mg / "latest_checkpointed_iteration.txt").write_text("30")
+"""
+
+
+def test_deepspeed_and_megatron_layouts_wait_for_every_rank_and_the_tracker(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    go = tmp_path / "go"
+    go.write_text("")
+    watch = Watch(ingest, tmp_path, root, "--log-level", "debug").start()
+    writer = subprocess.Popen([sys.executable, "-c", LAYOUT_WRITER, str(root), str(go)])
+    try:
+        wait_until(lambda: go.read_text() == "deepspeed-half", WRITER_TIMEOUT_S)
+        _await_line(watch, f"{root / 'deepspeed' / 'global_step20'} is not complete: "
+                    "zero_pp_rank_1_mp_rank_00_optim_states.pt: no zip end record")
+        assert artifacts(ingest) == []  # `latest` names it, a rank is still writing
+        go.write_text("deepspeed-finish")
+        ingest.wait_for(lambda: len(artifacts(ingest)) == 1, 30)
+        wait_until(lambda: go.read_text() == "megatron-no-tracker", WRITER_TIMEOUT_S)
+        _await_line(watch, f"{root / 'megatron' / 'iter_0000030'} is not complete: "
+                    "no latest_checkpointed_iteration.txt yet")
+        go.write_text("megatron-finish")
+        assert writer.wait(WRITER_TIMEOUT_S) == 0
+    finally:
+        writer.kill()
+    ingest.wait_for(lambda: len(artifacts(ingest)) == 2, 30)
+    done = watch.stop()
+    assert done.status == 0, done.stderr
+    assert paths(ingest) == Counter(under(root, "deepspeed/global_step20",
+                                          "megatron/iter_0000030"))
+    assert sorted((a["format"], a["step"]) for a in artifacts(ingest)) == [
+        ("deepspeed", 20), ("megatron", 30)]
