@@ -5,7 +5,6 @@ a real `sidecar watch` beside them, the contract-checking ingest receiving /arti
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -385,3 +384,98 @@ def test_deepspeed_and_megatron_layouts_wait_for_every_rank_and_the_tracker(
                                           "megatron/iter_0000030"))
     assert sorted((a["format"], a["step"]) for a in artifacts(ingest)) == [
         ("deepspeed", 20), ("megatron", 30)]
+
+
+# -- exactly once across a SIGKILL, at least once across an outage ---------------------------------
+
+def save_files(folder: Path, *steps: int) -> None:
+    """torch.save's format (a zip, its end record last) without torch's import time, written
+    under a temporary name and renamed in, as a writer that stages its files does."""
+    import zipfile
+
+    for step in steps:
+        staged = folder / f".step_{step}.pt.tmp"
+        with zipfile.ZipFile(staged, "w") as archive:
+            archive.writestr("archive/data.pkl", b"\x80\x02}q\x00." * 8)
+        staged.rename(folder / f"step_{step}.pt")
+
+
+def _rejected(ingest: RunningIngest, status: int) -> int:
+    return ingest.stats.routes["artifact"].rejected.get(status, 0)
+
+
+def test_sigkill_before_the_acknowledgement_then_restart_registers_once(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    ingest.add_fault(Fault(route="artifact", status=503))
+    watch = Watch(ingest, tmp_path, root, "--log-level", "debug").start()
+    save_files(root, 5)
+    ingest.wait_for(lambda: _rejected(ingest, 503) >= 1, 30)  # journaled, not acknowledged
+    assert watch.stop(signal.SIGKILL).status == -signal.SIGKILL
+    ingest.clear_faults()
+    watch.start()
+    ingest.wait_for(lambda: artifacts(ingest), 30)
+    _await_line(watch, f"{root / 'step_5.pt'} was registered already")
+    assert watch.stop().status == 0
+    watch.start()  # acknowledged: a third start neither posts nor judges it new
+    _await_line(watch, f"{root / 'step_5.pt'} was registered already")
+    assert watch.stop().status == 0
+    assert paths(ingest) == Counter([f"{BUCKET}/step_5.pt"])
+
+
+def test_an_ingest_answering_503_then_registered_once(ingest: RunningIngest,
+                                                     tmp_path: Path) -> None:
+    # A few seconds of 503s rather than a minute: the backoff doubles to at most 30 s, so a
+    # longer outage only spaces the attempts further apart.
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    ingest.add_fault(Fault(route="artifact", status=503))
+    watch = Watch(ingest, tmp_path, root).start()
+    save_files(root, 5, 6)
+    ingest.wait_for(lambda: _rejected(ingest, 503) >= 3, 30)
+    assert artifacts(ingest) == []
+    ingest.clear_faults()
+    ingest.wait_for(lambda: len(artifacts(ingest)) == 2, 30)
+    assert watch.stop().status == 0
+    assert paths(ingest) == Counter(under(root, "step_5.pt", "step_6.pt"))
+
+
+def test_a_4xx_is_dead_lettered_with_the_reason_and_later_ones_go_on(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    ingest.add_fault(Fault(route="artifact", reject_if_contains="step_5.pt"))
+    watch = Watch(ingest, tmp_path, root).start()
+    save_files(root, 5, 6)
+    ingest.wait_for(lambda: len(artifacts(ingest)) == 1, 30)
+    done = watch.stop()
+    assert done.status == 0
+    assert paths(ingest) == Counter(under(root, "step_6.pt"))
+    (dead,) = [json.loads(line) for line in
+               (tmp_path / "state" / RUN_ID).rglob("dead-letter.jsonl").__next__().read_text()
+               .splitlines()]
+    assert dead["route"] == "artifact" and dead["status"] == 400
+    assert "step_5.pt" in dead["body"]
+    assert "/artifact: HTTP 400" in done.stderr.decode()
+
+
+# -- paths the platform can use ----------------------------------------------------------------
+
+def test_in_a_container_a_mapped_folder_is_posted_an_unmapped_one_not(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    mapped, unmapped = tmp_path / "mapped", tmp_path / "local"
+    mapped.mkdir()
+    unmapped.mkdir()
+    watch = Watch(ingest, tmp_path, mapped, "--checkpoints", str(unmapped),
+                  KUBERNETES_SERVICE_HOST="10.0.0.1").start()
+    save_files(mapped, 5)
+    save_files(unmapped, 7, 8)
+    ingest.wait_for(lambda: artifacts(ingest), 30)
+    wait_until(lambda: "is not posted" in watch.stderr(), 30)
+    done = watch.stop()
+    assert done.status == 0
+    assert paths(ingest) == Counter([f"{BUCKET}/step_5.pt"])
+    warnings = [line for line in done.stderr.decode().splitlines()
+                if "WARNING" in line and "--artifact-uri" in line]
+    assert len(warnings) == 1 and str(unmapped) in warnings[0], warnings  # one per folder

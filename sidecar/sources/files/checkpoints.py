@@ -349,6 +349,7 @@ class CheckpointWatcher:
             return
         entry.fingerprint = fingerprint
         if self.known(entry.path, fingerprint):
+            log.debug("--checkpoints: %s was registered already, as it is now", entry.path)
             entry.state, entry.why = "registered", ""
             return
         if self.not_registering:
