@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from sidecar.commands.receive import Fault
-from tests.conftest import RUN_ID, Finished, Sidecar, platform_env
+from tests.conftest import RUN_ID, SIDECAR, Finished, Sidecar, platform_env
 from tests.ingest_server import RunningIngest, wait_until
 
 BUCKET = "s3://bucket/run/ckpt"
@@ -462,20 +463,67 @@ def test_a_4xx_is_dead_lettered_with_the_reason_and_later_ones_go_on(
 
 # -- paths the platform can use ----------------------------------------------------------------
 
-def test_in_a_container_a_mapped_folder_is_posted_an_unmapped_one_not(
+def test_in_a_container_a_mapped_folder_is_posted_an_unmapped_one_not_and_status_says_so(
         ingest: RunningIngest, tmp_path: Path) -> None:
     mapped, unmapped = tmp_path / "mapped", tmp_path / "local"
     mapped.mkdir()
     unmapped.mkdir()
+    (mapped / "partial.safetensors").write_bytes(b"\x10\0\0\0")  # a writer that died
     watch = Watch(ingest, tmp_path, mapped, "--checkpoints", str(unmapped),
-                  KUBERNETES_SERVICE_HOST="10.0.0.1").start()
+                  KUBERNETES_SERVICE_HOST="10.0.0.1", SIDECAR_STATUS_ADDR="127.0.0.1:0").start()
     save_files(mapped, 5)
     save_files(unmapped, 7, 8)
     ingest.wait_for(lambda: artifacts(ingest), 30)
-    wait_until(lambda: "is not posted" in watch.stderr(), 30)
+    addr_file = tmp_path / "state" / RUN_ID / "status-addr"
+    wait_until(addr_file.exists, 20, "the watch wrote its status address")
+    address = addr_file.read_text().strip()
+
+    def status() -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://{address}/status", timeout=10) as answer:
+            doc: dict[str, Any] = json.load(answer)
+        return doc
+
+    def folders() -> dict[str, dict[str, Any]]:
+        return {c["folder"]: c for c in status()["checkpoints"]}
+
+    wait_until(lambda: len(folders()[str(unmapped)]["skipped"]) == 2
+               and folders()[str(mapped)]["waiting"], 30, "both folders judged", watch.stderr)
+    shown = folders()
+    assert shown[str(mapped)]["registered"] == [str(mapped / "step_5.pt")]
+    assert shown[str(mapped)]["waiting"] == [
+        [str(mapped / "partial.safetensors"), "shorter than a safetensors header"]]
+    assert all("--artifact-uri" in why for _, why in shown[str(unmapped)]["skipped"])
+    assert shown[str(unmapped)]["not_posted"] == 2
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
+        metrics = answer.read().decode()
+    assert f'sidecar_checkpoints{{folder="{mapped}",state="registered"}} 1.0' in metrics
+    assert f'sidecar_checkpoints_not_posted_total{{folder="{unmapped}"}} 2.0' in metrics
+    table = subprocess.run([*SIDECAR, "status", "--once", "--status-addr", address],
+                           capture_output=True, text=True, timeout=30,
+                           env={**watch.env, "COLUMNS": "400"})
+    assert f"CHECKPOINTS {unmapped}: 0 registered, 0 waiting, 2 skipped" in table.stdout
+    assert "not posted (no --artifact-uri in a container)" in table.stdout
     done = watch.stop()
     assert done.status == 0
     assert paths(ingest) == Counter([f"{BUCKET}/step_5.pt"])
     warnings = [line for line in done.stderr.decode().splitlines()
                 if "WARNING" in line and "--artifact-uri" in line]
     assert len(warnings) == 1 and str(unmapped) in warnings[0], warnings  # one per folder
+
+
+def test_on_bare_metal_an_unmapped_path_is_posted_as_it_is(tmp_path: Path) -> None:
+    from sidecar.sources.files.checkpoints import ArtifactPaths, container_signal
+
+    (tmp_path / "proc" / "1").mkdir(parents=True)
+    (tmp_path / "proc" / "1" / "cgroup").write_text("0::/user.slice/session-4.scope\n")
+    assert container_signal({}, tmp_path) == ""
+    paths = ArtifactPaths([("/mnt/ckpt", "s3://b/run")], container_signal({}, tmp_path))
+    assert paths.resolve("/scratch/run/step_5.pt") == "/scratch/run/step_5.pt"
+    assert paths.resolve("/mnt/ckpt/step_5.pt") == "s3://b/run/step_5.pt"
+    assert paths.resolve("/mnt/ckpt2/step_5.pt") == "/mnt/ckpt2/step_5.pt"  # not a prefix
+    (tmp_path / "proc" / "1" / "cgroup").write_text("0::/kubepods/burstable/pod1/abc\n")
+    assert container_signal({}, tmp_path) == "the cgroup names kubepods"
+    assert ArtifactPaths([], "x").resolve("/scratch/run/step_5.pt") is None
+    assert container_signal({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, tmp_path)
+    (tmp_path / ".dockerenv").touch()
+    assert container_signal({}, tmp_path) == "/.dockerenv exists"

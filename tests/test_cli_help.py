@@ -16,7 +16,7 @@ from tests.conftest import SIDECAR, clean_environ
 COMMANDS = ("run", "watch", "check", "status", "lifecycle", "replay", "receive", "demo")
 # The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
 METAVARS = {"PATH", "DIR", "FILE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT", "TEMPLATE",
-            "MB/S", "NAME", "ID", "TOKEN", "COMMAND"}
+            "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI"}
 
 
 def help_of(command: str, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -110,6 +110,8 @@ class FolderState(NamedTuple):
     waiting: tuple[tuple[str, str], ...]  # path, why
     skipped: tuple[tuple[str, str], ...]  # path, why
     aliases: int
+    not_posted: int  # unmapped local paths in a container
+    deleted_before_complete: int
     note: str  # "" or why the folder shows nothing (missing, not a folder)
 
 
@@ -259,7 +261,8 @@ class CheckpointWatcher:
         self.mode = mode
         self.entries: dict[str, Entry] = {}
         self.aliases: dict[str, int] = dict.fromkeys(self.folders, 0)
-        self.counts = {"registered": 0, "deleted_before_complete": 0, "not_posted": 0}
+        self.not_posted: dict[str, int] = dict.fromkeys(self.folders, 0)
+        self.deleted: dict[str, int] = dict.fromkeys(self.folders, 0)
         self._warned: set[str] = set()
         self._wake = asyncio.Event()
         self._events: Inotify | None = None
@@ -314,7 +317,7 @@ class CheckpointWatcher:
         for path in [p for p in self.entries if p not in present]:
             gone = self.entries.pop(path)
             if gone.state == "waiting":
-                self.counts["deleted_before_complete"] += 1
+                self.deleted[gone.root] += 1
                 log.info("--checkpoints: %s was deleted before it was complete; not registered",
                          path)
         due = [e for e in self.entries.values()
@@ -360,7 +363,7 @@ class CheckpointWatcher:
             entry.state = "skipped"
             entry.why = (f"a local path in a container ({self.paths.container}) is useless to "
                          f"the platform; map it with {CONTAINER_HINT}")
-            self.counts["not_posted"] += 1
+            self.not_posted[entry.root] += 1
             if entry.root not in self._warned:
                 self._warned.add(entry.root)
                 log.warning("--checkpoints %s: %s is not posted: this runs in a container (%s), "
@@ -370,7 +373,6 @@ class CheckpointWatcher:
             return
         step = verdict.step if verdict.step is not None else entry.shape.step
         entry.state, entry.why = "registered", ""
-        self.counts["registered"] += 1
         log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); registering it",
                  entry.path, entry.shape.kind, entry.shape.format,
                  "unknown" if step is None else step, entry.size)
@@ -401,5 +403,6 @@ class CheckpointWatcher:
                 folder, tuple(sorted(e.path for e in mine if e.state == "registered")),
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "waiting")),
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "skipped")),
-                self.aliases.get(folder, 0), note))
+                self.aliases.get(folder, 0), self.not_posted[folder], self.deleted[folder],
+                note))
         return result
