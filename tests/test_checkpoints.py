@@ -527,3 +527,54 @@ def test_on_bare_metal_an_unmapped_path_is_posted_as_it_is(tmp_path: Path) -> No
     assert container_signal({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, tmp_path)
     (tmp_path / ".dockerenv").touch()
     assert container_signal({}, tmp_path) == "/.dockerenv exists"
+
+
+# -- options and `sidecar check` ---------------------------------------------------------------
+
+def test_check_says_what_each_folder_matches_and_whether_it_would_be_posted(
+        tmp_path: Path) -> None:
+    from tests.conftest import clean_environ, sidecar
+
+    root = tmp_path / "ckpt"
+    (root / "checkpoint-5").mkdir(parents=True)
+    (root / "checkpoint-5" / "trainer_state.json").write_text('{"global_step": 5}')
+    (root / "checkpoint-6").mkdir()
+    save_files(root, 7)
+    (root / "last.ckpt").symlink_to("step_7.pt")
+    env = {**clean_environ(), "STARFORGE_ENABLED": "0", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    done = sidecar(["check", "--json", "--checkpoints", str(root), "--checkpoints",
+                    str(tmp_path / "later")], env, tmp_path / "check")
+    assert done.status == 0, done.stderr
+    steps = [s for s in json.loads(done.stdout)["steps"] if s["name"] == "checkpoints"]
+    first, later = ({**s, **s["details"]} for s in steps)
+    assert first["status"] == "warn" and "NOT POSTED" in first["message"]
+    assert "--artifact-uri" in first["message"]
+    assert "2 hf-trainer (checkpoint), 1 pt (checkpoint)" in first["message"]
+    assert first["waiting"] == ["checkpoint-6: no trainer_state.json yet"]
+    assert first["aliases"] == 1 and first["complete"] == 2
+    assert later["status"] == "warn" and "does not exist yet" in later["message"]
+    mapped = sidecar(["check", "--checkpoints", str(root), "--artifact-uri",
+                      f"{root}={BUCKET}"], env, tmp_path / "check2")
+    assert f"posted as {BUCKET}/..." in mapped.stdout.decode(), mapped.stdout
+
+
+def test_options_from_variables_and_the_file_and_a_bad_mapping_named(tmp_path: Path) -> None:
+    import argparse
+
+    from sidecar.config import ConfigError, resolve
+
+    args = argparse.Namespace()
+    environ = {"STARFORGE_ENABLED": "0", "SIDECAR_CHECKPOINTS": "/a:/b",
+               "SIDECAR_ARTIFACT_URI": "/a=s3://x/a,/b=gs://y/b"}
+    cfg = resolve(args, "watch", environ)
+    assert cfg.checkpoints == ("/a", "/b")
+    assert cfg.artifact_uri == ("/a=s3://x/a", "/b=gs://y/b")
+    toml = tmp_path / "sidecar.toml"
+    toml.write_text('checkpoints = ["/c"]\nartifact-uri = ["/c=s3://z/c"]\n')
+    cfg = resolve(argparse.Namespace(config=str(toml)), "run", {"STARFORGE_ENABLED": "0"})
+    assert (cfg.checkpoints, cfg.artifact_uri) == (("/c",), ("/c=s3://z/c",))
+    with pytest.raises(ConfigError, match=r"--artifact-uri='/c=bucket/c'.*not a URI"):
+        resolve(argparse.Namespace(artifact_uri=["/c=bucket/c"]), "run",
+                {"STARFORGE_ENABLED": "0"})
+    with pytest.raises(ConfigError, match=r"SIDECAR_ARTIFACT_URI='s3://x'.*LOCAL=URI"):
+        resolve(args, "run", {"STARFORGE_ENABLED": "0", "SIDECAR_ARTIFACT_URI": "s3://x"})

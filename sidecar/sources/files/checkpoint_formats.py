@@ -261,9 +261,9 @@ def _read_int(path: Path) -> int | None:
 
 
 def assess(shape: Shape, path: Path, files: tuple[str, ...]) -> Verdict:
-    """Whether the checkpoint at `path` (a folder holding `files`, relative paths, or one file
-    when `files` is empty) is complete, by its writer's rules. Call it once it stopped changing."""
-    if not files:
+    """Whether the checkpoint at `path` (a folder holding `files`, relative paths, or one file)
+    is complete, by its writer's rules. Call it once it stopped changing."""
+    if not files and not path.is_dir():
         problem = file_problem(path)
         return Verdict(not problem, problem)
     rule = _FOLDER_RULES.get(shape.format, _whole_files)

@@ -187,6 +187,26 @@ def walk(root: str) -> tuple[list[_Look], int, list[str]]:
     return looks, aliases, containers
 
 
+class Surveyed(NamedTuple):
+    """One candidate as `sidecar check` shows it: judged now, without waiting for quiet."""
+
+    path: str
+    shape: Shape
+    size: int
+    verdict: Verdict
+
+
+def survey(root: str) -> tuple[list[Surveyed], int]:
+    """Every candidate under `root` with its verdict now, and the aliases passed over."""
+    looks, aliases, _ = walk(root)
+    found = []
+    for seen in sorted(looks, key=lambda lk: lk.path):
+        entry = Entry(seen.path, root, seen.shape)
+        entry.files, entry.signature = seen.files, seen.signature
+        found.append(Surveyed(seen.path, seen.shape, seen.size, _judge(entry)[0]))
+    return found, aliases
+
+
 def _entries(folder: str) -> list[os.DirEntry[str]] | None:
     try:
         with os.scandir(folder) as it:
