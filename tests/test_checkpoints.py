@@ -425,6 +425,28 @@ def test_sigkill_before_the_acknowledgement_then_restart_registers_once(
     assert paths(ingest) == Counter([f"{BUCKET}/step_5.pt"])
 
 
+def test_replay_delivers_a_registration_a_killed_sidecar_left(ingest: RunningIngest,
+                                                              tmp_path: Path) -> None:
+    from tests.conftest import sidecar
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    ingest.add_fault(Fault(route="artifact", status=503))
+    watch = Watch(ingest, tmp_path, root, "--log-level", "debug").start()
+    save_files(root, 5)
+    ingest.wait_for(lambda: _rejected(ingest, 503) >= 1, 30)
+    assert watch.stop(signal.SIGKILL).status == -signal.SIGKILL
+    ingest.clear_faults()
+    done = sidecar(["replay"], watch.env, tmp_path / "replay")
+    assert done.status == 0, done.stderr
+    assert b"1/1 payloads delivered" in done.stderr
+    assert paths(ingest) == Counter([f"{BUCKET}/step_5.pt"])
+    watch.start()  # and the next start knows it was registered
+    _await_line(watch, f"{root / 'step_5.pt'} was registered already")
+    assert watch.stop().status == 0
+    assert paths(ingest) == Counter([f"{BUCKET}/step_5.pt"])
+
+
 def test_an_ingest_answering_503_then_registered_once(ingest: RunningIngest,
                                                      tmp_path: Path) -> None:
     # A few seconds of 503s rather than a minute: the backoff doubles to at most 30 s, so a

@@ -57,6 +57,11 @@ class Artifacts:
         """Read back what an earlier start left, then deliver (in a supervised task)."""
         self._task = supervise("artifacts", self._run)
 
+    async def opened_if_started(self) -> None:
+        """Wait until what an earlier start left is read back, when delivering at all."""
+        if self._task is not None:
+            await self.opened.wait()
+
     def known(self, path: str, fingerprint: str) -> bool:
         """Whether the checkpoint at `path` with `fingerprint` was registered already."""
         return self._registered.get(path) == fingerprint
