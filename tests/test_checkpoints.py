@@ -600,3 +600,22 @@ def test_options_from_variables_and_the_file_and_a_bad_mapping_named(tmp_path: P
                 {"STARFORGE_ENABLED": "0"})
     with pytest.raises(ConfigError, match=r"SIDECAR_ARTIFACT_URI='s3://x'.*LOCAL=URI"):
         resolve(args, "run", {"STARFORGE_ENABLED": "0", "SIDECAR_ARTIFACT_URI": "s3://x"})
+
+
+def test_run_registers_the_checkpoint_its_command_saved_just_before_it_exited(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    from tests.conftest import python_child, sidecar
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    child = python_child(
+        "import sys, zipfile\n"
+        f"with zipfile.ZipFile({str(root / 'final.pt')!r}, 'w') as z:\n"
+        "    z.writestr('archive/data.pkl', b'x' * 64)\n")
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--checkpoints", str(root), "--artifact-uri", f"{root}={BUCKET}",
+                    "--", *child], env, tmp_path / "run")
+    assert done.status == 0, done.stderr
+    assert paths(ingest) == Counter([f"{BUCKET}/final.pt"])
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running",
+                                                                 "succeeded"]
