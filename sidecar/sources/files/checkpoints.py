@@ -377,6 +377,10 @@ class CheckpointWatcher:
             return
         if self.not_registering:
             entry.state, entry.why = "skipped", self.not_registering
+            if entry.root not in self._warned:
+                self._warned.add(entry.root)
+                log.info("--checkpoints %s: %s is complete and not registered here: %s",
+                         entry.root, entry.path, self.not_registering)
             return
         uri = self.paths.resolve(entry.path)
         if uri is None:
