@@ -644,3 +644,67 @@ def test_on_a_multi_node_run_only_node_rank_0_registers(ingest: RunningIngest, q
                 "node rank 1")
     assert watch.stop().status == 0
     assert artifacts(ingest) == []
+
+
+async def test_a_run_without_checkpoints_has_no_registration_to_wait_for(tmp_path: Path) -> None:
+    from sidecar.delivery.artifacts import Artifacts
+    from sidecar.delivery.client import IngestClient
+
+    client = IngestClient("http://127.0.0.1:9/api/ingest", (), lambda: "tok")
+    artifacts = Artifacts(tmp_path, RUN_ID, client)  # never started: nothing journaled
+    assert await artifacts.drain(0.0)  # a shutdown is not held up for the drain timeout
+    assert artifacts.pending == 0
+
+
+# -- the writers' rules, one by one --------------------------------------------------------------
+
+def test_names_a_writer_uses_while_saving_are_never_checkpoints() -> None:
+    from sidecar.sources.files.checkpoint_formats import is_alias_name, work_in_progress
+
+    for name in ("tmp-checkpoint-500", "model.safetensors.tmpa1b2c3", ".metadata.tmp",
+                 "step_5.pt.part", "x.partial", "x.incomplete", "model.pt~", ".hidden.pt",
+                 "run--step=5-last-unfinished"):
+        assert work_in_progress(name), name
+    for name in ("checkpoint-500", "step_5.pt", "epoch=0-step=2.ckpt", "global_step20"):
+        assert not work_in_progress(name), name
+    assert is_alias_name("last.ckpt") and is_alias_name("last-v1.ckpt")
+    assert not is_alias_name("epoch=0-step=2.ckpt")
+
+
+def test_steps_come_from_the_names_writers_give() -> None:
+    from sidecar.sources.files.checkpoint_formats import step_in_name
+
+    assert [step_in_name(n) for n in (
+        "checkpoint-500", "global_step20", "global_step_30", "iter_0000040", "epoch=1-step=50",
+        "step-60", "model_70", "ckpt-80", "checkpoint_3", "final", "megatron_gpt--val_loss=1.2"
+        "-step=90-consumed_samples=100.0")] == [500, 20, 30, 40, 50, 60, 70, 80, None, None, 90]
+
+
+def test_nemo_waits_for_its_unfinished_marker_and_a_nemo_file_for_its_tar_end(
+        tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    from sidecar.sources.files.checkpoint_formats import Shape, assess, folder_shape
+
+    run = tmp_path / "gpt--step=90-last"
+    (run / "weights").mkdir(parents=True)
+    (run / "context").mkdir()
+    save_files(run / "weights", 1)
+    (run / "weights" / "step_1.pt").rename(run / "weights" / "common.pt")
+    shape = folder_shape(run.name, frozenset(), frozenset({"weights", "context"}))
+    assert shape == Shape("nemo", "checkpoint", 90)
+    marker = tmp_path / (run.name + "-unfinished")
+    marker.touch()
+    assert assess(shape, run, ("weights/common.pt",)).why == f"{marker.name} is still there"
+    marker.unlink()
+    assert assess(shape, run, ("weights/common.pt",)).complete
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.addfile(tarfile.TarInfo("model_config.yaml"), io.BytesIO(b""))
+    whole = buffer.getvalue()
+    nemo = tmp_path / "model.nemo"
+    nemo.write_bytes(whole[:1024])
+    assert not assess(Shape("nemo", "checkpoint", None), nemo, ()).complete
+    nemo.write_bytes(whole)
+    assert assess(Shape("nemo", "checkpoint", None), nemo, ()).complete

@@ -82,6 +82,8 @@ class Artifacts:
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every registration is acknowledged; False when `timeout_s` ran out."""
+        if self._task is None:  # nothing to register in this run, nothing left by another
+            return True
         return await wait_set(self._idle, timeout_s)
 
     async def close(self) -> None:

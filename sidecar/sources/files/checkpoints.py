@@ -313,6 +313,7 @@ class CheckpointWatcher:
         finally:
             if self._events is not None:
                 self._events.close()
+                self._events = None
 
     def _next_look_in(self) -> float:
         interval = SAFETY_LOOK_S if self._events is not None else REMOTE_LOOK_S
