@@ -86,10 +86,14 @@ def _has(names: frozenset[str], suffix: str) -> bool:
     return any(name.endswith(suffix) for name in names)
 
 
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
+
+
 def _hf_weights(names: frozenset[str]) -> bool:
-    return any(n in names for n in ("model.safetensors", "pytorch_model.bin",
-                                    "adapter_model.safetensors", "adapter_model.bin")) or any(
-        n.endswith((".safetensors.index.json", ".bin.index.json")) for n in names)
+    """Weights as save_pretrained writes them: one file, shards (before their index, which
+    comes last), or the index; `training_args.bin` is the Trainer's, not a weight."""
+    return any(n.endswith((".safetensors", ".index.json")) or (
+        n.endswith(".bin") and n != "training_args.bin") for n in names)
 
 
 def folder_shape(name: str, names: frozenset[str], subfolders: frozenset[str]) -> Shape | None:
@@ -275,6 +279,13 @@ def _whole_files(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
     return Verdict(not problem, problem)
 
 
+def _hf_export(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    """save_pretrained writes config.json first, then the shards, then their index."""
+    if any(_SHARD.search(n) for n in names) and not any(n.endswith(".index.json") for n in names):
+        return Verdict(False, "shards without their index yet")
+    return _whole_files(shape, path, names)
+
+
 def _hf_trainer(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
     marker = "trainer_state.json"  # Trainer._save_checkpoint writes it after everything else
     if marker not in names:
@@ -334,6 +345,7 @@ def _nemo(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
 
 _FOLDER_RULES: Mapping[str, Callable[[Shape, Path, frozenset[str]], Verdict]] = {
     "hf-trainer": _hf_trainer,
+    "hf": _hf_export,
     "distcp": _distcp,
     "lightning-distcp": _distcp,
     "megatron": _tracked,
