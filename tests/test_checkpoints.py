@@ -727,3 +727,20 @@ def test_the_shards_of_an_export_are_never_checkpoints_of_their_own(tmp_path: Pa
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     ((c,), _) = survey(str(tmp_path))
     assert c.verdict.complete and c.shape.kind == "hf_export"
+
+
+def test_a_checkpoint_judged_incomplete_is_not_looked_at_again_until_something_changes(
+        tmp_path: Path) -> None:
+    import time
+
+    from sidecar.sources.files import checkpoints as c
+    from sidecar.sources.files.checkpoint_formats import Shape
+
+    watcher = c.CheckpointWatcher([str(tmp_path)], lambda found: None, lambda p, f: False,
+                                  c.ArtifactPaths([], ""))
+    entry = watcher.entries["x"] = c.Entry("x", str(tmp_path), Shape("pt", "checkpoint", 1))
+    entry.seen_at = time.monotonic() - 10 * c.QUIET_S  # settled long ago
+    entry.why = "no zip end record yet (still being written)"  # judged: a writer that died
+    assert watcher._next_look_in() == c.REMOTE_LOOK_S  # no inotify here: the interval
+    entry.why = "changing"  # its files changed since it was judged: judged at the next look
+    assert watcher._next_look_in() == c.MIN_LOOK_S

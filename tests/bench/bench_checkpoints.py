@@ -3,7 +3,8 @@
     python tests/bench/bench_checkpoints.py [--quick] [--seconds 120]
 
 A folder holds 50 HF Trainer checkpoints (`checkpoint-N/`: `trainer_state.json`, a safetensors
-file and 198 small zip files, torch.save's format), 10,000 files in all. `sidecar watch
+file and 198 small zip files, torch.save's format), 10,000 files in all, and one more cut short
+by a crash (half a safetensors file, no `trainer_state.json`), which stays waiting. `sidecar watch
 --checkpoints` (no other source, no hardware sampling, the status endpoint off) registers each
 with a receiver that answers at once; once all 50 are registered and its start-up is over, its
 CPU time over 120 s (60 s with --quick: either spans at least one of the walks it makes without
@@ -70,7 +71,10 @@ def write_checkpoints(root: Path) -> int:
             (folder / f"rng_state_{i}.pth").write_bytes(small)
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": n * 100}))
         count += FILES_EACH
-    return count
+    crashed = root / f"checkpoint-{(CHECKPOINTS + 1) * 100}"  # a save cut short: never complete
+    crashed.mkdir()
+    (crashed / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    return count + 1
 
 
 def measure(seconds: float, profile: Path | None) -> list[Row]:
@@ -99,7 +103,7 @@ def measure(seconds: float, profile: Path | None) -> list[Row]:
             show_warnings(work)
     cpu_s = sum(t - threads0.get(tid, 0.0) for tid, t in threads.items())
     percent = 100 * cpu_s / wall_s
-    print(f"  {files} files in {CHECKPOINTS} checkpoints: {cpu_s:.4f} CPU-s in {wall_s:.1f} s "
+    print(f"  {files} files in {CHECKPOINTS} checkpoints and a partial one: {cpu_s:.4f} CPU-s in {wall_s:.1f} s "
           f"= {percent:.3f} % of a core; /artifact posts: {posted}")
     if posted != CHECKPOINTS:
         raise RuntimeError(f"{posted} registrations for {CHECKPOINTS} checkpoints")

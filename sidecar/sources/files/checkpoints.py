@@ -43,7 +43,7 @@ REMOTE_QUIET_S = 30.0  # on NFS and the like, where attributes are cached and no
 REMOTE_LOOK_S = 10.0  # how often a folder on a network filesystem is walked
 SAFETY_LOOK_S = 60.0  # with inotify: a walk even without events (a watch lost, a full queue)
 EVENT_SETTLE_S = 0.5  # after an event, more usually follow: one walk for the lot
-STUCK_S = 120.0  # a candidate unchanged this long and still incomplete waits for events only
+MIN_LOOK_S = 0.05
 CONTAINER_HINT = "--artifact-uri"
 # An export saved into a folder that also holds the run's checkpoints (the Trainer's final
 # save_model into output_dir): its own files are the export, its folders are looked into.
@@ -316,11 +316,14 @@ class CheckpointWatcher:
                 self._events = None
 
     def _next_look_in(self) -> float:
+        """Seconds to the next look: when a candidate that changed will have been quiet long
+        enough, else the interval. One judged incomplete waits for a change (a file event, or
+        the interval's walk) to be judged again."""
         interval = SAFETY_LOOK_S if self._events is not None else REMOTE_LOOK_S
         now = time.monotonic()
-        settling = [e.seen_at + self.quiet_s for e in self.entries.values()
-                    if e.state == "waiting" and now - e.seen_at < STUCK_S]
-        return max(min([interval, *(t - now for t in settling)]), 0.05)
+        settling = [e.seen_at + self.quiet_s - now for e in self.entries.values()
+                    if e.state == "waiting" and e.why == "changing"]
+        return max(min([interval, *settling]), MIN_LOOK_S)
 
     async def look(self) -> None:
         """One walk of every folder; judge what settled; hand on what is complete."""
