@@ -103,8 +103,8 @@ def measure(seconds: float, profile: Path | None) -> list[Row]:
             show_warnings(work)
     cpu_s = sum(t - threads0.get(tid, 0.0) for tid, t in threads.items())
     percent = 100 * cpu_s / wall_s
-    print(f"  {files} files in {CHECKPOINTS} checkpoints and a partial one: {cpu_s:.4f} CPU-s in {wall_s:.1f} s "
-          f"= {percent:.3f} % of a core; /artifact posts: {posted}")
+    print(f"  {files} files in {CHECKPOINTS} checkpoints and a partial one: {cpu_s:.4f} CPU-s "
+          f"in {wall_s:.1f} s = {percent:.3f} % of a core; /artifact posts: {posted}")
     if posted != CHECKPOINTS:
         raise RuntimeError(f"{posted} registrations for {CHECKPOINTS} checkpoints")
     return [
