@@ -43,6 +43,9 @@ REMOTE_QUIET_S = 30.0  # on NFS and the like, where attributes are cached and no
 REMOTE_LOOK_S = 10.0  # how often a folder on a network filesystem is walked
 SAFETY_LOOK_S = 60.0  # with inotify: a walk even without events (a watch lost, a full queue)
 EVENT_SETTLE_S = 0.5  # after an event, more usually follow: one walk for the lot
+# While a save streams events, walks are spaced by this many times the CPU the last one took:
+# a walk of a large tree (10,000 files: tens of ms) then costs at most 2 % of a core.
+WALK_SPACING = 50.0
 MIN_LOOK_S = 0.05
 CONTAINER_HINT = "--artifact-uri"
 # An export saved into a folder that also holds the run's checkpoints (the Trainer's final
@@ -287,7 +290,7 @@ class CheckpointWatcher:
         self._wake = asyncio.Event()
         self._events: Inotify | None = None
         self._remote = False
-        self._looks = 0
+        self._walk_cpu_s = 0.0  # what the last walk cost, in CPU seconds
 
     @property
     def quiet_s(self) -> float:
@@ -309,7 +312,7 @@ class CheckpointWatcher:
                 await self.look()
                 woken = await wait_set(self._wake, self._next_look_in())
                 if woken:  # a save is under way: one walk for its burst of events
-                    await asyncio.sleep(EVENT_SETTLE_S)
+                    await asyncio.sleep(max(EVENT_SETTLE_S, WALK_SPACING * self._walk_cpu_s))
         finally:
             if self._events is not None:
                 self._events.close()
@@ -327,8 +330,7 @@ class CheckpointWatcher:
 
     async def look(self) -> None:
         """One walk of every folder; judge what settled; hand on what is complete."""
-        self._looks += 1
-        walks = await asyncio.to_thread(lambda: [(f, walk(f)) for f in self.folders])
+        walks = await asyncio.to_thread(self._walk_all)
         now = time.monotonic()
         present: set[str] = set()
         for folder, (looks, aliases, containers) in walks:
@@ -350,6 +352,12 @@ class CheckpointWatcher:
             verdicts = await asyncio.to_thread(lambda: [(e, *_judge(e)) for e in due])
             for entry, verdict, fingerprint in verdicts:
                 self._decide(entry, verdict, fingerprint)
+
+    def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str]]]]:
+        started = time.thread_time()
+        walks = [(folder, walk(folder)) for folder in self.folders]
+        self._walk_cpu_s = time.thread_time() - started
+        return walks
 
     def _update(self, folder: str, seen: _Look, now: float) -> None:
         entry = self.entries.get(seen.path)
