@@ -744,3 +744,19 @@ def test_a_checkpoint_judged_incomplete_is_not_looked_at_again_until_something_c
     assert watcher._next_look_in() == c.REMOTE_LOOK_S  # no inotify here: the interval
     entry.why = "changing"  # its files changed since it was judged: judged at the next look
     assert watcher._next_look_in() == c.MIN_LOOK_S
+
+
+def test_a_checkpoint_folder_judged_empty_is_registered_as_soon_as_its_save_ends(
+        ingest: RunningIngest, quick: None, tmp_path: Path) -> None:
+    # A trainer that creates checkpoint-7/ and gathers its state for a while before writing:
+    # the folder is watched from the first look, so its files are seen as they arrive, not at
+    # the next walk made without events (a minute on).
+    root = tmp_path / "ckpt"
+    (root / "checkpoint-7").mkdir(parents=True)
+    watch = Watch(ingest, tmp_path, root, "--log-level", "debug").start()
+    _await_line(watch, f"{root / 'checkpoint-7'} is not complete: no trainer_state.json yet")
+    save_files(root / "checkpoint-7", 7)
+    (root / "checkpoint-7" / "trainer_state.json").write_text('{"global_step": 7}')
+    ingest.wait_for(lambda: artifacts(ingest), 15)
+    assert watch.stop().status == 0
+    assert paths(ingest) == Counter([f"{BUCKET}/checkpoint-7"])

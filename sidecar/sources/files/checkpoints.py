@@ -153,11 +153,12 @@ def container_signal(environ: Mapping[str, str], root: Path = Path("/")) -> str:
 
 
 def walk(root: str) -> tuple[list[_Look], int, list[str]]:
-    """Every candidate under `root`, how many aliases were passed over, and every folder that
-    is no candidate (to be watched). Blocking: call it in a thread."""
+    """Every candidate under `root`, how many aliases were passed over, and every folder seen
+    (to be watched: a checkpoint's own folders too, even empty, as a save fills them later).
+    Blocking: call it in a thread."""
     looks: list[_Look] = []
     aliases = 0
-    containers: list[str] = []
+    seen: list[str] = []
     pending = [root]
     while pending:
         folder = pending.pop()
@@ -166,11 +167,12 @@ def walk(root: str) -> tuple[list[_Look], int, list[str]]:
             continue
         shape = _folder_shape(folder, entries)
         if shape is not None and shape.format not in FLAT_FORMATS:
-            looks.append(_folder_look(folder, shape, recurse=True))
+            looks.append(_folder_look(folder, shape, seen, recurse=True))
             continue
-        containers.append(folder)
         if shape is not None:  # its own files; its folders may hold checkpoints of their own
-            looks.append(_folder_look(folder, shape, recurse=False))
+            looks.append(_folder_look(folder, shape, seen, recurse=False))
+        else:
+            seen.append(folder)
         for entry in entries:
             if work_in_progress(entry.name):
                 continue
@@ -184,10 +186,13 @@ def walk(root: str) -> tuple[list[_Look], int, list[str]]:
                 continue
             file = file_shape(entry.name)
             if file is not None:
-                st = entry.stat(follow_symlinks=False)
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:  # deleted since the folder was listed
+                    continue
                 looks.append(_Look(entry.path, file, (), _signature(
                     ((entry.name, st.st_size, st.st_mtime_ns),)), st.st_size))
-    return looks, aliases, containers
+    return looks, aliases, seen
 
 
 class Surveyed(NamedTuple):
@@ -224,11 +229,12 @@ def _folder_shape(folder: str, entries: list[os.DirEntry[str]]) -> Shape | None:
     return folder_shape(os.path.basename(folder), names, subfolders)
 
 
-def _folder_look(folder: str, shape: Shape, recurse: bool) -> _Look:
+def _folder_look(folder: str, shape: Shape, seen: list[str], recurse: bool) -> _Look:
     files: list[tuple[str, int, int]] = []
     pending = [""]
     while pending:
         rel = pending.pop()
+        seen.append(os.path.join(folder, rel) if rel else folder)
         for entry in _entries(os.path.join(folder, rel)) or ():
             name = os.path.join(rel, entry.name) if rel else entry.name
             try:
@@ -333,10 +339,10 @@ class CheckpointWatcher:
         walks = await asyncio.to_thread(self._walk_all)
         now = time.monotonic()
         present: set[str] = set()
-        for folder, (looks, aliases, containers) in walks:
+        for folder, (looks, aliases, folders) in walks:
             self.aliases[folder] = aliases
             if self._events is not None:
-                self._events.watch([*containers, *(lk.path for lk in looks if lk.files)])
+                self._events.watch(folders)
             for seen in looks:
                 present.add(seen.path)
                 self._update(folder, seen, now)
