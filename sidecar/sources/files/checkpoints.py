@@ -44,8 +44,8 @@ REMOTE_LOOK_S = 10.0  # how often a folder on a network filesystem is walked
 SAFETY_LOOK_S = 60.0  # with inotify: a walk even without events (a watch lost, a full queue)
 EVENT_SETTLE_S = 0.5  # after an event, more usually follow: one walk for the lot
 # While a save streams events, walks are spaced by this many times the CPU the last one took:
-# a walk of a large tree (10,000 files: tens of ms) then costs at most 2 % of a core.
-WALK_SPACING = 50.0
+# a walk of a large tree (10,000 files: tens of ms) then costs at most 1 % of a core.
+WALK_SPACING = 100.0
 MIN_LOOK_S = 0.05
 CONTAINER_HINT = "--artifact-uri"
 # An export saved into a folder that also holds the run's checkpoints (the Trainer's final
