@@ -496,6 +496,25 @@ def test_a_4xx_is_dead_lettered_with_the_reason_and_later_ones_go_on(
     assert "/artifact: HTTP 400" in done.stderr.decode()
 
 
+def test_a_413_for_one_registration_is_dead_lettered_too_never_dropped_unsaid(
+        ingest: RunningIngest, quick: None, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    ingest.add_fault(Fault(route="artifact", status=413, times=1))
+    watch = Watch(ingest, tmp_path, root).start()
+    save_files(root, 5)
+    ingest.wait_for(lambda: _rejected(ingest, 413) == 1, 30)
+    save_files(root, 6)
+    ingest.wait_for(lambda: len(artifacts(ingest)) == 1, 30)
+    done = watch.stop()
+    assert done.status == 0
+    assert paths(ingest) == Counter(under(root, "step_6.pt"))
+    (dead,) = [json.loads(line) for line in
+               next((tmp_path / "state" / RUN_ID).rglob("dead-letter.jsonl")).read_text()
+               .splitlines()]
+    assert dead["status"] == 413 and "step_5.pt" in dead["body"]
+
+
 # -- paths the platform can use ----------------------------------------------------------------
 
 def test_in_a_container_a_mapped_folder_is_posted_an_unmapped_one_not_and_status_says_so(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery.client import IngestClient, Verdict, json_body
+from sidecar.delivery.client import IngestClient, json_body
 from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import Malformed, load_checked, write_atomic
@@ -150,7 +150,7 @@ class Artifacts:
     async def _deliver(self, record: bytes) -> None:
         body = json_body(json.loads(record)["body"])
         answer = await self.client.deliver("artifact", body)
-        if answer.verdict is Verdict.REJECTED:
+        if not answer.ok:  # a 4xx (a 413 too: one registration cannot be split)
             self.rejected += 1
             try:
                 kept = append_dead_letter(self.run_dir, "artifact", answer.status, body)
@@ -160,7 +160,7 @@ class Artifacts:
                 where = "not kept"
             log.error("/artifact: HTTP %s: the ingest refused %s for good (%s); %s",
                       answer.status, body.decode(), answer.reason or "no reason given", where)
-        elif answer.ok:
+        else:
             self.delivered += 1
 
     def _belongs(self, record: bytes) -> bool:
