@@ -39,3 +39,21 @@ def test_filesystem_types() -> None:
         assert is_remote(remote), remote
     for local in ("ext4", "xfs", "overlay", "tmpfs", ""):
         assert not is_remote(local), local
+
+
+async def test_a_folder_removed_and_made_again_is_watched_again(tmp_path: Path) -> None:
+    fired = asyncio.Event()
+    events = Inotify(fired.set)
+    folder = tmp_path / "checkpoint-4"
+    try:
+        folder.mkdir()
+        events.watch([str(folder)])
+        folder.rmdir()  # rotated away: the kernel drops the watch
+        await asyncio.wait_for(fired.wait(), 10)
+        folder.mkdir()  # written again after a resume: a new folder under the same name
+        events.watch([str(folder)])
+        fired.clear()
+        (folder / "trainer_state.json").write_text("{}")
+        await asyncio.wait_for(fired.wait(), 10)
+    finally:
+        events.close()

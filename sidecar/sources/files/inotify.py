@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -21,6 +22,8 @@ _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x040, 0x080, 0x100, 0x20
 _IN_DELETE_SELF, _IN_MOVE_SELF, _IN_ONLYDIR = 0x400, 0x800, 0x01000000
 _MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE
          | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR)
+_IN_IGNORED = 0x8000  # the kernel dropped a watch: its folder was removed (or unmounted)
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len, then the name
 _READ_BYTES = 64 << 10
 
 # Filesystems where another machine writes and inotify stays silent.
@@ -66,6 +69,7 @@ class Inotify:
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         self._watched: set[str] = set()
+        self._folders: dict[int, str] = {}  # watch descriptor -> folder
         self._on_event = on_event
         asyncio.get_running_loop().add_reader(self._fd, self._readable)
 
@@ -74,10 +78,23 @@ class Inotify:
         for folder in folders:
             if folder in self._watched:
                 continue
-            if self._add_watch(self._fd, os.fsencode(folder), _MASK) < 0:
+            wd = self._add_watch(self._fd, os.fsencode(folder), _MASK)
+            if wd < 0:
                 errno = ctypes.get_errno()
                 log.info("no file events for %s (%s); it is polled", folder, os.strerror(errno))
+            else:
+                self._folders[wd] = folder
             self._watched.add(folder)
+
+    def _forget_removed(self, data: bytes) -> None:
+        """A folder whose watch the kernel dropped (removed) is watched again by the next
+        `watch` naming it: one created again under the same name is a new folder."""
+        pos = 0
+        while pos + _EVENT.size <= len(data):
+            wd, mask, _, length = _EVENT.unpack_from(data, pos)
+            pos += _EVENT.size + length
+            if mask & _IN_IGNORED:
+                self._watched.discard(self._folders.pop(wd, ""))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -87,8 +104,8 @@ class Inotify:
 
     def _readable(self) -> None:
         try:
-            while os.read(self._fd, _READ_BYTES):
-                pass
+            while data := os.read(self._fd, _READ_BYTES):
+                self._forget_removed(data)
         except BlockingIOError:
             pass
         except OSError as exc:
