@@ -779,3 +779,21 @@ def test_a_checkpoint_folder_judged_empty_is_registered_as_soon_as_its_save_ends
     ingest.wait_for(lambda: artifacts(ingest), 15)
     assert watch.stop().status == 0
     assert paths(ingest) == Counter([f"{BUCKET}/checkpoint-7"])
+
+
+def test_a_nemo_distributed_ckpt_folder_waits_for_its_marker_to_go(tmp_path: Path) -> None:
+    from sidecar.sources.files.checkpoint_formats import assess, folder_shape
+
+    ckpt = tmp_path / "megatron_gpt--step=40-last.ckpt"
+    ckpt.mkdir()
+    for name in (".metadata", "__0_0.distcp", "metadata.json"):
+        (ckpt / name).write_text("{}")
+    shape = folder_shape(ckpt.name, frozenset({".metadata", "__0_0.distcp", "metadata.json"}),
+                         frozenset())
+    assert shape is not None and (shape.format, shape.step) == ("lightning-distcp", 40)
+    marker = tmp_path / "megatron_gpt--step=40-last-unfinished"  # NeMo drops the .ckpt
+    marker.touch()
+    files = (".metadata", "__0_0.distcp", "metadata.json")
+    assert assess(shape, ckpt, files).why == f"{marker.name} is still there"
+    marker.unlink()
+    assert assess(shape, ckpt, files).complete

@@ -303,11 +303,14 @@ def _distcp(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
     # The coordinator renames .metadata.tmp to .metadata once every rank wrote its shards.
     if ".metadata" not in names:
         return Verdict(False, "no .metadata yet")
-    if shape.format == "lightning-distcp" and "meta.pt" not in names:
-        return Verdict(False, "no meta.pt yet")
+    if shape.format == "lightning-distcp":
+        unfinished = _nemo_unfinished(path)
+        if unfinished:  # NeMo's distributed .ckpt folders (Megatron's layout)
+            return Verdict(False, unfinished)
+        if not {"meta.pt", "metadata.json"} & names:  # Lightning's, Megatron's, written last
+            return Verdict(False, "no meta.pt yet")
     verdict = _whole_files(shape, path, frozenset(n for n in names if not n.endswith(".distcp")))
-    return verdict._replace(marker="meta.pt" if shape.format == "lightning-distcp"
-                            else ".metadata")
+    return verdict._replace(marker=".metadata")
 
 
 def _tracked(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
@@ -337,10 +340,16 @@ def _deepspeed(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
     return _whole_files(shape, path, names)
 
 
+def _nemo_unfinished(path: Path) -> str:
+    """NeMo's marker of a save under way: the checkpoint's name without `.ckpt` and `-EMA`,
+    plus `-unfinished`, created first and removed once the save is complete."""
+    name = path.name.removesuffix(".ckpt").removesuffix("-EMA") + NEMO_UNFINISHED
+    return f"{name} is still there" if (path.parent / name).exists() else ""
+
+
 def _nemo(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
-    if (path.parent / (path.name + NEMO_UNFINISHED)).exists():
-        return Verdict(False, f"{path.name}{NEMO_UNFINISHED} is still there")
-    return _whole_files(shape, path, names)
+    unfinished = _nemo_unfinished(path)
+    return Verdict(False, unfinished) if unfinished else _whole_files(shape, path, names)
 
 
 _FOLDER_RULES: Mapping[str, Callable[[Shape, Path, frozenset[str]], Verdict]] = {
