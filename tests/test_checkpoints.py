@@ -797,3 +797,11 @@ def test_a_nemo_distributed_ckpt_folder_waits_for_its_marker_to_go(tmp_path: Pat
     assert assess(shape, ckpt, files).why == f"{marker.name} is still there"
     marker.unlink()
     assert assess(shape, ckpt, files).complete
+
+
+def test_a_deepspeed_tag_of_the_callers_own_is_one_checkpoint_not_a_pile_of_files() -> None:
+    from sidecar.sources.files.checkpoint_formats import Shape, folder_shape
+
+    names = frozenset({"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"})
+    assert folder_shape("step-500", names, frozenset()) == Shape("deepspeed", "checkpoint", 500)
+    assert folder_shape("best", names, frozenset()) == Shape("deepspeed", "checkpoint", None)

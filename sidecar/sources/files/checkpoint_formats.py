@@ -108,6 +108,8 @@ def folder_shape(name: str, names: frozenset[str], subfolders: frozenset[str]) -
         return Shape("verl", "checkpoint", step)
     if re.fullmatch(r"iter_\d+", name):
         return Shape("megatron", "checkpoint", step)
+    if any(n.endswith(("model_states.pt", "optim_states.pt")) for n in names):
+        return Shape("deepspeed", "checkpoint", step)  # a tag of the caller's own choosing
     if {"weights", "context"} <= subfolders:
         return Shape("nemo", "checkpoint", step)
     if ".metadata" in names or _has(names, ".distcp"):
