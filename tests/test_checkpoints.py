@@ -5,6 +5,7 @@ a real `sidecar watch` beside them, the contract-checking ingest receiving /arti
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -805,3 +806,24 @@ def test_a_deepspeed_tag_of_the_callers_own_is_one_checkpoint_not_a_pile_of_file
     names = frozenset({"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"})
     assert folder_shape("step-500", names, frozenset()) == Shape("deepspeed", "checkpoint", 500)
     assert folder_shape("best", names, frozenset()) == Shape("deepspeed", "checkpoint", None)
+
+
+def test_a_deepspeed_tag_latest_has_moved_past_is_complete_one_newer_waits(
+        tmp_path: Path) -> None:
+    import time
+
+    from sidecar.sources.files.checkpoint_formats import Shape, assess
+
+    shape = Shape("deepspeed", "checkpoint", None)
+    older, newer = tmp_path / "warmup", tmp_path / "best"
+    for tag in (older, newer):
+        tag.mkdir()
+        save_files(tag, 1)
+        (tag / "step_1.pt").rename(tag / "mp_rank_00_model_states.pt")
+    files = ("mp_rank_00_model_states.pt",)
+    (tmp_path / "latest").write_text("warmup")  # rank 0 is done with warmup; best has begun
+    os.utime(tmp_path / "latest", ns=(time.time_ns() - 10**9, time.time_ns() - 10**9))
+    assert assess(shape, newer, files).why == "latest does not name it yet"
+    assert assess(shape, older, files).complete
+    (tmp_path / "latest").write_text("best")  # written after every file of both
+    assert assess(shape, newer, files).complete and assess(shape, older, files).complete

@@ -327,15 +327,17 @@ def _tracked(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
 
 def _deepspeed(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
     """rank 0 writes `latest` before the barrier the other ranks reach after their own files:
-    `latest` naming this tag says rank 0 is done, each shard's zip end says its rank is."""
+    `latest` naming this tag says rank 0 is done, each shard's zip end says its rank is. One
+    naming another tag, written after every file of this one, means a later save began."""
     latest_path = path.parent / DEEPSPEED_LATEST
     if latest_path.exists():
         try:
             latest = latest_path.read_text(encoding="utf-8").strip()
+            written = latest_path.stat().st_mtime_ns
+            newest = max((os.stat(path / n).st_mtime_ns for n in names), default=0)
         except (OSError, UnicodeDecodeError):
-            latest = ""
-        newer = step_in_name(latest)
-        if latest != path.name and (newer is None or shape.step is None or newer < shape.step):
+            return Verdict(False, f"{DEEPSPEED_LATEST} cannot be read yet")
+        if latest != path.name and written < newest:
             return Verdict(False, f"{DEEPSPEED_LATEST} does not name it yet")
     if not any(n.endswith("model_states.pt") for n in names):
         return Verdict(False, "no model states yet")
