@@ -689,6 +689,9 @@ def test_names_a_writer_uses_while_saving_are_never_checkpoints() -> None:
         assert not work_in_progress(name), name
     assert is_alias_name("last.ckpt") and is_alias_name("last-v1.ckpt")
     assert not is_alias_name("epoch=0-step=2.ckpt")
+    nemo = frozenset({"gpt--val_loss=1.2-step=90", "gpt--val_loss=1.1-step=90-last"})
+    assert is_alias_name("gpt--val_loss=1.1-step=90-last", nemo)  # the same step twice
+    assert not is_alias_name("gpt--val_loss=1.1-step=95-last", nemo)  # the only copy of 95
 
 
 def test_steps_come_from_the_names_writers_give() -> None:

@@ -53,10 +53,20 @@ def work_in_progress(name: str) -> bool:
     return _WORK_IN_PROGRESS.search(name) is not None
 
 
-def is_alias_name(name: str) -> bool:
-    """Lightning's `last.ckpt` (`last-v1.ckpt`): the newest checkpoint again, under a name that
-    is overwritten at every save; never a checkpoint of its own."""
-    return re.fullmatch(r"last(-v\d+)?\.ckpt", name) is not None
+_LAST_COPY = re.compile(r"-last(\.ckpt)?$")  # NeMo's second save of the newest step
+
+
+def is_alias_name(name: str, siblings: frozenset[str] = frozenset()) -> bool:
+    """Whether `name` is the newest checkpoint again under another name: Lightning's
+    `last.ckpt` (`last-v1.ckpt`), overwritten at every save, or NeMo's `...-step=N-last` when
+    a sibling holds the same step under its own name (without one, it is the only copy)."""
+    if re.fullmatch(r"last(-v\d+)?\.ckpt", name):
+        return True
+    if not _LAST_COPY.search(name):
+        return False
+    step = step_in_name(name)
+    return step is not None and any(
+        not _LAST_COPY.search(other) and step_in_name(other) == step for other in siblings)
 
 
 _STEP_IN_NAME = (

@@ -173,10 +173,11 @@ def walk(root: str) -> tuple[list[_Look], int, list[str]]:
             looks.append(_folder_look(folder, shape, seen, recurse=False))
         else:
             seen.append(folder)
+        names = frozenset(entry.name for entry in entries)
         for entry in entries:
             if work_in_progress(entry.name):
                 continue
-            if entry.is_symlink() or is_alias_name(entry.name):
+            if entry.is_symlink() or is_alias_name(entry.name, names):
                 aliases += 1
                 continue
             if entry.is_dir(follow_symlinks=False):
