@@ -461,6 +461,26 @@ def test_replay_delivers_a_registration_a_killed_sidecar_left(ingest: RunningIng
     assert paths(ingest) == Counter([f"{BUCKET}/step_5.pt"])
 
 
+def test_a_registration_made_during_an_outage_is_journaled_at_once(
+        ingest: RunningIngest, quick: None, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    ingest.add_fault(Fault(route="artifact", status=503))
+    watch = Watch(ingest, tmp_path, root).start()
+    save_files(root, 5)
+    ingest.wait_for(lambda: _rejected(ingest, 503) >= 1, 30)  # its head is being retried
+    save_files(root, 6)
+    journal = tmp_path / "state" / RUN_ID / "artifact.journal"
+    wait_until(lambda: journal.exists() and b"step_6.pt" in journal.read_bytes(), 20,
+               "the second registration journaled while the first is retried")
+    assert watch.stop(signal.SIGKILL).status == -signal.SIGKILL
+    ingest.clear_faults()
+    watch.start()
+    ingest.wait_for(lambda: len(artifacts(ingest)) == 2, 30)
+    assert watch.stop().status == 0
+    assert paths(ingest) == Counter(under(root, "step_5.pt", "step_6.pt"))
+
+
 def test_an_ingest_answering_503_then_registered_once(ingest: RunningIngest, quick: None,
                                                      tmp_path: Path) -> None:
     # A few seconds of 503s rather than a minute: the backoff doubles to at most 30 s, so a

@@ -49,6 +49,8 @@ class Artifacts:
         self._journal = Journal(run_dir / JOURNAL)
         self._queue: list[tuple[bytes, bool]] = []  # (record, in the journal)
         self._fresh: list[bytes] = []  # registered, not yet journaled
+        self._journaling = 0  # taken from _fresh, being journaled
+        self._fresh_ready = asyncio.Event()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -73,12 +75,13 @@ class Artifacts:
                "body": {"run_id": self.run_id, **body}}
         self._fresh.append(json_body(doc))
         self._idle.clear()
-        self._wake.set()
+        self._fresh_ready.set()
 
     @property
     def pending(self) -> int:
         """Registrations not yet acknowledged (or refused for good)."""
-        return len(self._fresh) + sum(1 for record, _ in self._queue if record != SKIPPED)
+        return len(self._fresh) + self._journaling + sum(
+            1 for record, _ in self._queue if record != SKIPPED)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every registration is acknowledged; False when `timeout_s` ran out."""
@@ -97,14 +100,27 @@ class Artifacts:
         if not self.opened.is_set():
             await asyncio.to_thread(self._open)
             self.opened.set()
+        # Journaling goes on while the head is retried: a registration made during an outage
+        # is on disk at once, not when the outage ends.
+        await asyncio.gather(self._journal_loop(), self._send_loop())
+
+    async def _journal_loop(self) -> None:
+        while True:
+            if not self._fresh:
+                self._fresh_ready.clear()
+                await self._fresh_ready.wait()
+                continue
+            await self._journal_fresh()
+            self._wake.set()
+
+    async def _send_loop(self) -> None:
         while True:
             fault_point()
-            await self._journal_fresh()
             if not self._queue:
-                if not self._fresh:
+                if not self._fresh and not self._journaling:
                     self._idle.set()
-                    self._wake.clear()
-                    await self._wake.wait()
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             record, journaled = self._queue[0]
             if record != SKIPPED:
@@ -130,22 +146,26 @@ class Artifacts:
                      "start", len(self._queue))
 
     async def _journal_fresh(self) -> None:
-        """Journal what was registered since, then remember its identities durably."""
-        if not self._fresh:
-            return
+        """Journal what was registered since and remember its identities durably, both before
+        the first attempt: an acknowledged registration whose identity a crash lost would be
+        registered again at the next start."""
         fresh, self._fresh = self._fresh, []
+        self._journaling = len(fresh)
+        journaled = []
         for record in fresh:
             try:
                 await asyncio.to_thread(self._journal.append, record)
-                self._queue.append((record, True))
+                journaled.append((record, True))
             except OSError as exc:  # a full disk: deliver from memory, the next start may repeat
                 state_write_failed(self._journal.path, exc)
-                self._queue.append((record, False))
+                journaled.append((record, False))
         snapshot = json.dumps(self._registered).encode()
         try:
             await asyncio.to_thread(write_atomic, self.run_dir / REGISTERED, snapshot)
         except OSError as exc:
             state_write_failed(self.run_dir / REGISTERED, exc)
+        self._queue.extend(journaled)
+        self._journaling = 0
 
     async def _deliver(self, record: bytes) -> None:
         body = json_body(json.loads(record)["body"])
