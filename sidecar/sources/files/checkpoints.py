@@ -63,7 +63,6 @@ class Found(NamedTuple):
     step: int | None
     size_bytes: int
     fingerprint: str
-    folder: str  # the --checkpoints folder it lies in
 
 
 class Entry:
@@ -420,7 +419,7 @@ class CheckpointWatcher:
                  entry.path, entry.shape.kind, entry.shape.format,
                  "unknown" if step is None else step, entry.size)
         self.register(Found(uri, entry.path, entry.shape.kind, entry.shape.format, step,
-                            entry.size, fingerprint, entry.root))
+                            entry.size, fingerprint))
 
     def settling(self) -> int:
         """Candidates not judged since their files last changed: they may be complete."""
