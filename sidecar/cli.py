@@ -358,9 +358,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     cfg = _configured(args, "watch")
-    if not (cfg.log or cfg.jsonl or cfg.tensorboard or cfg.hparams or cfg.hardware_interval):
+    if not (cfg.log or cfg.jsonl or cfg.tensorboard or cfg.hparams or cfg.hardware_interval
+            or cfg.checkpoints):
         raise ConfigError("nothing to watch: give at least one of --log, --jsonl, "
-                          "--tensorboard or --hparams, or leave --hardware-interval above 0")
+                          "--tensorboard, --hparams or --checkpoints, or leave --hardware-interval "
+                          "above 0")
     from sidecar.daemon import run_watch
 
     return asyncio.run(run_watch(cfg, os.environ))

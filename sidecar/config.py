@@ -52,11 +52,15 @@ class Option(NamedTuple):
     @property
     def help_line(self) -> str:
         """The --help text: the row's help, then its default and its variable (clap's style)."""
+        separator = LIST_SEPARATORS.get(self.name, ":")
         return help_line(self.help, self.shown_default or show_default(self.default),
-                         self.env + (", a :-separated list" if self.kind == "list" else ""))
+                         self.env + (f", a {separator}-separated list" if self.kind == "list"
+                                     else ""))
 
 
 
+# A list option's separator in its SIDECAR_* variable: a URI holds colons.
+LIST_SEPARATORS = {"artifact-uri": ","}
 DEFAULT_STATUS_ADDR = "127.0.0.1:9620"
 STATUS_ADDR_FILE = "status-addr"  # in the run's state folder: the status address actually bound
 
@@ -67,6 +71,10 @@ OPTIONS: tuple[Option, ...] = (
            "(repeatable)", metavar="DIR"),
     Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams",
            metavar="FILE"),
+    Option("checkpoints", "list", (), "folder whose model checkpoints, written anywhere under "
+           "it, are each registered once complete (repeatable)", metavar="DIR"),
+    Option("artifact-uri", "list", (), "the object-store URI a local prefix mirrors, posted "
+           "instead of the local path (repeatable)", metavar="LOCAL=URI"),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off"),
     Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",
            metavar="ID", shown_default="the environment's, else those the job's processes use"),
@@ -168,6 +176,8 @@ class Config(NamedTuple):
     jsonl: tuple[str, ...] = ()
     tensorboard: tuple[str, ...] = ()
     hparams: Path | None = None
+    checkpoints: tuple[str, ...] = ()
+    artifact_uri: tuple[str, ...] = ()
     hardware_interval: float = 10.0
     gpus: str = ""
     state_dir: Path = Path()
@@ -265,6 +275,8 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
         check_gpus(values["gpus"], sources["gpus"])
     if "log_prefix" in values:
         check_log_prefix(values["log_prefix"], sources["log_prefix"])
+    for mapping in values.get("artifact_uri", ()):
+        check_artifact_uri(mapping, sources["artifact_uri"])
     platform = resolve_platform(environ)
     token = ""
     if platform.enabled:
@@ -370,6 +382,28 @@ def check_token(token: str, source: str) -> str:
         raise ConfigError(f"{source}: the token holds {what} at position {bad + 1}, which an "
                           "HTTP header cannot carry; it should be the token exactly as issued")
     return token
+
+
+def check_artifact_uri(mapping: str, source: str) -> str:
+    """`mapping` when it is LOCAL=URI; else ConfigError naming `source` and the fix."""
+    try:
+        parse_artifact_uri(mapping)
+    except ValueError as exc:
+        raise ConfigError(f"{source}={mapping!r} {exc}; give the local folder and the URI it "
+                          "mirrors, as in /mnt/ckpt=s3://bucket/run-1/ckpt") from None
+    return mapping
+
+
+def parse_artifact_uri(text: str) -> tuple[str, str]:
+    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
+    import os
+
+    local, sep, uri = text.partition("=")
+    if not sep or not local.strip() or not uri.strip():
+        raise ValueError("is not LOCAL=URI")
+    if "://" not in uri:
+        raise ValueError(f"names {uri.strip()!r}, which is not a URI (such as s3://bucket/path)")
+    return os.path.abspath(os.path.expanduser(local.strip())), uri.strip()
 
 
 LOG_PREFIX_FIELDS = ("node", "rank")
@@ -531,7 +565,7 @@ def _pick(opt: Option, cli: Any, environ: Mapping[str, str],
     elif opt.env in environ:
         source, raw = opt.env, environ[opt.env]
         if opt.kind == "list":
-            raw = [p for p in raw.split(":") if p]
+            raw = [p for p in raw.split(LIST_SEPARATORS.get(opt.name, ":")) if p]
     elif opt.name in file_values:
         source, raw = f"{opt.name} in --config", file_values[opt.name]
     else:

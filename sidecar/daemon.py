@@ -116,8 +116,8 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await serve_status(cfg, node, "watch", client, pipeline, None, report)
-    log.info("watching %d log, %d jsonl, %d tensorboard source(s)", len(cfg.log),
-             len(cfg.jsonl), len(cfg.tensorboard))
+    log.info("watching %d log, %d jsonl, %d tensorboard source(s), %d checkpoint folder(s)",
+             len(cfg.log), len(cfg.jsonl), len(cfg.tensorboard), len(cfg.checkpoints))
     await stop.wait()
     await cancel(stall_ticker)
     log.info("stopping: reading every file to its end, delivering for at most %.0f s",
@@ -172,6 +172,7 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
     if cfg.status_addr == "off":
         return None  # nor is the endpoint's module imported
     from sidecar.observe.endpoint import (
+        CheckpointSnapshot,
         FileSnapshot,
         MatchSnapshot,
         RouteSnapshot,
@@ -195,6 +196,9 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
         matches = tuple(MatchSnapshot(m.source, m.files, m.note)
                         for m in (follower.matches() if follower else ()))
         sampler = pipeline.sampler if pipeline is not None else None
+        watcher = pipeline.checkpoints if pipeline is not None else None
+        checkpoints = tuple(CheckpointSnapshot(*folder)
+                            for folder in (watcher.states() if watcher is not None else ()))
         return StatusSnapshot(
             run_id=cfg.platform.run_id, node=node.name, mode=mode, offline=client is None,
             started_at=started_at,
@@ -207,7 +211,8 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
             task_restarts=restarts(),
             signatures=report.scanner.counts if report.scanner is not None else {},
             failure=report.failure.to_json() if report.failure is not None else None,
-            stalled_s=report.stall.stalled_s if report.stall is not None else 0.0)
+            stalled_s=report.stall.stalled_s if report.stall is not None else 0.0,
+            checkpoints=checkpoints)
 
     run_dir = cfg.run_dir if client is not None else None
     return await start_status_server(cfg.status_addr, run_dir, snapshot)

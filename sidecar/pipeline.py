@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar.aio import cancel
 from sidecar.config import Config
+from sidecar.delivery.artifacts import JOURNAL as ARTIFACT_JOURNAL
+from sidecar.delivery.artifacts import Artifacts
 from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
@@ -41,6 +43,7 @@ from sidecar.statefile import Malformed, load_checked, write_atomic
 from sidecar.supervise import supervise
 
 if TYPE_CHECKING:
+    from sidecar.sources.files.checkpoints import CheckpointWatcher, Found
     from sidecar.sources.telemetry.hardware import HardwareSampler
 
 SHOWN_REFUSED_KEYS = 5  # named in the ERROR that refuses keys; the rest are counted
@@ -99,6 +102,28 @@ def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
     return specs
 
 
+def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts) -> CheckpointWatcher:
+    """--checkpoints: found checkpoints to /artifact; rank 0 alone registers on a multi-node
+    run (a folder on a shared filesystem is seen by every node, and a trainer saves on its
+    main process, so node-local folders of other nodes hold no checkpoint of the run's own)."""
+    from sidecar.config import parse_artifact_uri
+    from sidecar.sources.files.checkpoints import ArtifactPaths, CheckpointWatcher, container_signal
+
+    def register(found: Found) -> None:
+        body: dict[str, Any] = {"kind": found.kind, "path": found.path, "format": found.format,
+                                "size_bytes": found.size_bytes}
+        if found.step is not None:
+            body["step"] = found.step
+        artifacts.register(found.local, found.fingerprint, body)
+
+    not_registering = "" if node.rank == 0 else (
+        f"this is node rank {node.rank}: on a multi-node run, node rank 0 registers checkpoints")
+    paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri],
+                          container_signal(os.environ))
+    return CheckpointWatcher(cfg.checkpoints, register, artifacts.known, paths,
+                             not_registering, mode=cfg.file_watch)
+
+
 def _tensorboard_parser(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
     def make(path: Path, state: dict[str, Any]) -> Parser:
         relative = path.parent.relative_to(folder)
@@ -154,6 +179,7 @@ class Pipeline(Sink):
         self._environment_task: asyncio.Task[None] | None = None
         self._sampler_task: asyncio.Task[None] | None = None
         self._hparams_task: asyncio.Task[None] | None = None
+        self._checkpoints_task: asyncio.Task[None] | None = None
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
         self.shipper = log_shipper or LogShipper(client, run_id)
         self.metrics = Batcher(client, "metrics", lambda points: {
@@ -169,6 +195,9 @@ class Pipeline(Sink):
                                  mode=cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
             sink.on_room = self.follower.room
+        self.artifacts = Artifacts(run_dir, run_id, client)
+        self.checkpoints = _checkpoint_watcher(cfg, node, self.artifacts) if cfg.checkpoints \
+            else None
 
     @property
     def batchers(self) -> list[Batcher]:
@@ -188,6 +217,16 @@ class Pipeline(Sink):
             self._hparams_task = supervise("hparams", self.hparams_file.run)
         if self.follower.specs:
             self._follow_task = supervise("follow", self.follower.run)
+        if self.checkpoints is not None or (self.cfg.run_dir / ARTIFACT_JOURNAL).exists():
+            self.artifacts.start()
+        if self.checkpoints is not None:
+            self._checkpoints_task = supervise("checkpoints", self._watch_checkpoints)
+
+    async def _watch_checkpoints(self) -> None:
+        """--checkpoints, once the registrations of earlier starts are known."""
+        assert self.checkpoints is not None
+        await self.artifacts.opened.wait()
+        await self.checkpoints.run()
 
     def _record_sources(self) -> None:
         """Say in the run's folder which files it follows, so that `sidecar replay` can read
@@ -306,6 +345,10 @@ class Pipeline(Sink):
         if self.hparams_file is not None:
             await cancel(self._hparams_task)
             await self.hparams_file.check(final=True)
+        if self.checkpoints is not None:
+            await cancel(self._checkpoints_task)
+            if self.artifacts.opened.is_set():
+                await self.checkpoints.drain(deadline)
         if self._follow_task is not None:
             await cancel(self._follow_task)
             while time.monotonic() < deadline:
@@ -313,7 +356,7 @@ class Pipeline(Sink):
                     break
                 await asyncio.sleep(DRAIN_READ_STEP_S)
         remaining = max(deadline - time.monotonic(), 0.0)
-        await asyncio.gather(self.shipper.flush(remaining),
+        await asyncio.gather(self.shipper.flush(remaining), self.artifacts.drain(remaining),
                              *(b.flush(remaining) for b in self.batchers))
         await self.offsets.save()
 
@@ -321,12 +364,16 @@ class Pipeline(Sink):
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
         one line."""
         await self.shipper.stop()
+        await cancel(self._checkpoints_task)
+        await self.artifacts.close()
         await asyncio.gather(*(b.stop() for b in self.batchers))
         for batcher in self.documents.values():
             await batcher.persist()
         await self.offsets.stop()
         self.follower.close()
         left = {b.route: b.queued for b in self.batchers if b.queued}
+        if self.artifacts.pending:
+            left["artifact"] = self.artifacts.pending
         if left:
             log.warning(
                 "stopped with undelivered data: %s. Metric points are read again from their "

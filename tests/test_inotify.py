@@ -140,3 +140,22 @@ def test_watch_roots_climb_to_the_nearest_existing_folder(tmp_path: Path) -> Non
     assert watch_roots([str(tmp_path / "a" / "**" / "*.log")]) == {str(tmp_path)}
     assert watch_roots([str(tmp_path / "*.log")]) == {str(tmp_path)}
     assert watch_roots([str(tmp_path / "file" / "x.log")]) == set()  # a file in the way
+
+
+async def test_a_watch_the_kernel_ended_is_placed_again_on_the_new_folder(
+        tmp_path: Path) -> None:
+    fired = asyncio.Event()
+    events = Inotify(fired.set)
+    folder = tmp_path / "checkpoint-4"
+    try:
+        folder.mkdir()
+        events.watch([str(folder)])
+        folder.rmdir()  # rotated away: the kernel drops the watch
+        await asyncio.wait_for(fired.wait(), 10)
+        folder.mkdir()  # written again after a resume: a new folder under the same name
+        events.watch([str(folder)])
+        fired.clear()
+        (folder / "trainer_state.json").write_text("{}")
+        await asyncio.wait_for(fired.wait(), 10)
+    finally:
+        events.close()

@@ -65,6 +65,7 @@ GOOD: dict[str, dict[str, Any]] = {
         "path": "s3://bucket/runs/run-4f2a91/step-500",
         "format": "distcp",
         "step": 500,
+        "size_bytes": 14203847362,
     },
     "benchmark": {"run_id": RUN_ID, "benchmark": "gsm8k", "score": 0.64},
 }
@@ -206,6 +207,9 @@ INVALID: list[tuple[str, Any, str]] = [
     ("artifact", body("artifact", kind="weights"), "kind must be one of checkpoint, hf_export,"),
     ("artifact", body("artifact", format=""), "format must be a non-empty string"),
     ("artifact", body("artifact", path=MISSING), "path is required"),
+    ("artifact", body("artifact", step=-1), "step must be an integer, 0 or more"),
+    ("artifact", body("artifact", step=None), "step must be an integer"),
+    ("artifact", body("artifact", size_bytes="12"), "size_bytes must be an integer"),
     ("lifecycle", body("lifecycle", run_id=MISSING), "run_id is required"),
     ("logs", body("logs", run_id=""), "run_id must be a non-empty string"),
     ("hparams", body("hparams", run_id=7), "run_id must be a non-empty string"),

@@ -34,6 +34,7 @@ from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import IngestClient
 from sidecar.log import add_secret, log
 from sidecar.observe.endpoint import (
+    CheckpointSnapshot,
     FileSnapshot,
     MatchSnapshot,
     RouteSnapshot,
@@ -313,7 +314,9 @@ def test_the_status_document_keeps_its_keys_their_order_and_its_own_copies() -> 
                   matches=(MatchSnapshot("--jsonl out/*.jsonl", 0,
                                          "the folder out does not exist yet"),),
                   task_restarts={"follow": 2}, signatures={"cuda_oom": 1}, failure=failure,
-                  stalled_s=30.0)
+                  stalled_s=30.0, checkpoints=(CheckpointSnapshot(
+                      "/data/ckpt", ("/data/ckpt/checkpoint-500",),
+                      (("/data/ckpt/checkpoint-600", "no trainer_state.json yet"),), (), 1, 0, 2),))
     expected = {
         "run_id": RUN_ID, "node": "gpu-07", "mode": "run", "offline": False,
         "started_at": 1_790_000_000.0,
@@ -345,9 +348,14 @@ def test_the_status_document_keeps_its_keys_their_order_and_its_own_copies() -> 
         "lifecycle_pending": ["running"], "task_restarts": {"follow": 2},
         "signatures": {"cuda_oom": 1}, "failure": failure, "stalled_s": 30.0,
         "taken_at": 1_790_000_120.0, "ready": True, "version": "0.1.0",
+        "checkpoints": [{"folder": "/data/ckpt", "registered": ["/data/ckpt/checkpoint-500"],
+                         "waiting": [["/data/ckpt/checkpoint-600", "no trainer_state.json yet"]],
+                         "skipped": [], "aliases": 1, "not_posted": 0,
+                         "deleted_before_complete": 2, "note": ""}],
     }
     doc = snap.to_json()
     assert json.dumps(doc) == json.dumps(expected)  # the order of the keys too
+    assert StatusSnapshot.from_json(json.loads(json.dumps(doc))).checkpoints == snap.checkpoints
     doc["failure"]["cause"] = doc["signatures"]["cuda_oom"] = doc["task_restarts"]["follow"] = 0
     assert snap.failure == failure and failure["cause"] == "CUDA out of memory"
     assert snap.signatures == {"cuda_oom": 1} and snap.task_restarts == {"follow": 2}

@@ -267,6 +267,8 @@ def _sources(cfg: Config, report: _Report) -> None:
                 "check the name (and quote a pattern, so that the shell leaves it to the sidecar)")
         report.add(option, "warn", f"{what}: {note or 'nothing matches yet'}; {hint}",
                    pattern=pattern, matched=0)
+    for folder in cfg.checkpoints:
+        _checkpoints(cfg, folder, report)
     if cfg.hparams is not None:
         _hparams(cfg.hparams, report)
 
@@ -395,6 +397,47 @@ def _local_kind(address: str) -> str:
         if getattr(ip, "is_" + kind):
             return kind.replace("_", "-")
     return ""
+
+
+def _checkpoints(cfg: Config, folder: str, report: _Report) -> None:
+    """What one --checkpoints folder holds now, by writer, complete or not, and whether its
+    paths would be posted (in a container, only those --artifact-uri maps)."""
+    from collections import Counter
+
+    from sidecar.config import parse_artifact_uri
+    from sidecar.sources.files.checkpoints import ArtifactPaths, container_signal, survey
+
+    what = f"--checkpoints {folder}"
+    if not os.path.isdir(folder):
+        note = "is not a folder" if os.path.exists(folder) else "does not exist yet"
+        report.add("checkpoints", "warn", f"{what}: {note}; checkpoints written there later "
+                   "are found, but check the path (in a pod, the volume's mountPath)",
+                   folder=folder, matched=0)
+        return
+    found, aliases = survey(os.path.abspath(folder))
+    paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri],
+                          container_signal(os.environ))
+    formats = Counter(f"{c.shape.format} ({c.shape.kind})" for c in found)
+    waiting = [f"{os.path.relpath(c.path, folder)}: {c.verdict.why}" for c in found
+               if not c.verdict.complete]
+    summary = (", ".join(f"{n} {name}" for name, n in sorted(formats.items())) or
+               "no checkpoint yet")
+    complete = len(found) - len(waiting)
+    message = (f"{what}: {summary}; {complete} complete"
+               + (f", {len(waiting)} not complete ({'; '.join(waiting[:SHOWN_FILES])})"
+                  if waiting else "")
+               + (f"; {aliases} aliases (last.ckpt, links) passed over" if aliases else ""))
+    status = "ok"
+    posted = paths.resolve(os.path.abspath(folder))
+    if posted is None:
+        status = "warn"
+        message += (f"; NOT POSTED: this runs in a container ({paths.container}), where a local "
+                    "path is useless to the platform: give --artifact-uri LOCAL=URI naming "
+                    "the object-store URI this folder mirrors")
+    elif posted != os.path.abspath(folder):
+        message += f"; posted as {posted}/..."
+    report.add("checkpoints", status, message, folder=folder, matched=len(found),
+               complete=complete, waiting=waiting, aliases=aliases, posted_as=posted)
 
 
 def _container_evidence(environ: Mapping[str, str]) -> tuple[str | None, str | None]:

@@ -210,6 +210,9 @@ def _check_artifact(body: dict[str, Any]) -> None:
     _choice(body, "kind", ARTIFACT_KINDS)
     _text(body, "path")
     _text(body, "format")
+    for name in ("step", "size_bytes"):  # step is left out when unknown
+        if name in body and (_integer(body, name) < 0):
+            raise _invalid(name, "an integer, 0 or more", body[name])
 
 
 def _check_nothing(body: dict[str, Any]) -> None:

@@ -57,9 +57,11 @@ async def replay(cfg: Config, timeout_s: float) -> int:
             return 1
         await lifecycle.open()
         pipeline.start()
+        await pipeline.artifacts.opened_if_started()
 
         def left() -> int:
-            return len(lifecycle.pending) + sum(b.queued for b in batchers)
+            return (len(lifecycle.pending) + sum(b.queued for b in batchers)
+                    + pipeline.artifacts.pending)
 
         total = left()
         redraw = "\r" if sys.stderr.isatty() else ""  # a line redrawn is for a terminal only

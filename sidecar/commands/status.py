@@ -233,6 +233,25 @@ def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str,
         lines += _table(("FILE", "KIND", "OFFSET", "SIZE", "LAG", "LAST READ"),
                         [_file_row(file, snap.taken_at) for file in snap.files], "",
                         left=(0, 1), width=width)
+    lines += _checkpoint_lines(snap, width)
+    return lines
+
+
+def _checkpoint_lines(snap: StatusSnapshot, width: int) -> list[str]:
+    """Each --checkpoints folder: how many registered, and each one waiting or skipped, why."""
+    lines = []
+    for folder in snap.checkpoints:
+        counts = (f"{len(folder.registered)} registered, {len(folder.waiting)} waiting, "
+                  f"{len(folder.skipped)} skipped" + (f", {folder.aliases} aliases"
+                                                      if folder.aliases else "")
+                  + (f", {folder.not_posted} not posted (no --artifact-uri in a container)"
+                     if folder.not_posted else ""))
+        lines += ["", *textwrap.wrap(f"CHECKPOINTS {folder.folder}: " + (
+            folder.note or counts), width, subsequent_indent="    ")]
+        for state, entries in (("waiting", folder.waiting), ("skipped", folder.skipped)):
+            lines += [wrapped for path, why in entries for wrapped in textwrap.wrap(
+                f"{state} {path}: {why}", width, initial_indent="  ",
+                subsequent_indent="      ")]
     return lines
 
 

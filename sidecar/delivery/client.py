@@ -58,6 +58,7 @@ ROUTES: dict[str, RoutePolicy] = {
     "environment": RoutePolicy("/environment", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
     "environment/nodes": RoutePolicy(
         "/environment/nodes", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
+    "artifact": RoutePolicy("/artifact", Guarantee.STRICT, None, 0.5, 30.0, 30.0),
 }
 
 CONNECT_TIMEOUT_S = 5.0

@@ -99,11 +99,34 @@ class MatchSnapshot(NamedTuple):
     note: str = ""  # why it names nothing ("the folder out does not exist yet"), else ""
 
 
+class CheckpointSnapshot(NamedTuple):
+    """What one --checkpoints folder holds: each checkpoint registered, waiting (and why) or
+    skipped (and why), the aliases passed over, and counts of what was never registered."""
+
+    folder: str
+    registered: tuple[str, ...] = ()
+    waiting: tuple[tuple[str, str], ...] = ()  # (path, why)
+    skipped: tuple[tuple[str, str], ...] = ()  # (path, why)
+    aliases: int = 0  # last.ckpt, symbolic links: the same checkpoint under another name
+    not_posted: int = 0  # unmapped local paths in a container
+    deleted_before_complete: int = 0
+    note: str = ""  # why the folder shows nothing ("does not exist yet"), else ""
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CheckpointSnapshot:
+        return cls(str(doc["folder"]), tuple(str(p) for p in doc.get("registered", ())),
+                   tuple((str(p), str(w)) for p, w in doc.get("waiting", ())),
+                   tuple((str(p), str(w)) for p, w in doc.get("skipped", ())),
+                   int(doc.get("aliases", 0)), int(doc.get("not_posted", 0)),
+                   int(doc.get("deleted_before_complete", 0)), str(doc.get("note", "")))
+
+
 class StatusSnapshot:
     """Everything the status endpoint shows, taken from the daemon's live objects; the fields of
     /status in its order (`to_json`)."""
 
-    __slots__ = ("failure", "files", "lifecycle_pending", "lifecycle_recorded", "matches",
+    __slots__ = ("checkpoints", "failure", "files", "lifecycle_pending", "lifecycle_recorded",
+                 "matches",
                  "mode", "node", "offline", "routes", "run_id", "sampler_duration_s",
                  "signatures", "sources", "stalled_s", "started_at", "taken_at",
                  "task_restarts")
@@ -118,7 +141,8 @@ class StatusSnapshot:
                  task_restarts: dict[str, int] | None = None,
                  signatures: dict[str, int] | None = None,
                  failure: dict[str, Any] | None = None, stalled_s: float = 0.0,
-                 taken_at: float | None = None) -> None:
+                 taken_at: float | None = None,
+                 checkpoints: tuple[CheckpointSnapshot, ...] = ()) -> None:
         self.run_id = run_id
         self.node = node
         self.mode = mode  # "run" or "watch"
@@ -138,6 +162,7 @@ class StatusSnapshot:
         # how long the trainer has been stalled (--stall-after); 0: it is not
         self.stalled_s = stalled_s
         self.taken_at = time.time() if taken_at is None else taken_at
+        self.checkpoints = checkpoints  # one per --checkpoints folder
 
     @property
     def ready(self) -> bool:
@@ -161,6 +186,7 @@ class StatusSnapshot:
             "task_restarts": dict(self.task_restarts), "signatures": dict(self.signatures),
             "failure": copy.deepcopy(self.failure), "stalled_s": self.stalled_s,
             "taken_at": self.taken_at, "ready": self.ready, "version": __version__,
+            "checkpoints": tuple(c._asdict() for c in self.checkpoints),
         }
 
     @classmethod
@@ -183,6 +209,8 @@ class StatusSnapshot:
                 failure=dict(doc["failure"]) if doc.get("failure") else None,
                 stalled_s=float(doc.get("stalled_s", 0.0)),
                 taken_at=float(doc.get("taken_at", time.time())),
+                checkpoints=tuple(CheckpointSnapshot.from_json(c)
+                                  for c in doc.get("checkpoints", ())),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a sidecar /status document ({exc!r})") from None

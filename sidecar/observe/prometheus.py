@@ -75,6 +75,7 @@ class _SnapshotCollector:
         yield from _route_metrics(snap)
         yield from _source_metrics(snap)
         yield from _diagnosis_metrics(snap)
+        yield from _checkpoint_metrics(snap)
 
 
 def _run_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
@@ -176,3 +177,27 @@ def _diagnosis_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
         failure.add_metric([str(snap.failure.get(key, "")) for key in (
             "cause", "signature", "exit_status", "node", "rank")], 1)
         yield failure
+
+
+def _checkpoint_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    """Each --checkpoints folder's checkpoints by state, and what was never registered."""
+    if not snap.checkpoints:
+        return
+    held = GaugeMetricFamily("sidecar_checkpoints", "checkpoints in a --checkpoints folder, by "
+                             "state (registered, waiting, skipped)", labels=["folder", "state"])
+    not_posted = CounterMetricFamily("sidecar_checkpoints_not_posted", "complete checkpoints "
+                                     "not posted: a local path in a container, with no "
+                                     "--artifact-uri mapping", labels=["folder"])
+    deleted = CounterMetricFamily("sidecar_checkpoints_deleted_before_complete",
+                                  "checkpoints deleted (rotated away) before they were "
+                                  "complete; never registered", labels=["folder"])
+    aliases = GaugeMetricFamily("sidecar_checkpoint_aliases", "last.ckpt and symbolic links "
+                                "passed over as aliases", labels=["folder"])
+    for folder in snap.checkpoints:
+        for state, count in (("registered", len(folder.registered)),
+                             ("waiting", len(folder.waiting)), ("skipped", len(folder.skipped))):
+            held.add_metric([folder.folder, state], count)
+        not_posted.add_metric([folder.folder], folder.not_posted)
+        deleted.add_metric([folder.folder], folder.deleted_before_complete)
+        aliases.add_metric([folder.folder], folder.aliases)
+    yield from (held, not_posted, deleted, aliases)

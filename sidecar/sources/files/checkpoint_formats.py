@@ -1,0 +1,384 @@
+"""What a model checkpoint looks like on disk, writer by writer, and when it is whole.
+
+Pure functions over names and files, no state: which writer a folder or file came from (its
+`format` short name, its `kind`, the step its name carries), and, once it has stopped changing,
+whether it is complete: the writer's own marker where it leaves one, a structure check where
+the format allows one (a zip's end record, a safetensors header against the file size, a tar's
+end). The README's table of formats is this module's table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+# Names a writer gives what it has not finished: never a checkpoint, whatever they hold.
+_WORK_IN_PROGRESS = re.compile(
+    r"(^tmp-checkpoint-)|(^\.)|(\.tmp[0-9A-Za-z_]*$)|(\.tmp\.)|(\.part$)|(\.partial$)"
+    r"|(\.incomplete$)|(~$)|(-unfinished$)|(\.lock$)")
+_ZIP_END = b"PK\x05\x06"
+_ZIP_END_BYTES = 22
+_ZIP_MAX_COMMENT = 0xFFFF
+_TAR_BLOCK = 512
+_MAX_SAFETENSORS_HEADER = 100 << 20  # the library's own limit
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's and verl's, next to iter_N/
+DEEPSPEED_LATEST = "latest"  # DeepSpeed's pointer to the newest tag, next to global_stepN/
+NEMO_UNFINISHED = "-unfinished"  # NeMo 2's sibling marker, removed when a save is complete
+
+
+class Shape(NamedTuple):
+    """What a candidate is: the writer's short name, the artifact kind, the step in its name."""
+
+    format: str
+    kind: str  # checkpoint, hf_export, merged_model
+    step: int | None
+
+
+class Verdict(NamedTuple):
+    """Whether a candidate that stopped changing is complete, and if not, why not."""
+
+    complete: bool
+    why: str = ""  # when not complete: what is missing
+    step: int | None = None  # a step the marker holds (trainer_state.json, a tracker)
+    marker: str = ""  # the file whose identity stands for the checkpoint's ("" : every file)
+
+
+def work_in_progress(name: str) -> bool:
+    """Whether `name` is one a writer uses before a save is finished (or a hidden file)."""
+    return _WORK_IN_PROGRESS.search(name) is not None
+
+
+_LAST_COPY = re.compile(r"-last(\.ckpt)?$")  # NeMo's second save of the newest step
+
+
+def is_alias_name(name: str, siblings: frozenset[str] = frozenset()) -> bool:
+    """Whether `name` is the newest checkpoint again under another name: Lightning's
+    `last.ckpt` (`last-v1.ckpt`), overwritten at every save, or NeMo's `...-step=N-last` when
+    a sibling holds the same step under its own name (without one, it is the only copy)."""
+    if re.fullmatch(r"last(-v\d+)?\.ckpt", name):
+        return True
+    if not _LAST_COPY.search(name):
+        return False
+    step = step_in_name(name)
+    return step is not None and any(
+        not _LAST_COPY.search(other) and step_in_name(other) == step for other in siblings)
+
+
+_STEP_IN_NAME = (
+    re.compile(r"^checkpoint-(\d+)$"),  # HF Trainer
+    re.compile(r"^global_step_?(\d+)$"),  # DeepSpeed (global_stepN), verl (global_step_N)
+    re.compile(r"^iter_(\d+)$"),  # Megatron
+    re.compile(r"(?:^|[^a-z])step[=_-]?(\d+)", re.IGNORECASE),  # Lightning, NeMo, torchtitan
+    re.compile(r"(?:^|[^a-z])iter(?:ation)?[=_-]?(\d+)", re.IGNORECASE),
+)
+_TRAILING_NUMBER = re.compile(r"[-_](\d+)$")
+
+
+def step_in_name(name: str) -> int | None:
+    """The training step a checkpoint's name carries, or None."""
+    for pattern in _STEP_IN_NAME:
+        found = pattern.search(name)
+        if found:
+            return int(found.group(1))
+    stem = name.split(".", 1)[0]
+    trailing = _TRAILING_NUMBER.search(stem)
+    return int(trailing.group(1)) if trailing and not stem.startswith("checkpoint_") else None
+
+
+# -- folders ------------------------------------------------------------------------------------
+
+def _has(names: frozenset[str], suffix: str) -> bool:
+    return any(name.endswith(suffix) for name in names)
+
+
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
+
+
+def _hf_weights(names: frozenset[str]) -> bool:
+    """Weights as save_pretrained writes them: one file, shards (before their index, which
+    comes last), or the index; `training_args.bin` is the Trainer's, not a weight."""
+    return any(n.endswith((".safetensors", ".index.json")) or (
+        n.endswith(".bin") and n != "training_args.bin") for n in names)
+
+
+def folder_shape(name: str, names: frozenset[str], subfolders: frozenset[str]) -> Shape | None:
+    """The shape of a folder named `name` holding files `names` and folders `subfolders`, when
+    it is a checkpoint; None when it is only a folder that may hold some."""
+    step = step_in_name(name)
+    if re.fullmatch(r"checkpoint-\d+", name):
+        return Shape("hf-trainer", "checkpoint", step)
+    if re.fullmatch(r"global_step\d+", name):
+        return Shape("deepspeed", "checkpoint", step)
+    if re.fullmatch(r"global_step_\d+", name):
+        return Shape("verl", "checkpoint", step)
+    if re.fullmatch(r"iter_\d+", name):
+        return Shape("megatron", "checkpoint", step)
+    if any(n.endswith(("model_states.pt", "optim_states.pt")) for n in names):
+        return Shape("deepspeed", "checkpoint", step)  # a tag of the caller's own choosing
+    if {"weights", "context"} <= subfolders:
+        return Shape("nemo", "checkpoint", step)
+    if ".metadata" in names or _has(names, ".distcp"):
+        return Shape("lightning-distcp" if name.endswith(".ckpt") else "distcp", "checkpoint",
+                     step)
+    if ("config.json" in names and _hf_weights(names)) or "adapter_config.json" in names:
+        kind = "merged_model" if "merged" in name.lower() else "hf_export"
+        return Shape("hf", kind, step)
+    if any(re.fullmatch(r"random_states_\d+\.pkl", n) for n in names):
+        return Shape("accelerate", "checkpoint", None)  # its checkpoint_k counts saves, not steps
+    return None
+
+
+# -- loose files --------------------------------------------------------------------------------
+
+_FILE_FORMATS = (
+    (".ckpt", "lightning-ckpt"),
+    (".safetensors", "safetensors"),
+    (".nemo", "nemo"),
+    (".pt", "pt"),
+    (".pth", "pt"),
+)
+
+
+def file_shape(name: str) -> Shape | None:
+    """The shape of a checkpoint file on its own, or None for any other file."""
+    for suffix, fmt in _FILE_FORMATS:
+        if name.endswith(suffix):
+            return Shape(fmt, "checkpoint", step_in_name(name[:-len(suffix)]))
+    return None
+
+
+# -- completeness -------------------------------------------------------------------------------
+
+def zip_complete(path: Path) -> str:
+    """"" when `path` ends with a zip's end-of-central-directory record (torch.save writes it
+    last), else what is wrong."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        if head != b"PK\x03\x04":
+            return "" if head else "empty"  # the legacy pickle format: no structure to check
+        tail_len = min(size, _ZIP_END_BYTES + _ZIP_MAX_COMMENT)
+        fh.seek(size - tail_len)
+        tail = fh.read(tail_len)
+    at = tail.rfind(_ZIP_END)
+    while at >= 0:
+        (comment_len,) = struct.unpack_from("<H", tail, at + 20) if at + 22 <= len(tail) else (-1,)
+        if at + _ZIP_END_BYTES + comment_len == len(tail):
+            return ""
+        at = tail.rfind(_ZIP_END, 0, at)
+    return "no zip end record yet (still being written)"
+
+
+def safetensors_complete(path: Path) -> str:
+    """"" when the header's tensors end exactly at the file's end, else what is wrong."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            return "shorter than a safetensors header"
+        (length,) = struct.unpack("<Q", raw)
+        if length > _MAX_SAFETENSORS_HEADER or 8 + length > size:
+            return "its header is not all there yet"
+        try:
+            header = json.loads(fh.read(length))
+        except ValueError:
+            return "its header is not valid JSON"
+    if not isinstance(header, dict):
+        return "its header is not valid JSON"
+    end = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets)):
+            return f"tensor {key!r} has no data offsets"
+        end = max(end, offsets[1])
+    if 8 + length + end != size:
+        return f"the header describes {8 + length + end} bytes, the file has {size}"
+    return ""
+
+
+def tar_complete(path: Path) -> str:
+    """"" when `path` ends with a tar's end of archive (two zero blocks), else what is wrong."""
+    size = path.stat().st_size
+    if size < 2 * _TAR_BLOCK or size % _TAR_BLOCK:
+        return "not a whole number of tar blocks yet"
+    with open(path, "rb") as fh:
+        fh.seek(size - 2 * _TAR_BLOCK)
+        if fh.read(2 * _TAR_BLOCK).strip(b"\0"):
+            return "no tar end of archive yet"
+    return ""
+
+
+def json_complete(path: Path) -> str:
+    try:
+        json.loads(path.read_bytes())
+    except ValueError:
+        return f"{path.name} is not whole JSON yet"
+    return ""
+
+
+_FILE_CHECKS: tuple[tuple[str, Callable[[Path], str]], ...] = (
+    (".safetensors", safetensors_complete),
+    (".pt", zip_complete), (".pth", zip_complete), (".bin", zip_complete),
+    (".ckpt", zip_complete),
+    (".nemo", tar_complete),
+    (".json", json_complete),
+)
+
+
+def file_problem(path: Path) -> str:
+    """What is wrong with one file of a checkpoint, by its name's format; "" when nothing."""
+    for suffix, check in _FILE_CHECKS:
+        if path.name.endswith(suffix):
+            try:
+                return check(path)
+            except OSError as exc:
+                return f"{path.name}: {exc.strerror or exc}"
+    return ""
+
+
+def _files_problem(root: Path, files: tuple[str, ...]) -> str:
+    for rel in files:
+        problem = file_problem(root / rel)
+        if problem:
+            return f"{rel}: {problem}"
+    return ""
+
+
+def _index_problem(root: Path, names: frozenset[str]) -> str:
+    """Every shard a `*.index.json` names is there (save_pretrained writes the index last)."""
+    for name in sorted(n for n in names if n.endswith(".index.json")):
+        try:
+            doc = json.loads((root / name).read_bytes())
+        except (OSError, ValueError):
+            return f"{name} is not whole JSON yet"
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            return f"{name} has no weight_map"
+        missing = sorted({str(s) for s in weight_map.values()} - names)
+        if missing:
+            return f"{name} names {missing[0]}, not there yet"
+    return ""
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def assess(shape: Shape, path: Path, files: tuple[str, ...]) -> Verdict:
+    """Whether the checkpoint at `path` (a folder holding `files`, relative paths, or one file)
+    is complete, by its writer's rules. Call it once it stopped changing."""
+    if not files and not path.is_dir():
+        problem = file_problem(path)
+        return Verdict(not problem, problem)
+    rule = _FOLDER_RULES.get(shape.format, _whole_files)
+    return rule(shape, path, frozenset(files))
+
+
+def _whole_files(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    problem = _index_problem(path, names) or _files_problem(path, tuple(sorted(names)))
+    return Verdict(not problem, problem)
+
+
+def _hf_export(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    """save_pretrained writes config.json first, then the shards, then their index."""
+    if any(_SHARD.search(n) for n in names) and not any(n.endswith(".index.json") for n in names):
+        return Verdict(False, "shards without their index yet")
+    return _whole_files(shape, path, names)
+
+
+def _hf_trainer(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    marker = "trainer_state.json"  # Trainer._save_checkpoint writes it after everything else
+    if marker not in names:
+        return Verdict(False, f"no {marker} yet")
+    try:
+        state = json.loads((path / marker).read_bytes())
+    except (OSError, ValueError):
+        return Verdict(False, f"{marker} is not whole JSON yet")
+    verdict = _whole_files(shape, path, names)
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return verdict._replace(step=step if isinstance(step, int) else None, marker=marker)
+
+
+def _distcp(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    # The coordinator renames .metadata.tmp to .metadata once every rank wrote its shards.
+    if ".metadata" not in names:
+        return Verdict(False, "no .metadata yet")
+    if shape.format == "lightning-distcp":
+        unfinished = _nemo_unfinished(path)
+        if unfinished:  # NeMo's distributed .ckpt folders (Megatron's layout)
+            return Verdict(False, unfinished)
+        if not {"meta.pt", "metadata.json"} & names:  # Lightning's, Megatron's, written last
+            return Verdict(False, "no meta.pt yet")
+    verdict = _whole_files(shape, path, frozenset(n for n in names if not n.endswith(".distcp")))
+    return verdict._replace(marker=".metadata")
+
+
+def _tracked(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    """Megatron and verl: rank 0 writes the tracker next to iter_N/ after every rank's files."""
+    tracked = _read_int(path.parent / TRACKER)
+    if tracked is None and shape.format == "megatron":
+        return Verdict(False, f"no {TRACKER} yet")
+    if tracked is not None and shape.step is not None and tracked < shape.step:
+        return Verdict(False, f"{TRACKER} still says {tracked}")
+    return _whole_files(shape, path, names)
+
+
+def _deepspeed(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    """rank 0 writes `latest` before the barrier the other ranks reach after their own files:
+    `latest` naming this tag says rank 0 is done, each shard's zip end says its rank is. One
+    naming another tag, written after every file of this one, means a later save began."""
+    latest_path = path.parent / DEEPSPEED_LATEST
+    if latest_path.exists():
+        try:
+            latest = latest_path.read_text(encoding="utf-8").strip()
+            written = latest_path.stat().st_mtime_ns
+            newest = max((os.stat(path / n).st_mtime_ns for n in names), default=0)
+        except (OSError, UnicodeDecodeError):
+            return Verdict(False, f"{DEEPSPEED_LATEST} cannot be read yet")
+        if latest != path.name and written < newest:
+            return Verdict(False, f"{DEEPSPEED_LATEST} does not name it yet")
+    if not any(n.endswith("model_states.pt") for n in names):
+        return Verdict(False, "no model states yet")
+    return _whole_files(shape, path, names)
+
+
+def _nemo_unfinished(path: Path) -> str:
+    """NeMo's marker of a save under way: the checkpoint's name without `.ckpt` and `-EMA`,
+    plus `-unfinished`, created first and removed once the save is complete."""
+    name = path.name.removesuffix(".ckpt").removesuffix("-EMA") + NEMO_UNFINISHED
+    return f"{name} is still there" if (path.parent / name).exists() else ""
+
+
+def _nemo(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+    unfinished = _nemo_unfinished(path)
+    return Verdict(False, unfinished) if unfinished else _whole_files(shape, path, names)
+
+
+_FOLDER_RULES: Mapping[str, Callable[[Shape, Path, frozenset[str]], Verdict]] = {
+    "hf-trainer": _hf_trainer,
+    "hf": _hf_export,
+    "distcp": _distcp,
+    "lightning-distcp": _distcp,
+    "megatron": _tracked,
+    "verl": _tracked,
+    "deepspeed": _deepspeed,
+    "nemo": _nemo,
+}
+
+
+def marker_identity(path: Path) -> str:
+    """A marker file's identity: size, modification time and inode; rewriting it changes it."""
+    st = os.stat(path)
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"

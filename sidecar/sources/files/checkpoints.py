@@ -1,0 +1,450 @@
+"""`--checkpoints DIR`: every model checkpoint written anywhere under DIR, handed on once it is
+complete, and never before.
+
+A look walks each folder (in a thread): a folder a writer names or fills like a checkpoint
+(checkpoint_formats.py) is one candidate, as is a checkpoint file lying on its own; symbolic
+links and `last.ckpt` are aliases, work-in-progress names are passed over. A candidate is
+judged once none of its files changed size or modification time between two looks
+`quiet_s` apart (longer on a network filesystem); then its writer's marker and the structure of
+its files decide. What is complete is handed to `register` with a fingerprint (its marker's
+identity, else its files'), which `known` remembers across restarts: a checkpoint is handed on
+once, and again only when it is rewritten. Looks are made when inotify says a folder changed,
+while a candidate is settling, and otherwise once every `SAFETY_LOOK_S`: a folder at rest costs
+one walk a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+from sidecar.aio import wait_set
+from sidecar.log import log
+from sidecar.sources.files.checkpoint_formats import (
+    Shape,
+    Verdict,
+    assess,
+    file_shape,
+    folder_shape,
+    is_alias_name,
+    marker_identity,
+    work_in_progress,
+)
+from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
+from sidecar.supervise import fault_point
+
+QUIET_S = 2.0  # no file of a candidate changed for this long, over two looks: it settled
+REMOTE_QUIET_S = 30.0  # on NFS and the like, where attributes are cached and no event arrives
+REMOTE_LOOK_S = 10.0  # how often a folder on a network filesystem is walked
+SAFETY_LOOK_S = 60.0  # with inotify: a walk even without events (a watch lost, a full queue)
+EVENT_SETTLE_S = 0.5  # after an event, more usually follow: one walk for the lot
+# While a save streams events, walks are spaced by this many times the CPU the last one took:
+# a walk of a large tree (10,000 files: tens of ms) then costs at most 1 % of a core.
+WALK_SPACING = 100.0
+MIN_LOOK_S = 0.05
+CONTAINER_HINT = "--artifact-uri"
+# An export saved into a folder that also holds the run's checkpoints (the Trainer's final
+# save_model into output_dir): its own files are the export, its folders are looked into.
+FLAT_FORMATS = frozenset({"hf", "accelerate"})
+
+
+class Found(NamedTuple):
+    """A complete checkpoint, as `register` receives it."""
+
+    path: str  # as posted: the mapped URI, or the local path
+    local: str  # absolute, local: with the fingerprint, its identity
+    kind: str
+    format: str
+    step: int | None
+    size_bytes: int
+    fingerprint: str
+
+
+class Entry:
+    """One candidate: what it is, what it looked like at the last look, where it stands."""
+
+    __slots__ = (
+        "files",
+        "fingerprint",
+        "path",
+        "root",
+        "seen_at",
+        "shape",
+        "signature",
+        "size",
+        "state",
+        "why",
+    )
+
+    def __init__(self, path: str, root: str, shape: Shape) -> None:
+        self.path = path
+        self.root = root
+        self.shape = shape
+        self.files: tuple[str, ...] = ()
+        self.signature = ""
+        self.size = 0
+        self.seen_at = 0.0  # when the signature last changed (monotonic)
+        self.state = "waiting"  # waiting, registered, skipped
+        self.why = "changing"
+        self.fingerprint = ""
+
+
+class _Look(NamedTuple):
+    """A candidate as one walk saw it."""
+
+    path: str
+    shape: Shape
+    files: tuple[str, ...]  # relative to `path`; empty for a file
+    signature: str
+    size: int
+
+
+class FolderState(NamedTuple):
+    """What `/status` shows of one --checkpoints folder."""
+
+    folder: str
+    registered: tuple[str, ...]
+    waiting: tuple[tuple[str, str], ...]  # path, why
+    skipped: tuple[tuple[str, str], ...]  # path, why
+    aliases: int
+    not_posted: int  # unmapped local paths in a container
+    deleted_before_complete: int
+    note: str  # "" or why the folder shows nothing (missing, not a folder)
+
+
+class ArtifactPaths:
+    """Local paths as the platform can use them (`--artifact-uri LOCAL=URI`, longest prefix
+    first); in a container an unmapped local path is useless to it and not posted."""
+
+    def __init__(self, mappings: Iterable[tuple[str, str]], container: str) -> None:
+        self.mappings = sorted(mappings, key=lambda m: len(m[0]), reverse=True)
+        self.container = container  # why this looks like a container, "" on bare metal
+
+    def resolve(self, path: str) -> str | None:
+        for local, uri in self.mappings:
+            if path == local or path.startswith(local.rstrip("/") + "/"):
+                rest = path[len(local.rstrip("/")):].lstrip("/")
+                return uri.rstrip("/") + ("/" + rest if rest else "")
+        return None if self.container else path
+
+
+def container_signal(environ: Mapping[str, str], root: Path = Path("/")) -> str:
+    """Why this process looks like it runs in a container ("" when it does not): Kubernetes'
+    variables, Docker's and Podman's marker files, a container runtime in the cgroup path."""
+    if "KUBERNETES_SERVICE_HOST" in environ:
+        return "KUBERNETES_SERVICE_HOST is set"
+    for marker in (".dockerenv", "run/.containerenv"):
+        if (root / marker).exists():
+            return f"/{marker} exists"
+    try:
+        cgroup = (root / "proc/1/cgroup").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        cgroup = ""
+    for runtime in ("kubepods", "docker", "containerd", "libpod", "crio"):
+        if runtime in cgroup:
+            return f"the cgroup names {runtime}"
+    return ""
+
+
+def walk(root: str) -> tuple[list[_Look], int, list[str]]:
+    """Every candidate under `root`, how many aliases were passed over, and every folder seen
+    (to be watched: a checkpoint's own folders too, even empty, as a save fills them later).
+    Blocking: call it in a thread."""
+    looks: list[_Look] = []
+    aliases = 0
+    seen: list[str] = []
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        entries = _entries(folder)
+        if entries is None:
+            continue
+        shape = _folder_shape(folder, entries)
+        if shape is not None and shape.format not in FLAT_FORMATS:
+            looks.append(_folder_look(folder, shape, seen, recurse=True))
+            continue
+        if shape is not None:  # its own files; its folders may hold checkpoints of their own
+            looks.append(_folder_look(folder, shape, seen, recurse=False))
+        else:
+            seen.append(folder)
+        names = frozenset(entry.name for entry in entries)
+        for entry in entries:
+            if work_in_progress(entry.name):
+                continue
+            if entry.is_symlink() or is_alias_name(entry.name, names):
+                aliases += 1
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(entry.path)
+                continue
+            if shape is not None:
+                continue
+            file = file_shape(entry.name)
+            if file is not None:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:  # deleted since the folder was listed
+                    continue
+                looks.append(_Look(entry.path, file, (), _signature(
+                    ((entry.name, st.st_size, st.st_mtime_ns),)), st.st_size))
+    return looks, aliases, seen
+
+
+class Surveyed(NamedTuple):
+    """One candidate as `sidecar check` shows it: judged now, without waiting for quiet."""
+
+    path: str
+    shape: Shape
+    size: int
+    verdict: Verdict
+
+
+def survey(root: str) -> tuple[list[Surveyed], int]:
+    """Every candidate under `root` with its verdict now, and the aliases passed over."""
+    looks, aliases, _ = walk(root)
+    found = []
+    for seen in sorted(looks, key=lambda lk: lk.path):
+        entry = Entry(seen.path, root, seen.shape)
+        entry.files, entry.signature = seen.files, seen.signature
+        found.append(Surveyed(seen.path, seen.shape, seen.size, _judge(entry)[0]))
+    return found, aliases
+
+
+def _entries(folder: str) -> list[os.DirEntry[str]] | None:
+    try:
+        with os.scandir(folder) as it:
+            return list(it)
+    except OSError:
+        return None
+
+
+def _folder_shape(folder: str, entries: list[os.DirEntry[str]]) -> Shape | None:
+    names = frozenset(e.name for e in entries if not e.is_dir(follow_symlinks=False))
+    subfolders = frozenset(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    return folder_shape(os.path.basename(folder), names, subfolders)
+
+
+def _folder_look(folder: str, shape: Shape, seen: list[str], recurse: bool) -> _Look:
+    files: list[tuple[str, int, int]] = []
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        seen.append(os.path.join(folder, rel) if rel else folder)
+        for entry in _entries(os.path.join(folder, rel)) or ():
+            name = os.path.join(rel, entry.name) if rel else entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if recurse:
+                        pending.append(name)
+                    continue
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            files.append((name, st.st_size, st.st_mtime_ns))
+    files.sort()
+    return _Look(folder, shape, tuple(f[0] for f in files), _signature(files),
+                 sum(f[1] for f in files))
+
+
+def _signature(files: Iterable[tuple[str, int, int]]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for name, size, mtime_ns in files:
+        digest.update(f"{name}\0{size}\0{mtime_ns}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def _judge(entry: Entry) -> tuple[Verdict, str]:
+    """The verdict on a settled candidate and, when complete, its fingerprint. Blocking."""
+    path = Path(entry.path)
+    try:
+        verdict = assess(entry.shape, path, entry.files)
+        if not verdict.complete:
+            return verdict, ""
+        fingerprint = (f"{verdict.marker}:{marker_identity(path / verdict.marker)}"
+                       if verdict.marker else f"files:{entry.signature}")
+        if not os.path.exists(entry.path):  # deleted (rotated away) while it was judged
+            return Verdict(False, "deleted"), ""
+        return verdict, fingerprint
+    except OSError as exc:
+        return Verdict(False, f"cannot be read ({exc.strerror or exc})"), ""
+
+
+class CheckpointWatcher:
+    """Finds checkpoints under the --checkpoints folders and hands on each complete one."""
+
+    def __init__(self, folders: Iterable[str], register: Callable[[Found], None],
+                 known: Callable[[str, str], bool], paths: ArtifactPaths,
+                 registers: str = "", mode: str = "auto") -> None:
+        """`registers`: "" when this node registers, else why not (shown per checkpoint);
+        `mode`: auto (inotify plus a safety walk) or poll."""
+        self.folders = tuple(os.path.abspath(f) for f in folders)
+        self.register = register
+        self.known = known
+        self.paths = paths
+        self.not_registering = registers
+        self.mode = mode
+        self.entries: dict[str, Entry] = {}
+        self.aliases: dict[str, int] = dict.fromkeys(self.folders, 0)
+        self.not_posted: dict[str, int] = dict.fromkeys(self.folders, 0)
+        self.deleted: dict[str, int] = dict.fromkeys(self.folders, 0)
+        self._warned: set[str] = set()
+        self._wake = asyncio.Event()
+        self._events: Inotify | None = None
+        self._remote = False
+        self._walk_cpu_s = 0.0  # what the last walk cost, in CPU seconds
+
+    @property
+    def quiet_s(self) -> float:
+        return REMOTE_QUIET_S if self._remote else QUIET_S
+
+    async def run(self) -> None:
+        """Look, and look again when something changes, until cancelled."""
+        self._remote = any(is_remote(filesystem_of(Path(f))) for f in self.folders)
+        if self.mode == "auto" and not self._remote:
+            try:
+                self._events = Inotify(self._wake.set)
+            except OSError as exc:
+                log.info("--checkpoints: file events unavailable (%s): walking every %.0f s",
+                         exc, REMOTE_LOOK_S)
+        try:
+            while True:
+                fault_point()
+                self._wake.clear()
+                await self.look()
+                woken = await wait_set(self._wake, self._next_look_in())
+                if woken:  # a save is under way: one walk for its burst of events
+                    await asyncio.sleep(max(EVENT_SETTLE_S, WALK_SPACING * self._walk_cpu_s))
+        finally:
+            if self._events is not None:
+                self._events.close()
+                self._events = None
+
+    def _next_look_in(self) -> float:
+        """Seconds to the next look: when a candidate that changed will have been quiet long
+        enough, else the interval. One judged incomplete waits for a change (a file event, or
+        the interval's walk) to be judged again."""
+        interval = SAFETY_LOOK_S if self._events is not None else REMOTE_LOOK_S
+        now = time.monotonic()
+        settling = [e.seen_at + self.quiet_s - now for e in self.entries.values()
+                    if e.state == "waiting" and e.why == "changing"]
+        return max(min([interval, *settling]), MIN_LOOK_S)
+
+    async def look(self) -> None:
+        """One walk of every folder; judge what settled; hand on what is complete."""
+        walks = await asyncio.to_thread(self._walk_all)
+        now = time.monotonic()
+        present: set[str] = set()
+        for folder, (looks, aliases, folders) in walks:
+            self.aliases[folder] = aliases
+            if self._events is not None:
+                self._events.watch(folders)
+            for seen in looks:
+                present.add(seen.path)
+                self._update(folder, seen, now)
+        for path in [p for p in self.entries if p not in present]:
+            gone = self.entries.pop(path)
+            if gone.state == "waiting":
+                self.deleted[gone.root] += 1
+                log.info("--checkpoints: %s was deleted before it was complete; not registered",
+                         path)
+        due = [e for e in self.entries.values()
+               if e.state == "waiting" and self._settled(e, now)]
+        if due:
+            verdicts = await asyncio.to_thread(lambda: [(e, *_judge(e)) for e in due])
+            for entry, verdict, fingerprint in verdicts:
+                self._decide(entry, verdict, fingerprint)
+
+    def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str]]]]:
+        started = time.thread_time()
+        walks = [(folder, walk(folder)) for folder in self.folders]
+        self._walk_cpu_s = time.thread_time() - started
+        return walks
+
+    def _update(self, folder: str, seen: _Look, now: float) -> None:
+        entry = self.entries.get(seen.path)
+        if entry is None:
+            entry = self.entries[seen.path] = Entry(seen.path, folder, seen.shape)
+            entry.seen_at = now
+        elif entry.signature == seen.signature:
+            return
+        else:  # changed: rewritten in place when it was registered
+            entry.seen_at = now
+            entry.state = "waiting"
+        entry.shape, entry.files, entry.signature, entry.size = (
+            seen.shape, seen.files, seen.signature, seen.size)
+        entry.why = "changing"
+
+    def _settled(self, entry: Entry, now: float) -> bool:
+        return now - entry.seen_at >= self.quiet_s
+
+    def _decide(self, entry: Entry, verdict: Verdict, fingerprint: str) -> None:
+        if not verdict.complete:
+            if entry.why != verdict.why:
+                log.debug("--checkpoints: %s is not complete: %s", entry.path, verdict.why)
+            entry.why = verdict.why
+            return
+        entry.fingerprint = fingerprint
+        if self.known(entry.path, fingerprint):
+            log.debug("--checkpoints: %s was registered already, as it is now", entry.path)
+            entry.state, entry.why = "registered", ""
+            return
+        if self.not_registering:
+            entry.state, entry.why = "skipped", self.not_registering
+            if entry.root not in self._warned:
+                self._warned.add(entry.root)
+                log.info("--checkpoints %s: %s is complete and not registered here: %s",
+                         entry.root, entry.path, self.not_registering)
+            return
+        uri = self.paths.resolve(entry.path)
+        if uri is None:
+            entry.state = "skipped"
+            entry.why = (f"a local path in a container ({self.paths.container}) is useless to "
+                         f"the platform; map it with {CONTAINER_HINT}")
+            self.not_posted[entry.root] += 1
+            if entry.root not in self._warned:
+                self._warned.add(entry.root)
+                log.warning("--checkpoints %s: %s is not posted: this runs in a container (%s), "
+                            "where a local path stops existing with it; give %s LOCAL=URI "
+                            "naming the object-store URI this folder mirrors", entry.root,
+                            entry.path, self.paths.container, CONTAINER_HINT)
+            return
+        step = verdict.step if verdict.step is not None else entry.shape.step
+        entry.state, entry.why = "registered", ""
+        log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); registering it",
+                 entry.path, entry.shape.kind, entry.shape.format,
+                 "unknown" if step is None else step, entry.size)
+        self.register(Found(uri, entry.path, entry.shape.kind, entry.shape.format, step,
+                            entry.size, fingerprint))
+
+    def settling(self) -> int:
+        """Candidates not judged since their files last changed: they may be complete."""
+        return sum(1 for e in self.entries.values()
+                   if e.state == "waiting" and e.why == "changing")
+
+    async def drain(self, deadline: float) -> None:
+        """A last look, and more while a candidate is settling, until `deadline`: a checkpoint
+        the command finished just before it exited is registered too."""
+        await self.look()
+        while self.settling() and time.monotonic() + self.quiet_s <= deadline:
+            await asyncio.sleep(min(self._next_look_in(), max(deadline - time.monotonic(), 0)))
+            await self.look()
+
+    def states(self) -> list[FolderState]:
+        """Each folder's checkpoints by state, for the status endpoint."""
+        result = []
+        for folder in self.folders:
+            mine = [e for e in self.entries.values() if e.root == folder]
+            note = "" if os.path.isdir(folder) else (
+                "is not a folder" if os.path.exists(folder) else "does not exist yet")
+            result.append(FolderState(
+                folder, tuple(sorted(e.path for e in mine if e.state == "registered")),
+                tuple(sorted((e.path, e.why) for e in mine if e.state == "waiting")),
+                tuple(sorted((e.path, e.why) for e in mine if e.state == "skipped")),
+                self.aliases.get(folder, 0), self.not_posted[folder], self.deleted[folder],
+                note))
+        return result
