@@ -155,7 +155,8 @@ class Pipeline(Sink):
         self._sampler_task: asyncio.Task[None] | None = None
         self._hparams_task: asyncio.Task[None] | None = None
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
-        self.shipper = log_shipper or LogShipper(client, run_id)
+        self.shipper = log_shipper or LogShipper(
+            client, run_id, prefix=cfg.log_prefix.format(node=node.name, rank=node.rank))
         self.metrics = Batcher(client, "metrics", lambda points: {
             "run_id": run_id, "points": points}, run_dir)
         self.hparams = Batcher(client, "hparams", lambda pairs: {
@@ -333,5 +334,6 @@ class Pipeline(Sink):
                 "%s, for the next start or `sidecar replay`",
                 ", ".join(f"{route} {n}" for route, n in left.items()), self.cfg.run_dir / "spool")
         if self.shipper.dropped_chars:
-            log.warning("log output not delivered to /logs in this run: %d characters",
+            log.warning("log output dropped in this run, not to be delivered: %d characters in "
+                        "all (/logs is best-effort while the command runs)",
                         self.shipper.dropped_chars)

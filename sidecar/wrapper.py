@@ -222,8 +222,9 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
 
     prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
     budget = _Budget(cfg.log_rate * 1e6)
-    shipper = LogShipper(client, cfg.platform.run_id) if client is not None else None  # it holds
-    #                       the first output until the pipeline, imported after the spawn, is up
+    shipper = (LogShipper(client, cfg.platform.run_id, prefix=prefix)  # it holds the first
+               if client is not None else None)  # output until the pipeline, imported after
+    #                                        the spawn, is up
     scanner = Scanner()
     report = Report(scanner)
     stall = stall_watch(cfg, report, shipper, prefix)
@@ -373,6 +374,16 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
     first (what was queued before the crash tail, then the crash tail), then the end event."""
     started = time.monotonic() if started is None else started
     deadline = started + cfg.drain_timeout
+    client = (pipeline.client if pipeline is not None
+              else crash_tail.client if crash_tail is not None else lifecycle.client)
+    refused = client.never_accepted if client is not None else None
+    if refused is not None:  # the drain would wait out its deadline: say what is kept instead
+        _say_kept(cfg, lifecycle, crash_tail, pipeline, refused)
+        return
+    if client is not None and client.failing:
+        log.info("waiting up to %s (--drain-timeout) for the ingest to take what is left "
+                 "(failing now: %s)", format_duration(max(deadline - time.monotonic(), 0.0)),
+                 ", ".join(client.failing))
     if pipeline is not None:
         pipeline.client.hurry()
     stop = interrupted or asyncio.Event()
@@ -384,14 +395,35 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
         await _until(_drained(pipeline, backlog_deadline), backlog_deadline, stop)
     if crash_tail is not None and not await _until(
             crash_tail.deliver(output_deadline), output_deadline, stop):
-        log.warning("the crash tail (the command's last output) is not yet delivered to "
-                    "/logs; kept in %s for the next start or `sidecar replay`", cfg.run_dir)
+        log.warning("the command's last output is not yet delivered to /logs; kept in %s for "
+                    "the next start or `sidecar replay`", cfg.run_dir)
     delivered = await _until(lifecycle.drain(max(deadline - time.monotonic(), 0.0)), deadline,
                              stop)
     if not delivered and lifecycle.pending:
         log.warning("drain deadline reached: %d lifecycle event(s) (%s) not yet delivered, "
                     "kept in %s; the next start or `sidecar replay` delivers them",
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
+
+
+def _say_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
+              pipeline: Pipeline | None, refused: str) -> None:
+    """No answer of the run was accepted, each one was `refused`: no wait would change that,
+    so the drain is not waited out; one line says what is kept, and for what."""
+    kept = []
+    if lifecycle.pending:
+        kept.append(f"the lifecycle event{'s' if len(lifecycle.pending) > 1 else ''} "
+                    f"{', '.join(lifecycle.pending)}")
+    if crash_tail is not None and crash_tail.pending:
+        kept.append("the command's last output")
+    if pipeline is not None:
+        pipeline.shipper.stop_reason = f"no answer of the ingest was accepted ({refused})"
+        if pipeline.cfg.jsonl or pipeline.cfg.tensorboard:
+            kept.append("the metric points past the files' acknowledged offsets")
+    fix = "once the token is accepted" if "token" in refused else "once the ingest is reachable"
+    what = (f"; kept in {cfg.run_dir} for the next start or `sidecar replay` ({fix}): "
+            + "; ".join(kept)) if kept else ""
+    log.warning("no payload of this run was accepted: every answer was %s, so the exit does "
+                "not wait for the drain%s", refused, what)
 
 
 async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[_Stream],
