@@ -113,6 +113,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     report = Report(gpus=pipeline)
     stall = stall_watch(cfg, report, pipeline.shipper, cfg.log_prefix.format(
         node=node.name, rank=node.rank))
+    stall.say = pipeline.say  # between the followed files' lines, never inside an open one
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await serve_status(cfg, node, "watch", client, pipeline, None, report)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.logs import LogShipper
-from sidecar.log import log, secrets, state_write_failed
+from sidecar.log import log, mask, secrets, state_write_failed
 from sidecar.node import Node
 from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
@@ -80,14 +81,22 @@ def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher
                    max_queued=MAX_QUEUED_DOCUMENTS, spill=spill)
 
 
-def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
-    """The files `cfg` asks to follow, each kind with its parser."""
+def source_specs(cfg: Config, node: Node,
+                 made: Callable[[LogFileParser], None] | None = None) -> list[SourceSpec]:
+    """The files `cfg` asks to follow, each kind with its parser (`made` is told of each log
+    file's)."""
     prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
     specs = []
+
+    def log_parser(path: Path, state: dict[str, Any]) -> LogFileParser:
+        parser = LogFileParser.resume(state, log_format=cfg.log_format, secrets=secrets,
+                                      prefix=prefix, keep_sgr=cfg.log_ansi == "keep")
+        if made is not None:
+            made(parser)
+        return parser
+
     if cfg.log:
-        specs.append(SourceSpec("log", cfg.log, lambda path, state: LogFileParser.resume(
-            state, log_format=cfg.log_format, secrets=secrets, prefix=prefix,
-            keep_sgr=cfg.log_ansi == "keep"), option="--log"))
+        specs.append(SourceSpec("log", cfg.log, log_parser, option="--log"))
     if cfg.jsonl:
         specs.append(SourceSpec("jsonl", cfg.jsonl,
                                 lambda path, state: JsonlParser.resume(state, str(path)),
@@ -166,8 +175,11 @@ class Pipeline(Sink):
         self.hparams_file = None if hparams_file is None else HparamsFile(
             hparams_file, lambda params: self.hparams.push(list(params.items())))
         self.offsets = Offsets(run_dir / "offsets.json")
-        self.follower = Follower(source_specs(cfg, node), self, self.offsets,
-                                 mode=cfg.file_watch)
+        self._prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
+        self._log_parsers: weakref.WeakSet[LogFileParser] = weakref.WeakSet()  # of the files
+        #   followed now: a line of ours ends their open lines first
+        self.follower = Follower(source_specs(cfg, node, self._log_parsers.add), self,
+                                 self.offsets, mode=cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
             sink.on_room = self.follower.room
 
@@ -237,10 +249,11 @@ class Pipeline(Sink):
         return self.shipper.has_room and self.metrics.has_room and self.hparams.has_room
 
     def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
-        if self.on_activity is not None and (parsed.text or self._new_step(parsed.points)):
+        active = bool(parsed.text) or self._new_step(parsed.points)
+        if parsed.text:  # before a line of ours about it (resumed): the text is assembled,
+            self.shipper.put(parsed.text, ticket)  # its file's open line is known past it
+        if self.on_activity is not None and active:
             self.on_activity()
-        if parsed.text:
-            self.shipper.put(parsed.text, ticket)
         if parsed.points:
             self.metrics.push(self._admit(parsed.points), ticket)
         if parsed.hparams:
@@ -250,6 +263,14 @@ class Pipeline(Sink):
                 log.warning("metric %r: a NaN or infinite value is never sent; such values are "
                             "counted per key (said once per key)", key)
             self.invalid[key] = self.invalid.get(key, 0) + count
+
+    def say(self, line: str) -> None:
+        """A line of ours (`[sidecar] ...`) to /logs between the followed files' lines, never
+        spliced into one of them: the open line of each (sent in part after a quiet second)
+        is ended first, and its rest, when it comes, is prefixed again."""
+        for parser in list(self._log_parsers):
+            self.shipper.put(parser.end_line())
+        self.shipper.put(mask(self._prefix + line + "\n"))
 
     def _new_step(self, points: list[dict[str, Any]]) -> bool:
         """Whether `points` go beyond every step seen before (--stall-after's progress)."""
