@@ -436,7 +436,8 @@ async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Seq
     await shipper.settle(deadline - time.monotonic())
     tail = take_tail([stream.tail for stream in streams])
     shipper.forget(tail.carried_from)
-    await crash_tail.add(tail.texts)
+    gap = shipper.take_gap_line() if tail.texts else ""  # what was dropped before it
+    await crash_tail.add([gap, *tail.texts] if gap else tail.texts)
     shipper.flush_stall_s = math.inf
     shipper.start()
 

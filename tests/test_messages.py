@@ -245,6 +245,27 @@ def test_a_rejected_token_says_what_is_kept_and_does_not_wait_out_the_drain(
     replayed = sidecar(["replay", "--timeout", "10"], env, tmp_path / "replay")
     assert replayed.status == 0, replayed.stderr
     assert events(ingest) == ["starting", "running", "succeeded"]
+    if "the command's last output" in kept:  # `bye`, unanswered at the exit (the usual case):
+        assert log_lines(ingest) == [  # replayed, after a line of ours where `hi` was dropped
+            "[sidecar] 3 characters of output were dropped here: the ingest did not take it "
+            "(token rejected)", "bye"]
+    else:
+        assert log_lines(ingest) == []
+
+
+def test_an_ingest_never_reachable_says_what_is_kept_without_waiting_out_the_drain(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    ingest.stop_listening()  # every connection refused, for the whole run
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="30")
+    started = time.monotonic()
+    done = sidecar(["run", "--", *python_child("print('hi')")], env, tmp_path / "sc")
+    took_s = time.monotonic() - started
+    assert done.status == 0, done.stderr
+    assert took_s < 15, f"waited out the drain: {took_s:.1f} s"
+    [kept] = lines_with(done.stderr, "no payload of this run was accepted")
+    assert "every answer was a refused connection" in kept
+    assert "`sidecar replay` (once the ingest is reachable)" in kept
+    assert "the lifecycle events starting, running, succeeded" in kept
 
 
 def test_a_drain_that_waits_says_what_for(ingest: RunningIngest, tmp_path: Path) -> None:

@@ -302,6 +302,14 @@ class LogShipper:
         self._gap_why = why
         self._drop(chars, why, marked=True)
 
+    def take_gap_line(self) -> str:
+        """The gap marker owed to the log, for text that goes another way (the crash tail) when
+        nothing is left queued here to carry it; it is then no longer owed here."""
+        if self._chunks or self._inflight is not None:
+            return ""
+        line, self._gap = self._gap_line(), 0
+        return line
+
     def _gap_line(self) -> str:
         """The gap marker, when text was given up since the last text sent: on a line of its
         own, prefixed like the output's."""
