@@ -275,3 +275,31 @@ def test_a_drain_that_waits_says_what_for(ingest: RunningIngest, tmp_path: Path)
     assert done.status == 0, done.stderr
     [waits] = lines_with(done.stderr, "waiting up to")
     assert "for the ingest to take what is left (failing now: /lifecycle)" in waits
+
+
+async def test_a_route_back_after_a_said_failure_is_said_once_as_often_as_the_failure(
+        ingest: RunningIngest) -> None:
+    """A failure said once a minute has its end said as often: a flapping ingest does not get
+    one line per recovery."""
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        for ts in ("2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z"):
+            ingest.add_fault(Fault(route="lifecycle", status=503, times=1))
+            body = json.dumps({"run_id": RUN_ID, "event": "starting", "ts": ts}).encode()
+            assert (await client.deliver("lifecycle", body)).ok
+    finally:
+        log.setLevel(level)
+        log.removeHandler(handler)
+        await client.close()
+    said = [r.getMessage() for r in seen]
+    assert len([m for m in said if "did not take a payload (HTTP 503)" in m]) == 1, said
+    back = [m for m in said if "reachable again" in m]
+    assert back == ["/lifecycle: the ingest is reachable again after 0s and 1 failed attempt; "
+                    "delivery goes on"], said

@@ -333,11 +333,11 @@ class IngestClient:
         self._token = token
 
     def _error_once_a_minute(self, route: str, answer: Answer) -> None:
-        if route in self._spells and answer.verdict is not Verdict.REJECTED:
-            self._said(route)
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")
         if held is None:
             return
+        if answer.verdict is not Verdict.REJECTED:  # a poison payload: the route is fine
+            self._said(route)  # and so will be its end: as often as it is
         kept = ("this output is dropped and counted (/logs is best-effort); later output is "
                 "sent once the token is accepted"
                 if ROUTES[route].guarantee is Guarantee.BEST_EFFORT
@@ -353,10 +353,10 @@ class IngestClient:
         log.error("%s: HTTP %s: %s%s", ROUTES[route].path, answer.status, what, more)
 
     def _unreachable_once_a_minute(self, route: str, answer: Answer) -> None:
-        self._said(route)
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")
         if held is None:
             return
+        self._said(route)  # and so will be its end: as often as it is
         more = f" ({held} more failed attempts since the last message)" if held else ""
         log.warning("%s: the ingest did not take a payload (%s); it is kept and retried with "
                     "backoff%s; `sidecar check` probes the endpoint from this node",

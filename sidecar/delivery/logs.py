@@ -217,9 +217,9 @@ class LogShipper:
                 self._gap = 0
                 self._line_open = not batch[-1].endswith("\n")
             else:
-                self._give_up(size, "the ingest did not take it "
-                              f"({answer.detail or f'HTTP {answer.status}'})")
-                self.client.gave_up("logs")
+                if self._give_up(size, "the ingest did not take it "
+                                 f"({answer.detail or f'HTTP {answer.status}'})"):
+                    self.client.gave_up("logs")  # said: its end will be too
             for text, ticket, span in entries:
                 if ticket is not None:
                     ticket.release()
@@ -293,14 +293,14 @@ class LogShipper:
         self._buffered -= size
         return batch
 
-    def _give_up(self, chars: int, why: str) -> None:
-        """Text taken for /logs is dropped: counted and said, and marked where it was by a
-        line of ours before the next text that goes."""
+    def _give_up(self, chars: int, why: str) -> bool:
+        """Text taken for /logs is dropped: counted and said (True when said now), and marked
+        where it was by a line of ours before the next text that goes."""
         if chars <= 0:
-            return
+            return False
         self._gap += chars
         self._gap_why = why
-        self._drop(chars, why, marked=True)
+        return self._drop(chars, why, marked=True)
 
     def take_gap_line(self) -> str:
         """The gap marker owed to the log, for text that goes another way (the crash tail) when
@@ -318,9 +318,10 @@ class LogShipper:
         return (("\n" if self._line_open else "") + f"{self.prefix}[sidecar] {self._gap} "
                 f"characters of output were dropped here: {self._gap_why}\n")
 
-    def _drop(self, chars: int, why: str, marked: bool = False) -> None:
+    def _drop(self, chars: int, why: str, marked: bool = False) -> bool:
+        """Count `chars` dropped, and say so at most once a minute; True when said now."""
         if chars <= 0:  # nothing lost: no count, and no "dropped 0 characters"
-            return
+            return False
         self.dropped_chars += chars
         self.client.route_stats("logs").dropped += chars
         now = time.monotonic()
@@ -330,6 +331,8 @@ class LogShipper:
                      "again" if marked else "")
             log.warning("/logs: dropped %d characters of output: %s%s (%d dropped in all; "
                         "training is not affected)", chars, why, where, self.dropped_chars)
+            return True
+        return False
 
 
 def _cut(entry: tuple[str, Ticket | None, Span | None], at: int
