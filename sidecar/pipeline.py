@@ -338,6 +338,17 @@ class Pipeline(Sink):
                              *(b.flush(remaining) for b in self.batchers))
         await self.offsets.save()
 
+    async def stop_reading(self) -> None:
+        """Stop every source at once, reading nothing more (the drain is not waited out: no
+        answer of the run was accepted); what they made and was not acknowledged stays where
+        close() says."""
+        await cancel(self._sampler_task)
+        await cancel(self._environment_task)
+        if self.sampler is not None:
+            self.sampler.close()
+        await cancel(self._hparams_task)
+        await cancel(self._follow_task)
+
     async def close(self) -> None:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
         one line."""

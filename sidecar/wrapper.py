@@ -379,6 +379,8 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
     refused = client.never_accepted if client is not None else None
     if refused is not None:  # the drain would wait out its deadline: say what is kept instead
         _say_kept(cfg, lifecycle, crash_tail, pipeline, refused)
+        if pipeline is not None:
+            await pipeline.stop_reading()
         return
     if client is not None and client.failing:
         log.info("waiting up to %s (--drain-timeout) for the ingest to take what is left "
