@@ -205,7 +205,7 @@ def test_an_outage_drops_what_it_says_marks_the_gap_and_says_the_ingest_is_back(
     assert sum(said) == 10 * len(missing)  # `line NNNN\n`
     where = received.index(markers[0])  # where the first of them was
     assert received[where - 1] == f"line {missing[0] - 1:04d}"
-    [back] = lines_with(done.stderr, "reachable again")
+    [back] = lines_with(done.stderr, "/logs: the ingest is reachable again")  # once, for /logs
     assert " INFO /logs: the ingest is reachable again after " in back
     [total] = lines_with(done.stderr, "dropped in this run")
     assert f": {10 * len(missing)} characters in all" in total
