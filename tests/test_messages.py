@@ -270,8 +270,18 @@ def test_an_ingest_never_reachable_says_what_is_kept_without_waiting_out_the_dra
 
 def test_a_drain_that_waits_says_what_for(ingest: RunningIngest, tmp_path: Path) -> None:
     ingest.add_fault(Fault(route="lifecycle", status=503))
-    env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="2")
-    done = sidecar(["run", "--", *python_child("print('hi')")], env, tmp_path / "sc")
+    go = tmp_path / "go"
+    child = python_child(f"import os, time\nwhile not os.path.exists({str(go)!r}):\n"
+                         "    time.sleep(0.02)\n")
+    run = Sidecar(["run", "--", *child],
+                  platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="2"),
+                  tmp_path / "sc")
+    try:
+        wait_until(lambda: b"/lifecycle: the ingest did not take" in (
+            tmp_path / "sc" / "stderr").read_bytes(), 20, "the failure said")
+    finally:
+        go.touch()
+    done = run.wait(60)
     assert done.status == 0, done.stderr
     [waits] = lines_with(done.stderr, "waiting up to")
     assert "for the ingest to take what is left (failing now: /lifecycle)" in waits
