@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from sidecar.aio import cancel
+from sidecar.aio import cancel, wait_set
 from sidecar.config import Config
 from sidecar.daemon import TICK_S, Report, claim_run_dir, make_client, serve_status, stall_watch
 from sidecar.delivery import handoff
@@ -60,6 +60,8 @@ HOLDERS_SHARE = 0.5  # of the output's share, how long the output is still forwa
 #                      process the command left (a background writer) holds it open, as `tee`
 #                      would; then one line names them and what they write is not forwarded
 TAIL_DRAIN_SHARE = 0.5  # of the output's share kept for the crash tail when older text waits
+FIRST_ANSWER_WAIT_S = 1.0  # at the drain, for the run's first answer when none came yet: a
+#                            refused connection or a 401 is known then, and not waited out
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
 GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
@@ -376,6 +378,8 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
     deadline = started + cfg.drain_timeout
     client = (pipeline.client if pipeline is not None
               else crash_tail.client if crash_tail is not None else lifecycle.client)
+    if client is not None and not client.answered.is_set():  # a command that exits at once:
+        await wait_set(client.answered, FIRST_ANSWER_WAIT_S)  # is the ingest there at all?
     refused = client.never_accepted if client is not None else None
     if refused is not None:  # the drain would wait out its deadline: say what is kept instead
         _say_kept(cfg, lifecycle, crash_tail, pipeline, refused)

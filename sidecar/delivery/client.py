@@ -210,6 +210,7 @@ class IngestClient:
         self._accepted = 0  # payloads the ingest took, all routes together
         self._refusals: set[str] = set()  # what the failed attempts were: "token", "refused"
         #   (a refused connection) or "other"
+        self.answered = asyncio.Event()  # an attempt of any route has had its outcome
 
     async def start(self) -> None:
         """Read the token and make the keep-alive transport; call once from the event loop."""
@@ -260,6 +261,7 @@ class IngestClient:
         return answer
 
     def _account(self, route: str, stats: RouteStats, answer: Answer) -> None:
+        self.answered.set()
         if answer.ok:
             stats.accepted += 1
             stats.last_success = time.time()
