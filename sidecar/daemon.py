@@ -121,13 +121,24 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
              len(cfg.jsonl), len(cfg.tensorboard))
     await stop.wait()
     await cancel(stall_ticker)
-    log.info("stopping: reading every file to its end, delivering for at most %.0f s",
-             cfg.drain_timeout)
-    for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the drain
-        loop.add_signal_handler(signum, _cancel_current_task, asyncio.current_task())
-    client.hurry()
-    with contextlib.suppress(asyncio.CancelledError):
-        await pipeline.drain(time.monotonic() + cfg.drain_timeout)
+    refused = client.never_accepted
+    if refused is not None:  # no wait would change that: say what is kept instead
+        fix = ("once the token is accepted" if "token" in refused
+               else "once the ingest is reachable")
+        log.warning("stopping: no payload of this run was accepted, every answer was %s, so "
+                    "the drain is not waited out; the files' data past their acknowledged "
+                    "offsets and the spooled payloads are kept in %s for the next start or "
+                    "`sidecar replay` (%s)", refused, cfg.run_dir, fix)
+        pipeline.shipper.stop_reason = f"no answer of the ingest was accepted ({refused})"
+        await pipeline.stop_reading()
+    else:
+        log.info("stopping: reading every file to its end, delivering for at most %.0f s",
+                 cfg.drain_timeout)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the drain
+            loop.add_signal_handler(signum, _cancel_current_task, asyncio.current_task())
+        client.hurry()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pipeline.drain(time.monotonic() + cfg.drain_timeout)
     await pipeline.close()
     await client.close()
     if status is not None:
