@@ -113,6 +113,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     report = Report(gpus=pipeline)
     stall = stall_watch(cfg, report, pipeline.shipper, cfg.log_prefix.format(
         node=node.name, rank=node.rank))
+    stall.say = pipeline.say  # between the followed files' lines, never inside an open one
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await serve_status(cfg, node, "watch", client, pipeline, None, report)
@@ -120,13 +121,24 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
              len(cfg.log), len(cfg.jsonl), len(cfg.tensorboard), len(cfg.checkpoints))
     await stop.wait()
     await cancel(stall_ticker)
-    log.info("stopping: reading every file to its end, delivering for at most %.0f s",
-             cfg.drain_timeout)
-    for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the drain
-        loop.add_signal_handler(signum, _cancel_current_task, asyncio.current_task())
-    client.hurry()
-    with contextlib.suppress(asyncio.CancelledError):
-        await pipeline.drain(time.monotonic() + cfg.drain_timeout)
+    refused = client.never_accepted
+    if refused is not None:  # no wait would change that: say what is kept instead
+        fix = ("once the token is accepted" if "token" in refused
+               else "once the ingest is reachable")
+        log.warning("stopping: no payload of this run was accepted, every answer was %s, so "
+                    "the drain is not waited out; the files' data past their acknowledged "
+                    "offsets and the spooled payloads are kept in %s for the next start or "
+                    "`sidecar replay` (%s)", refused, cfg.run_dir, fix)
+        pipeline.shipper.stop_reason = f"no answer of the ingest was accepted ({refused})"
+        await pipeline.stop_reading()
+    else:
+        log.info("stopping: reading every file to its end, delivering for at most %.0f s",
+                 cfg.drain_timeout)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the drain
+            loop.add_signal_handler(signum, _cancel_current_task, asyncio.current_task())
+        client.hurry()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pipeline.drain(time.monotonic() + cfg.drain_timeout)
     await pipeline.close()
     await client.close()
     if status is not None:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.logs import LogShipper
-from sidecar.log import log, secrets, state_write_failed
+from sidecar.log import log, mask, secrets, state_write_failed
 from sidecar.node import Node
 from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser
@@ -83,14 +84,22 @@ def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher
                    max_queued=MAX_QUEUED_DOCUMENTS, spill=spill)
 
 
-def source_specs(cfg: Config, node: Node) -> list[SourceSpec]:
-    """The files `cfg` asks to follow, each kind with its parser."""
+def source_specs(cfg: Config, node: Node,
+                 made: Callable[[LogFileParser], None] | None = None) -> list[SourceSpec]:
+    """The files `cfg` asks to follow, each kind with its parser (`made` is told of each log
+    file's)."""
     prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
     specs = []
+
+    def log_parser(path: Path, state: dict[str, Any]) -> LogFileParser:
+        parser = LogFileParser.resume(state, log_format=cfg.log_format, secrets=secrets,
+                                      prefix=prefix, keep_sgr=cfg.log_ansi == "keep")
+        if made is not None:
+            made(parser)
+        return parser
+
     if cfg.log:
-        specs.append(SourceSpec("log", cfg.log, lambda path, state: LogFileParser.resume(
-            state, log_format=cfg.log_format, secrets=secrets, prefix=prefix,
-            keep_sgr=cfg.log_ansi == "keep"), option="--log"))
+        specs.append(SourceSpec("log", cfg.log, log_parser, option="--log"))
     if cfg.jsonl:
         specs.append(SourceSpec("jsonl", cfg.jsonl,
                                 lambda path, state: JsonlParser.resume(state, str(path)),
@@ -181,7 +190,8 @@ class Pipeline(Sink):
         self._hparams_task: asyncio.Task[None] | None = None
         self._checkpoints_task: asyncio.Task[None] | None = None
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
-        self.shipper = log_shipper or LogShipper(client, run_id)
+        self.shipper = log_shipper or LogShipper(
+            client, run_id, prefix=cfg.log_prefix.format(node=node.name, rank=node.rank))
         self.metrics = Batcher(client, "metrics", lambda points: {
             "run_id": run_id, "points": points}, run_dir)
         self.hparams = Batcher(client, "hparams", lambda pairs: {
@@ -191,8 +201,11 @@ class Pipeline(Sink):
         self.hparams_file = None if hparams_file is None else HparamsFile(
             hparams_file, lambda params: self.hparams.push(list(params.items())))
         self.offsets = Offsets(run_dir / "offsets.json")
-        self.follower = Follower(source_specs(cfg, node), self, self.offsets,
-                                 mode=cfg.file_watch)
+        self._prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
+        self._log_parsers: weakref.WeakSet[LogFileParser] = weakref.WeakSet()  # of the files
+        #   followed now: a line of ours ends their open lines first
+        self.follower = Follower(source_specs(cfg, node, self._log_parsers.add), self,
+                                 self.offsets, mode=cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
             sink.on_room = self.follower.room
         self.artifacts = Artifacts(run_dir, run_id, client)
@@ -276,10 +289,11 @@ class Pipeline(Sink):
         return self.shipper.has_room and self.metrics.has_room and self.hparams.has_room
 
     def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
-        if self.on_activity is not None and (parsed.text or self._new_step(parsed.points)):
+        active = bool(parsed.text) or self._new_step(parsed.points)
+        if parsed.text:  # before a line of ours about it (resumed): the text is assembled,
+            self.shipper.put(parsed.text, ticket)  # its file's open line is known past it
+        if self.on_activity is not None and active:
             self.on_activity()
-        if parsed.text:
-            self.shipper.put(parsed.text, ticket)
         if parsed.points:
             self.metrics.push(self._admit(parsed.points), ticket)
         if parsed.hparams:
@@ -289,6 +303,14 @@ class Pipeline(Sink):
                 log.warning("metric %r: a NaN or infinite value is never sent; such values are "
                             "counted per key (said once per key)", key)
             self.invalid[key] = self.invalid.get(key, 0) + count
+
+    def say(self, line: str) -> None:
+        """A line of ours (`[sidecar] ...`) to /logs between the followed files' lines, never
+        spliced into one of them: the open line of each (sent in part after a quiet second)
+        is ended first, and its rest, when it comes, is prefixed again."""
+        for parser in list(self._log_parsers):
+            self.shipper.put(parser.end_line())
+        self.shipper.put(mask(self._prefix + line + "\n"))
 
     def _new_step(self, points: list[dict[str, Any]]) -> bool:
         """Whether `points` go beyond every step seen before (--stall-after's progress)."""
@@ -360,6 +382,17 @@ class Pipeline(Sink):
                              *(b.flush(remaining) for b in self.batchers))
         await self.offsets.save()
 
+    async def stop_reading(self) -> None:
+        """Stop every source at once, reading nothing more (the drain is not waited out: no
+        answer of the run was accepted); what they made and was not acknowledged stays where
+        close() says."""
+        await cancel(self._sampler_task)
+        await cancel(self._environment_task)
+        if self.sampler is not None:
+            self.sampler.close()
+        await cancel(self._hparams_task)
+        await cancel(self._follow_task)
+
     async def close(self) -> None:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
         one line."""
@@ -381,5 +414,6 @@ class Pipeline(Sink):
                 "%s, for the next start or `sidecar replay`",
                 ", ".join(f"{route} {n}" for route, n in left.items()), self.cfg.run_dir / "spool")
         if self.shipper.dropped_chars:
-            log.warning("log output not delivered to /logs in this run: %d characters",
+            log.warning("log output dropped in this run, not to be delivered: %d characters in "
+                        "all (/logs is best-effort while the command runs)",
                         self.shipper.dropped_chars)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from sidecar.aio import cancel
+from sidecar.aio import cancel, wait_set
 from sidecar.config import Config
 from sidecar.daemon import TICK_S, Report, claim_run_dir, make_client, serve_status, stall_watch
 from sidecar.delivery import handoff
@@ -60,6 +60,8 @@ HOLDERS_SHARE = 0.5  # of the output's share, how long the output is still forwa
 #                      process the command left (a background writer) holds it open, as `tee`
 #                      would; then one line names them and what they write is not forwarded
 TAIL_DRAIN_SHARE = 0.5  # of the output's share kept for the crash tail when older text waits
+FIRST_ANSWER_WAIT_S = 1.0  # at the drain, for the run's first answer when none came yet: a
+#                            refused connection or a 401 is known then, and not waited out
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
 GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
@@ -222,8 +224,9 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
 
     prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
     budget = _Budget(cfg.log_rate * 1e6)
-    shipper = LogShipper(client, cfg.platform.run_id) if client is not None else None  # it holds
-    #                       the first output until the pipeline, imported after the spawn, is up
+    shipper = (LogShipper(client, cfg.platform.run_id, prefix=prefix)  # it holds the first
+               if client is not None else None)  # output until the pipeline, imported after
+    #                                        the spawn, is up
     scanner = Scanner()
     report = Report(scanner)
     stall = stall_watch(cfg, report, shipper, prefix)
@@ -373,6 +376,20 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
     first (what was queued before the crash tail, then the crash tail), then the end event."""
     started = time.monotonic() if started is None else started
     deadline = started + cfg.drain_timeout
+    client = (pipeline.client if pipeline is not None
+              else crash_tail.client if crash_tail is not None else lifecycle.client)
+    if client is not None and not client.answered.is_set():  # a command that exits at once:
+        await wait_set(client.answered, FIRST_ANSWER_WAIT_S)  # is the ingest there at all?
+    refused = client.never_accepted if client is not None else None
+    if refused is not None:  # the drain would wait out its deadline: say what is kept instead
+        _say_kept(cfg, lifecycle, crash_tail, pipeline, refused)
+        if pipeline is not None:
+            await pipeline.stop_reading()
+        return
+    if client is not None and client.failing:
+        log.info("waiting up to %s (--drain-timeout) for the ingest to take what is left "
+                 "(failing now: %s)", format_duration(max(deadline - time.monotonic(), 0.0)),
+                 ", ".join(client.failing))
     if pipeline is not None:
         pipeline.client.hurry()
     stop = interrupted or asyncio.Event()
@@ -384,14 +401,35 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
         await _until(_drained(pipeline, backlog_deadline), backlog_deadline, stop)
     if crash_tail is not None and not await _until(
             crash_tail.deliver(output_deadline), output_deadline, stop):
-        log.warning("the crash tail (the command's last output) is not yet delivered to "
-                    "/logs; kept in %s for the next start or `sidecar replay`", cfg.run_dir)
+        log.warning("the command's last output is not yet delivered to /logs; kept in %s for "
+                    "the next start or `sidecar replay`", cfg.run_dir)
     delivered = await _until(lifecycle.drain(max(deadline - time.monotonic(), 0.0)), deadline,
                              stop)
     if not delivered and lifecycle.pending:
         log.warning("drain deadline reached: %d lifecycle event(s) (%s) not yet delivered, "
                     "kept in %s; the next start or `sidecar replay` delivers them",
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
+
+
+def _say_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
+              pipeline: Pipeline | None, refused: str) -> None:
+    """No answer of the run was accepted, each one was `refused`: no wait would change that,
+    so the drain is not waited out; one line says what is kept, and for what."""
+    kept = []
+    if lifecycle.pending:
+        kept.append(f"the lifecycle event{'s' if len(lifecycle.pending) > 1 else ''} "
+                    f"{', '.join(lifecycle.pending)}")
+    if crash_tail is not None and crash_tail.pending:
+        kept.append("the command's last output")
+    if pipeline is not None:
+        pipeline.shipper.stop_reason = f"no answer of the ingest was accepted ({refused})"
+        if pipeline.cfg.jsonl or pipeline.cfg.tensorboard:
+            kept.append("the metric points past the files' acknowledged offsets")
+    fix = "once the token is accepted" if "token" in refused else "once the ingest is reachable"
+    what = (f"; kept in {cfg.run_dir} for the next start or `sidecar replay` ({fix}): "
+            + "; ".join(kept)) if kept else ""
+    log.warning("no payload of this run was accepted: every answer was %s, so the exit does "
+                "not wait for the drain%s", refused, what)
 
 
 async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[_Stream],
@@ -404,7 +442,8 @@ async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Seq
     await shipper.settle(deadline - time.monotonic())
     tail = take_tail([stream.tail for stream in streams])
     shipper.forget(tail.carried_from)
-    await crash_tail.add(tail.texts)
+    gap = shipper.take_gap_line() if tail.texts else ""  # what was dropped before it
+    await crash_tail.add([gap, *tail.texts] if gap else tail.texts)
     shipper.flush_stall_s = math.inf
     shipper.start()
 

@@ -134,3 +134,30 @@ def test_a_journal_record_that_is_no_crash_tail_is_skipped_never_posted(
     assert done.status == 0, done.stderr
     assert [r["chunks"] for r in ingest.records("logs")] == [["the last words\n"]]
     assert b"3 record(s) are not /logs bodies of run" in done.stderr
+
+
+ALTERNATING = """
+import sys, time
+time.sleep(1.0)  # past the sidecar's start-up, which the order of the first writes is not about
+for i in range(40):
+    stream = sys.stdout if i % 2 == 0 else sys.stderr
+    stream.write(f"write {i:03d} on {stream.name[1:-1]}\\n")
+    stream.flush()
+    time.sleep(0.005)
+"""
+
+
+def test_the_last_output_keeps_the_order_it_was_written_in_across_streams(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """Writes alternating on stdout and stderr 5 ms apart, the last of them not acknowledged at
+    the exit (the ingest answers slowly): the last output merges both streams in the order they
+    were written, not one stream's after the other's."""
+    ingest.add_fault(Fault(route="logs", slow_answer_s=1.0))
+    done = sidecar(["run", "--", *python_child(ALTERNATING)],
+                   platform_env(ingest, tmp_path / "state"), tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    bodies = [body["chunks"] for body in ingest.records("logs")]
+    lines = "".join(c for chunks in bodies for c in chunks).splitlines()
+    assert lines == [f"write {i:03d} on {('stdout', 'stderr')[i % 2]}" for i in range(40)]
+    last = "".join(bodies[-1])  # the last output, taken at the exit: both streams in it
+    assert len(bodies) >= 2 and "on stdout" in last and "on stderr" in last, bodies

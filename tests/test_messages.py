@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import time
 from pathlib import Path
 
 from sidecar.commands.receive import Fault
@@ -164,3 +165,151 @@ def test_json_messages_include_configuration_and_usage_errors(tmp_path: Path) ->
                        tmp_path / "c")
     [addr] = json_lines(bad_addr.stderr)
     assert addr["option"] == "--status-addr" and bad_addr.status == 2
+
+
+# -- an outage, a rejected token: what is said happened -------------------------------------------
+
+
+def test_an_outage_drops_what_it_says_marks_the_gap_and_says_the_ingest_is_back(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """What is said dropped was dropped and is never sent later (the crash tail sent it at the
+    exit, out of its place, after `dropped` and `not delivered` had been said of it), a line of
+    ours stands where it was, and one line says when /logs takes output again."""
+    go = tmp_path / "go"
+    child = python_child(f"import os, time\ni = 0\nwhile not os.path.exists({str(go)!r}):\n"
+                         "    print(f'line {i:04d}', flush=True)\n    i += 1\n"
+                         "    time.sleep(0.1)\n"
+                         "for j in range(i, i + 5):\n    print(f'line {j:04d}', flush=True)\n")
+    run = Sidecar(["run", "--", *child], platform_env(ingest, tmp_path / "state"),
+                  tmp_path / "sc")
+    stderr = tmp_path / "sc" / "stderr"
+    try:
+        wait_until(lambda: len(log_lines(ingest)) >= 5, 20, "output before the outage")
+        ingest.stop_listening()  # between two requests: one a line, 0.1 s apart
+        wait_until(lambda: b"/logs: dropped" in stderr.read_bytes(), 20, "a drop said")
+        ingest.start_listening()
+        wait_until(lambda: b"reachable again" in stderr.read_bytes(), 20, "the ingest back")
+    finally:
+        ingest.start_listening()
+        go.touch()
+    done = run.wait(60)
+    assert done.status == 0, done.stderr
+    received = log_lines(ingest)
+    numbers = [int(line.removeprefix("line ")) for line in received if line.startswith("line ")]
+    assert numbers == sorted(set(numbers)), "a line arrived twice or out of its place"
+    missing = sorted(set(range(numbers[-1] + 1)) - set(numbers))
+    assert missing, "the outage dropped nothing"
+    markers = [line for line in received if line.startswith("[sidecar] ")]
+    said = [int(line.split()[1]) for line in markers]
+    assert all("characters of output were dropped here" in line for line in markers), markers
+    assert sum(said) == 10 * len(missing)  # `line NNNN\n`
+    where = received.index(markers[0])  # where the first of them was
+    assert received[where - 1] == f"line {missing[0] - 1:04d}"
+    [back] = lines_with(done.stderr, "/logs: the ingest is reachable again")  # once, for /logs
+    assert " INFO /logs: the ingest is reachable again after " in back
+    [total] = lines_with(done.stderr, "dropped in this run")
+    assert f": {10 * len(missing)} characters in all" in total
+    assert lines_with(done.stderr, "not delivered") == []
+
+
+def log_lines(ingest: RunningIngest) -> list[str]:
+    return "".join(c for body in ingest.records("logs") for c in body["chunks"]).splitlines()
+
+
+def test_a_rejected_token_says_what_is_kept_and_does_not_wait_out_the_drain(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """Every answer 401: no event is said as if delivered, no internal route or "crash tail"
+    is named, and the exit says what `sidecar replay` will deliver instead of waiting out the
+    drain (a 1 s command took 21 s, in silence)."""
+    ingest.add_fault(Fault(status=401))
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="30")
+    started = time.monotonic()
+    done = sidecar(["run", "--", *python_child("import time\nprint('hi', flush=True)\n"
+                                               "time.sleep(1)\nprint('bye')\n")],
+                   env, tmp_path / "sc")
+    took_s = time.monotonic() - started
+    assert done.status == 0, done.stderr
+    assert took_s < 15, f"waited out the drain: {took_s:.1f} s"
+    text = done.stderr.decode()
+    assert "/logs/tail" not in text and "crash tail" not in text
+    said = lines_with(done.stderr, " INFO lifecycle: ")
+    assert [line.split(" INFO ")[1] for line in said] == [
+        f"lifecycle: {event} recorded (journaled, to be posted)"
+        for event in ("starting", "running", "succeeded")]
+    [kept] = lines_with(done.stderr, "no payload of this run was accepted")
+    assert " WARNING " in kept and "every answer was HTTP 401/403" in kept
+    assert "`sidecar replay` (once the token is accepted)" in kept
+    assert "the lifecycle events starting, running, succeeded" in kept
+    assert ingest.records("lifecycle") == []
+    ingest.clear_faults()  # the token fixed: replay delivers what was kept, once
+    replayed = sidecar(["replay", "--timeout", "10"], env, tmp_path / "replay")
+    assert replayed.status == 0, replayed.stderr
+    assert events(ingest) == ["starting", "running", "succeeded"]
+    if "the command's last output" in kept:  # `bye`, unanswered at the exit (the usual case):
+        assert log_lines(ingest) == [  # replayed, after a line of ours where `hi` was dropped
+            "[sidecar] 3 characters of output were dropped here: the ingest did not take it "
+            "(token rejected)", "bye"]
+    else:
+        assert log_lines(ingest) == []
+
+
+def test_an_ingest_never_reachable_says_what_is_kept_without_waiting_out_the_drain(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    ingest.stop_listening()  # every connection refused, for the whole run
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="30")
+    started = time.monotonic()
+    done = sidecar(["run", "--", *python_child("print('hi')")], env, tmp_path / "sc")
+    took_s = time.monotonic() - started
+    assert done.status == 0, done.stderr
+    assert took_s < 15, f"waited out the drain: {took_s:.1f} s"
+    [kept] = lines_with(done.stderr, "no payload of this run was accepted")
+    assert "every answer was a refused connection" in kept
+    assert "`sidecar replay` (once the ingest is reachable)" in kept
+    assert "the lifecycle events starting, running, succeeded" in kept
+
+
+def test_a_drain_that_waits_says_what_for(ingest: RunningIngest, tmp_path: Path) -> None:
+    ingest.add_fault(Fault(route="lifecycle", status=503))
+    go = tmp_path / "go"
+    child = python_child(f"import os, time\nwhile not os.path.exists({str(go)!r}):\n"
+                         "    time.sleep(0.02)\n")
+    run = Sidecar(["run", "--", *child],
+                  platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="2"),
+                  tmp_path / "sc")
+    try:
+        wait_until(lambda: b"/lifecycle: the ingest did not take" in (
+            tmp_path / "sc" / "stderr").read_bytes(), 20, "the failure said")
+    finally:
+        go.touch()
+    done = run.wait(60)
+    assert done.status == 0, done.stderr
+    [waits] = lines_with(done.stderr, "waiting up to")
+    assert "for the ingest to take what is left (failing now: /lifecycle)" in waits
+
+
+async def test_a_route_back_after_a_said_failure_is_said_once_as_often_as_the_failure(
+        ingest: RunningIngest) -> None:
+    """A failure said once a minute has its end said as often: a flapping ingest does not get
+    one line per recovery."""
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        for ts in ("2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z"):
+            ingest.add_fault(Fault(route="lifecycle", status=503, times=1))
+            body = json.dumps({"run_id": RUN_ID, "event": "starting", "ts": ts}).encode()
+            assert (await client.deliver("lifecycle", body)).ok
+    finally:
+        log.setLevel(level)
+        log.removeHandler(handler)
+        await client.close()
+    said = [r.getMessage() for r in seen]
+    assert len([m for m in said if "did not take a payload (HTTP 503)" in m]) == 1, said
+    back = [m for m in said if "reachable again" in m]
+    assert back == ["/lifecycle: the ingest is reachable again after 0s and 1 failed attempt; "
+                    "delivery goes on"], said

@@ -417,3 +417,44 @@ def test_poll_mode_follows_without_file_events(ingest: RunningIngest, tmp_path: 
             ingest.wait_for(lambda t=tag: any(x.startswith(t) for x in log_lines(ingest)), 10)
     assert watch.stop().status == 0
     assert log_lines(ingest) == writer.written
+
+
+def test_a_stall_line_is_never_spliced_into_a_followed_files_open_line(
+        ingest: RunningIngest, tmp_path: Path, folder: Path) -> None:
+    """watch's stall lines go between the followed files' lines, as run's do: a line left open
+    (sent in part once quiet) is ended first, and its rest starts a line of its own."""
+    log = folder / "train.log"
+    log.write_text("epoch 1\nDownloading shard 3/8: ")
+    watch = Watch(ingest, tmp_path, "--log", str(log), "--stall-after", "2").start()
+    ingest.wait_for(lambda: "Downloading shard 3/8: " in "".join(
+        c for r in ingest.records("logs") for c in r["chunks"]), 20)
+    ingest.wait_for(lambda: any("output resumed" in line for line in log_lines(ingest)), 20)
+    with log.open("a") as fh:
+        fh.write("done\n")
+    ingest.wait_for(lambda: "done" in log_lines(ingest), 10)
+    finished = watch.stop()
+    assert finished.status == 0, finished.stderr
+    lines = log_lines(ingest)
+    assert [line for line in lines if "[sidecar]" in line and not line.startswith(
+        "[sidecar] ")] == [], lines
+    assert lines.index("Downloading shard 3/8: ") < lines.index("done"), lines
+    resumed = next(line for line in lines if "output resumed" in line)
+    assert lines.index("Downloading shard 3/8: ") < lines.index(resumed), lines
+
+
+def test_a_rejected_token_is_said_at_the_stop_and_the_drain_not_waited_out(
+        ingest: RunningIngest, tmp_path: Path, folder: Path) -> None:
+    ingest.add_fault(Fault(status=401))
+    log = folder / "train.log"
+    log.write_text("epoch 1\n")
+    watch = Watch(ingest, tmp_path, "--log", str(log), SIDECAR_DRAIN_TIMEOUT="30").start()
+    wait_until(lambda: ingest.stats.routes["logs"].rejected.get(401, 0) >= 1, 20,
+               "the ingest refused the output")
+    stopped_at = time.monotonic()
+    done = watch.stop()
+    took_s = time.monotonic() - stopped_at
+    assert done.status == 0, done.stderr
+    assert took_s < 15, f"waited out the drain: {took_s:.1f} s"
+    [kept] = [line for line in done.stderr.decode().splitlines()
+              if "no payload of this run was accepted" in line]
+    assert "every answer was HTTP 401/403" in kept and "`sidecar replay`" in kept

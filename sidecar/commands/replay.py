@@ -51,7 +51,7 @@ async def replay(cfg: Config, timeout_s: float) -> int:
         await crash_tail.open()
         deadline = time.monotonic() + timeout_s
         if not await crash_tail.deliver(deadline):  # the lifecycle events it left come after
-            log.error("replay: the crash tail (the command's last output) is still undelivered "
+            log.error("replay: the command's last output (for /logs) is still undelivered "
                       "after %.0f s (last failure: %s); it and the lifecycle events stay in %s",
                       timeout_s, _last_failure(client), cfg.run_dir)
             return 1

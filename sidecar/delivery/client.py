@@ -24,7 +24,7 @@ import orjson
 
 from sidecar.aio import wait_set
 from sidecar.delivery.transport import Transport, TransportError
-from sidecar.log import Throttle, add_secret, log
+from sidecar.log import Throttle, add_secret, format_duration, log
 
 MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
 
@@ -95,6 +95,18 @@ class Answer(NamedTuple):
     @property
     def ok(self) -> bool:
         return self.verdict is Verdict.ACCEPTED
+
+
+class _Spell:
+    """A route's failed attempts since its last accepted payload, and whether one was said."""
+
+    __slots__ = ("attempts", "auth", "said", "since")
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+        self.attempts = 0
+        self.auth = False  # a 401/403 among them: the token, not the connection
+        self.said = False  # a failure of the spell was said (an ERROR, a WARNING, a drop)
 
 
 class RouteStats:
@@ -207,6 +219,11 @@ class IngestClient:
         self._token = ""
         self._throttle = Throttle()
         self._hurry = asyncio.Event()
+        self._spells: dict[str, _Spell] = {}  # per route, while its payloads fail
+        self._accepted = 0  # payloads the ingest took, all routes together
+        self._refusals: set[str] = set()  # what the failed attempts were: "token", "refused"
+        #   (a refused connection) or "other"
+        self.answered = asyncio.Event()  # an attempt of any route has had its outcome
 
     async def start(self) -> None:
         """Read the token and make the keep-alive transport; call once from the event loop."""
@@ -252,17 +269,27 @@ class IngestClient:
         except Exception as exc:  # a bug here, or in h11, must not end a sender
             answer = Answer(Verdict.RETRY, detail=f"unexpected {exc.__class__.__name__}")
             if self._throttle.admit(f"{route}:unexpected") is not None:
-                log.error("/%s: a request failed unexpectedly (%s: %s); it is retried",
-                          route, exc.__class__.__name__, exc)
+                log.error("%s: a request failed unexpectedly (%s: %s); it is retried",
+                          policy.path, exc.__class__.__name__, exc)
         stats.observe_latency(time.monotonic() - started)
         self._account(route, stats, answer)
         return answer
 
     def _account(self, route: str, stats: RouteStats, answer: Answer) -> None:
+        self.answered.set()
         if answer.ok:
             stats.accepted += 1
             stats.last_success = time.time()
+            self._accepted += 1
+            self._end_spell(route)
             return
+        self._refusals.add("token" if answer.verdict is Verdict.AUTH else "refused"
+                           if answer.detail.startswith("cannot connect (") and "within" not in
+                           answer.detail else "other")
+        if answer.verdict in (Verdict.RETRY, Verdict.AUTH, Verdict.REDIRECT):
+            spell = self._spells.setdefault(route, _Spell())
+            spell.attempts += 1
+            spell.auth = spell.auth or answer.verdict is Verdict.AUTH
         stats.failures += 1
         stats.last_failure = answer.detail or f"HTTP {answer.status}" + (
             f": {answer.reason}" if answer.reason else "")
@@ -272,6 +299,44 @@ class IngestClient:
             self._error_once_a_minute(route, answer)
         elif ROUTES[route].guarantee is not Guarantee.BEST_EFFORT:
             self._unreachable_once_a_minute(route, answer)
+
+    def gave_up(self, route: str) -> None:
+        """A payload of `route` was given up (best-effort), and its sender said so: the
+        route's recovery is said too, when it comes."""
+        self._said(route)
+
+    def _said(self, route: str) -> None:
+        spell = self._spells.get(route)  # none for a payload refused for good (400, 413)
+        if spell is not None:
+            spell.said = True
+
+    def _end_spell(self, route: str) -> None:
+        """One INFO line, per route, when a route whose failures were said takes payloads
+        again: each route has its own failure lines, and its own recovery."""
+        spell = self._spells.pop(route, None)
+        if spell is None or not spell.said:
+            return
+        what = ("accepts the token again" if spell.auth else "is reachable again")
+        log.info("%s: the ingest %s after %s and %d failed attempt%s; delivery goes on",
+                 ROUTES[route].path, what, format_duration(time.monotonic() - spell.since),
+                 spell.attempts, "" if spell.attempts == 1 else "s")
+
+    @property
+    def failing(self) -> list[str]:
+        """The routes (as the ingest names them) whose last attempts failed, and were said."""
+        return list(dict.fromkeys(ROUTES[route].path for route, spell in self._spells.items()
+                                  if spell.said))
+
+    @property
+    def never_accepted(self) -> str | None:
+        """When no payload of this client was ever accepted and every attempt was refused for
+        the token (401/403) or by a refused connection: what they were, for a message; else
+        None (an ingest that answered once, or failed otherwise, may still answer)."""
+        if self._accepted or not self._refusals or "other" in self._refusals:
+            return None
+        return " or ".join(
+            {"token": "HTTP 401/403 (the token was rejected)",
+             "refused": "a refused connection"}[kind] for kind in sorted(self._refusals))
 
     def _reread_token(self) -> None:
         try:
@@ -288,10 +353,13 @@ class IngestClient:
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")
         if held is None:
             return
+        if answer.verdict is not Verdict.REJECTED:  # a poison payload: the route is fine
+            self._said(route)  # and so will be its end: as often as it is
         kept = ("this output is dropped and counted (/logs is best-effort); later output is "
                 "sent once the token is accepted"
                 if ROUTES[route].guarantee is Guarantee.BEST_EFFORT
-                else "data is kept and delivery retried")
+                else "the command's last output is kept and delivery retried"
+                if route == "logs/tail" else "data is kept and delivery retried")
         what = {
             Verdict.AUTH: f"the ingest rejected the token; {kept}",
             Verdict.REDIRECT: answer.detail,
@@ -299,15 +367,17 @@ class IngestClient:
                               + (f" ({answer.reason})" if answer.reason else ""),
         }[answer.verdict]
         more = f" ({held} more since the last message)" if held else ""
-        log.error("/%s: HTTP %s: %s%s", route, answer.status, what, more)
+        log.error("%s: HTTP %s: %s%s", ROUTES[route].path, answer.status, what, more)
 
     def _unreachable_once_a_minute(self, route: str, answer: Answer) -> None:
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")
         if held is None:
             return
+        self._said(route)  # and so will be its end: as often as it is
         more = f" ({held} more failed attempts since the last message)" if held else ""
-        log.warning("/%s: the ingest did not take a payload (%s); it is kept and retried with "
-                    "backoff%s; `sidecar check` probes the endpoint from this node", route,
+        log.warning("%s: the ingest did not take a payload (%s); it is kept and retried with "
+                    "backoff%s; `sidecar check` probes the endpoint from this node",
+                    ROUTES[route].path,
                     answer.detail or f"HTTP {answer.status}", more)
 
     async def deliver(self, route: str, body: bytes) -> Answer:

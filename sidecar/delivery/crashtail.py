@@ -2,9 +2,11 @@
 each stream when the command exits, journaled and delivered at least once before the end event.
 
 While the command runs, /logs stays best-effort; each stream keeps a ledger of its recent pieces
-of text (`StreamTail`): the shipper marks there, character by character, what the ingest
-acknowledged, and the crash tail reads it. At the exit, once the request in flight was answered
-(or had no answer in time, and only then may its text go twice), the unacknowledged text of each
+of text (`StreamTail`): the shipper marks there, character by character, what is settled (the
+ingest acknowledged it, or the shipper gave it up while the command ran: dropped, said, and marked
+in the log where it was, so never sent later out of its place), and the crash tail reads it. At
+the exit, once the request in flight was answered (or had no answer in time, and only then may its
+text go twice; a failed answer there is not given up), the unacknowledged text of each
 stream's last 64 KiB, in the order it was put (the failure summary last), becomes one /logs body
 in a journal of the state dir (journal.py's framing and durable acknowledged count), delivered with
 retries within the output's share of the drain. What is left there goes with the next start or
@@ -171,8 +173,8 @@ class CrashTail:
                                                 "/logs bodies", self.run_id)
         skipped = sum(body == SKIPPED for body, _ in self._pending)
         if len(self._pending) > skipped:
-            log.info("delivering the crash tail an earlier start left undelivered, before its "
-                     "lifecycle events")
+            log.info("delivering the command's last output that an earlier start left "
+                     "undelivered to /logs, before its lifecycle events")
         return len(self._pending)
 
     async def add(self, chunks: list[str]) -> None:
@@ -211,7 +213,8 @@ class CrashTail:
         answer = (Answer(Verdict.ACCEPTED) if body == SKIPPED
                   else await self.client.deliver(ROUTE, body))
         if answer.verdict is Verdict.REJECTED:
-            log.error("/logs: HTTP %s: the ingest refused the crash tail for good; kept in %s",
+            log.error("/logs: HTTP %s: the ingest refused the command's last output for good; "
+                      "kept in %s",
                       answer.status, append_dead_letter(self.run_dir, "logs", answer.status, body))
         self._pending.pop(0)
         journal = self._journal

@@ -158,7 +158,8 @@ class Lifecycle:
             if self._journal is None:  # offline, or a node that does not report the lifecycle
                 log.debug("lifecycle: %s (not posted)", event)
                 return None
-            log.info("lifecycle: %s", event)
+            log.info("lifecycle: %s recorded (journaled, to be posted)",
+                     event)
             body = json.dumps({"run_id": self.run_id, "event": event,
                                "ts": iso_ts(when)}).encode()
             try:
@@ -203,6 +204,8 @@ class Lifecycle:
             body, journaled = self._queue[0]
             answer = (Answer(Verdict.ACCEPTED) if body == SKIPPED
                       else await self.client.deliver("lifecycle", body))
+            if answer.ok and body != SKIPPED:
+                log.info("lifecycle: %s accepted by the ingest", json.loads(body)["event"])
             if answer.verdict is Verdict.REJECTED:
                 self.rejected += 1
                 self._dead_letter(body, answer.status)

@@ -41,7 +41,7 @@ class LogShipper:
                  max_buffer_chars: int = MAX_BUFFER_CHARS,
                  max_request_chars: int = MAX_REQUEST_CHARS, linger_s: float = LINGER_S,
                  linger_below_chars: int = LINGER_BELOW_CHARS,
-                 on_room: Callable[[], None] | None = None) -> None:
+                 on_room: Callable[[], None] | None = None, prefix: str = "") -> None:
         self.client = client
         self.run_id = run_id
         self.max_buffer_chars = max_buffer_chars
@@ -49,8 +49,14 @@ class LogShipper:
         self.linger_s = linger_s
         self.linger_below_chars = linger_below_chars
         self.on_room = on_room  # called when room comes back (wakes a reader)
+        self.prefix = prefix  # of the log's lines (--log-prefix), for a gap's line of ours
         self.dropped_chars = 0
         self.sent_chars = 0
+        self._gap = 0  # characters given up since the last text sent: said by a line of ours
+        #   where they were, before the next text that goes (the gap marker)
+        self._gap_why = ""
+        self._line_open = False  # the log's last character sent was not a line end
+        self.stop_reason = "shutdown reached its drain deadline"  # of what `stop` drops
         self._chunks: deque[tuple[str, Ticket | None, Span | None]] = deque()
         self._buffered = 0
         self._wake = asyncio.Event()
@@ -103,11 +109,13 @@ class LogShipper:
             self._active_at = time.monotonic()
         self._idle.clear()
         while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
-            oldest, done, _ = self._chunks.popleft()
+            oldest, done, span = self._chunks.popleft()
             self._buffered -= len(oldest)
-            self._drop(len(oldest), "the log buffer is full while the ingest is slow", 1)
+            self._give_up(len(oldest), "the log buffer is full while the ingest is slow")
             if done is not None:
                 done.release()
+            if span is not None:
+                span.ack(len(oldest))  # given up: the crash tail does not carry it later
         self._wake.set()
 
     async def flush(self, timeout_s: float) -> bool:
@@ -164,7 +172,7 @@ class LogShipper:
         """Stop shipping; what is still buffered is counted as dropped."""
         await cancel(self._task)
         if self._buffered:
-            self._drop(self._buffered, "shutdown reached its drain deadline", len(self._chunks))
+            self._drop(self._buffered, self.stop_reason, len(self._chunks))
             self._chunks.clear()
             self._buffered = 0
 
@@ -183,8 +191,10 @@ class LogShipper:
                 if self.on_room is not None and self.has_room:
                     self.on_room()
             batch = [text for text, _, _ in self._inflight]
-            body = json_body({"run_id": self.run_id, "chunks": batch, "eof": False})
             size = sum(map(len, batch))
+            marker = self._gap_line()
+            body = json_body({"run_id": self.run_id, "chunks": [marker, *batch] if marker
+                              else batch, "eof": False})
             if len(body) > MAX_REQUEST_BYTES and self._requeue(size, (
                     size * MAX_REQUEST_BYTES // len(body) * (DENSE_TEXT_MARGIN - 1)
                     // DENSE_TEXT_MARGIN)):
@@ -196,16 +206,24 @@ class LogShipper:
             self._answered.set()
             if answer.verdict is Verdict.TOO_LARGE and self._halve(size):
                 continue
+            if not answer.ok and self._settling:  # the exit: not given up, the crash tail
+                self._chunks.extendleft(reversed(self._inflight))  # carries what it holds
+                self._buffered += size
+                self._inflight = None
+                continue
             entries, self._inflight = self._inflight, None
             if answer.ok:
                 self.sent_chars += size
+                self._gap = 0
+                self._line_open = not batch[-1].endswith("\n")
             else:
-                self._drop(size, f"the ingest did not take it ({answer.detail or answer.status})",
-                           len(entries))
+                if self._give_up(size, "the ingest did not take it "
+                                 f"({answer.detail or f'HTTP {answer.status}'})", len(entries)):
+                    self.client.gave_up("logs")  # said: its end will be too
             for text, ticket, span in entries:
                 if ticket is not None:
                     ticket.release()
-                if span is not None and answer.ok:
+                if span is not None:  # taken, or given up: the crash tail carries neither
                     span.ack(len(text))
 
     async def _linger(self) -> None:
@@ -275,10 +293,36 @@ class LogShipper:
         self._buffered -= size
         return batch
 
-    def _drop(self, chars: int, why: str, items: int) -> None:
-        """Count `items` texts of `chars` characters given up on, and say so once a minute."""
+    def _give_up(self, chars: int, why: str, items: int = 1) -> bool:
+        """Text taken for /logs is dropped: counted and said (True when said now), and marked
+        where it was by a line of ours before the next text that goes."""
+        if chars <= 0:
+            return False
+        self._gap += chars
+        self._gap_why = why
+        return self._drop(chars, why, items, marked=True)
+
+    def take_gap_line(self) -> str:
+        """The gap marker owed to the log, for text that goes another way (the crash tail) when
+        nothing is left queued here to carry it; it is then no longer owed here."""
+        if self._chunks or self._inflight is not None:
+            return ""
+        line, self._gap = self._gap_line(), 0
+        return line
+
+    def _gap_line(self) -> str:
+        """The gap marker, when text was given up since the last text sent: on a line of its
+        own, prefixed like the output's."""
+        if not self._gap:
+            return ""
+        return (("\n" if self._line_open else "") + f"{self.prefix}[sidecar] {self._gap} "
+                f"characters of output were dropped here: {self._gap_why}\n")
+
+    def _drop(self, chars: int, why: str, items: int, marked: bool = False) -> bool:
+        """Count `items` texts of `chars` characters dropped, and say so at most once a minute;
+        True when said now."""
         if chars <= 0:  # nothing lost: no count, and no "dropped 0 characters"
-            return
+            return False
         self.dropped_chars += chars
         stats = self.client.route_stats("logs")
         stats.dropped += items
@@ -286,8 +330,12 @@ class LogShipper:
         now = time.monotonic()
         if now - self._warned_at >= 60.0:
             self._warned_at = now
-            log.warning("/logs: dropped %d characters of output: %s (%d dropped in all; "
-                        "training is not affected)", chars, why, self.dropped_chars)
+            where = ("; a `[sidecar]` line marks the gap in the log once /logs takes output "
+                     "again" if marked else "")
+            log.warning("/logs: dropped %d characters of output: %s%s (%d dropped in all; "
+                        "training is not affected)", chars, why, where, self.dropped_chars)
+            return True
+        return False
 
 
 def _cut(entry: tuple[str, Ticket | None, Span | None], at: int

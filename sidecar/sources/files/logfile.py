@@ -72,6 +72,11 @@ class LogFileParser:
             self._assembler.finish() if final else self._assembler.tick(float("inf")))
         return Parsed(consumed=len(data), text=text)
 
+    def end_line(self) -> str:
+        """A line of the sidecar's own follows in the log: the newline that ends this file's
+        line sent in part (after a quiet second), if one is open; its rest is prefixed."""
+        return self._assembler.end_line()
+
     def _cri(self, data: bytes, now: float) -> Parsed:
         out = Parsed(consumed=len(data))
         pieces: list[bytes] = []
