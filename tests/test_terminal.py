@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from sidecar.log import Secrets
 from sidecar.sources.console.lines import MAX_LINE_CHARS, LineAssembler
-from tests.conftest import platform_env, python_child, sidecar
-from tests.ingest_server import RunningIngest
+from tests.conftest import RUN_ID, TOKEN, platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest, running_ingest
 
 WIDTH = 400  # columns of the oracle terminal: no line of these programs wraps
 OWN_MESSAGE = re.compile(rb"^\d{4}-\d\d-\d\dT[0-9:.]+Z sidecar .*\n", re.M)
@@ -184,6 +184,71 @@ def test_nested_bars_send_a_line_per_epoch_and_per_bar_every_few_seconds(
     assert sum(line.startswith("batch:") for line in lines) <= int(run_s / 3.0) + 2, lines
 
 
+TOKEN_UNDER_A_BAR = """
+import os, sys, time
+token = os.environ["STARFORGE_TOKEN"]
+half = len(token) // 2
+for erase in ["\\r", "\\x1b[1K\\r", "\\x1b[2K\\r", "\\x1b[40D", "\\b" * 8]:
+    sys.stdout.write("login " + token[:half])  # the token in two writes a moment apart
+    sys.stdout.flush()
+    time.sleep(0.05)
+    sys.stdout.write(token[half:] + erase + "  0% |###|")  # then a bar drawn over it
+    sys.stdout.flush()
+    time.sleep(0.05)
+    print(flush=True)
+sys.stderr.write("fatal: rejected " + token + "\\r" + "retrying\\n")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _pieces(token: str, size: int) -> list[str]:
+    return [token[i:i + size] for i in range(len(token) - size + 1)]
+
+
+def test_a_token_overwritten_by_a_progress_bar_never_reaches_the_ingest(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """A terminal shows what a bar did not cover of a token printed before it
+    (`  0% |###|cret-0123...`): the output is masked before the terminal model draws it."""
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(TOKEN_UNDER_A_BAR), "3"], env, tmp_path / "sc")
+    assert done.status == 3, done.stderr
+    text = arrived(ingest)
+    assert text.count("  0% |###|") == 5 and "retrying" in text, text
+    ours = b"".join(OWN_MESSAGE.findall(done.stderr)).decode()
+    assert "failed" in ours, ours  # the failure summary, which quotes the last line
+    for where in (text, ours):
+        assert not any(piece in where for piece in _pieces(TOKEN, 8)), where
+
+
+@pytest.mark.parametrize("token", ["tok-1", "tok-7ch"])
+def test_a_short_token_is_masked_in_the_output_the_summary_and_our_messages(
+        tmp_path: Path, token: str) -> None:
+    with running_ingest(tmp_path / "received", token=token, run_id=RUN_ID) as ingest:
+        env = platform_env(ingest, tmp_path / "state", STARFORGE_TOKEN=token)
+        code = "import os, sys; t = os.environ['STARFORGE_TOKEN']; print('key=' + t); " \
+               "sys.exit('error: bad key ' + t)"
+        done = sidecar(["run", "--", *python_child(code)], env, tmp_path / "sc")
+        assert done.status == 1, done.stderr
+        text = arrived(ingest)
+    assert "key=***\n" in text and "bad key ***" in text, text
+    ours = b"".join(OWN_MESSAGE.findall(done.stderr)).decode()
+    assert "bad key ***" in ours, ours  # the failure summary quotes the last line
+    assert token not in text and token not in ours
+
+
+def test_a_token_too_short_to_be_masked_is_refused_before_the_command_runs(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state", STARFORGE_TOKEN="ab1")
+    ran = tmp_path / "ran"
+    done = sidecar(["run", "--", *python_child(f"open({str(ran)!r}, 'w')")], env, tmp_path / "sc")
+    assert done.status == 2
+    assert not ran.exists()
+    lines = done.stderr.decode().splitlines()
+    assert len(lines) == 1 and "STARFORGE_TOKEN" in lines[0] and "too short" in lines[0], lines
+    assert "ab1" not in lines[0]
+    assert not ingest.records("lifecycle") and not ingest.records("logs")
+
+
 # --- the terminal model, fed directly ----------------------------------------------------------
 
 
@@ -268,7 +333,9 @@ def test_token_straddling_a_wrapped_line_is_masked() -> None:
         for cut in (len(raw) // 2, len(raw)):
             asm = LineAssembler(secrets=Secrets([token]), max_line_chars=40)
             out = feed_all(asm, [raw[:cut], raw[cut:]])
-            assert out.replace("\n", "") == "a" * (40 - offset) + "***" + "b" * 50, (offset, cut)
+            final = "a" * (40 - offset) + "***" + "b" * 50  # wrapped; states of it may come first
+            assert out.replace("\n", "").endswith(final), (offset, cut)
+            assert "tok-" not in out and "SECRET" not in out
             assert all(len(line) <= 40 for line in out.split("\n"))
 
 

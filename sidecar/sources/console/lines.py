@@ -3,8 +3,11 @@
 Works on blocks, not lines: a block of ordinary output is decoded, cut at its last newline and
 passed on as one piece of text; an over-long line takes a per-line path, and the rare block that
 moves the cursor (a carriage return, a backspace, an escape sequence other than colours) goes to
-a small terminal (terminal.py) until it holds nothing. Secrets are masked before any cut, and a
-partial line keeps back what could be a secret's start. Pure: the caller supplies the clock.
+a small terminal (terminal.py) until it holds nothing. Secrets are masked in the raw bytes, before
+any of that: a token the terminal would overwrite in part (a progress bar drawn over it) is gone
+before it is drawn, and what the terminal shows is masked again, for a token its redraws put
+together. The end of a block that could begin a secret waits for the next block. Pure: the caller
+supplies the clock.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class Masker(Protocol):
     def unfinished(self, text: str) -> int:
         """How many characters at the end of `text` could be the start of a secret."""
 
+    def mask_raw(self, data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+        """Raw output with every secret replaced, and how many bytes at its end could begin
+        one."""
+
 
 class _NoSecrets:
     longest = 0
@@ -44,6 +51,9 @@ class _NoSecrets:
 
     def unfinished(self, text: str) -> int:
         return 0
+
+    def mask_raw(self, data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+        return data, 0
 
 
 NO_SECRETS: Masker = _NoSecrets()
@@ -62,6 +72,7 @@ class LineAssembler:
         self.max_line_chars = max_line_chars
         self.quiet_flush_s = quiet_flush_s
         self.progress_interval_s = progress_interval_s
+        self._held = b""  # the end of the last block, which could begin a secret
         self._undecoded = b""  # the start of a character cut by the end of the last block
         self._pending = ""  # the current line's text not yet sent
         self._open_chars = 0  # how much of the current line was already sent (a quiet partial)
@@ -71,7 +82,7 @@ class LineAssembler:
     def feed(self, block: bytes | memoryview, now: float) -> str:
         """Take the next block of the stream; returns the text ready to send (often all of it)."""
         self._last_feed = now
-        text = self._pending + self._decode(block)
+        text = self._pending + self._decode(self._mask(block))
         if (self._screen is not None and not self._screen.idle) or _moves_cursor(text):
             return self._on_screen(text, now)
         self._screen = None
@@ -85,21 +96,20 @@ class LineAssembler:
     def tick(self, now: float) -> str:
         """Called periodically: a partial line after a quiet second, a progress bar's state."""
         if self._screen is not None:
-            return self._lines(self._screen.tick(now))
+            return self._lines(self.secrets.mask(self._screen.tick(now)))
         if not self._pending or now - self._last_feed < self.quiet_flush_s:
             return ""
-        partial = self.secrets.mask(self._pending)
-        cut = len(partial) - self.secrets.unfinished(partial)  # kept: may begin a secret
-        self._pending = partial[cut:]
-        return self._emit(partial[:cut])
+        partial, self._pending = self._pending, ""
+        return self._emit(partial)
 
     def finish(self) -> str:
         """The stream ended: everything left, a progress bar's final state included."""
-        text = self._pending + self._decode(b"", final=True)
+        held, self._held = self._held, b""
+        text = self._pending + self._decode(self.secrets.mask_raw(held)[0], final=True)
         self._pending = ""
         if self._screen is not None:
             screen, self._screen = self._screen, None
-            return self._lines(screen.finish(text))
+            return self._lines(self.secrets.mask(screen.finish(text)))
         if not text:
             return ""
         return self._lines(text)
@@ -112,6 +122,18 @@ class LineAssembler:
             self._open_chars = 0
         return out + f"{self.prefix}[sidecar] {dropped_bytes} bytes of output were dropped here\n"
 
+    def _mask(self, block: bytes | memoryview) -> bytes | memoryview:
+        """The block with every secret masked, the end of the one before it in front; its own
+        end kept back where it could begin a secret."""
+        if self._held:
+            block = self._held + block
+        masked, keep = self.secrets.mask_raw(block)
+        if not keep:
+            self._held = b""
+            return masked
+        self._held = bytes(masked[len(masked) - keep:])
+        return masked[:len(masked) - keep]
+
     def _decode(self, block: bytes | memoryview, final: bool = False) -> str:
         """UTF-8 with replacement, straight from the caller's buffer (a view of a read is not
         copied first); a character cut by the block's end waits for the next block."""
@@ -122,24 +144,19 @@ class LineAssembler:
         return text
 
     def _hold(self, now: float) -> str:
-        """Keep the unfinished line, sending what it must not keep: over-long text, masked first
-        and keeping back what could be a secret's start."""
+        """Keep the unfinished line, sending what it must not keep: over-long text (masked
+        already: a cut cannot split a secret)."""
         room = self.max_line_chars - self._open_chars
-        if len(self._pending) <= room:
+        pending = self._pending
+        if len(pending) <= room:
             return ""
-        pending = self.secrets.mask(self._pending)
-        keep = max(self.secrets.longest - 1, 0)
-        if len(pending) - keep <= room:
-            self._pending = pending
-            return ""
-        cut = room + (len(pending) - keep - room - 1) // self.max_line_chars * self.max_line_chars
+        cut = room + (len(pending) - room - 1) // self.max_line_chars * self.max_line_chars
         self._pending = pending[cut:]
         return self._emit(_split_long(pending[:cut] + "\n", self.max_line_chars,
                                       self._open_chars))
 
     def _lines(self, text: str) -> str:
-        """Whole lines (the last may be unterminated at the stream's end) ready to send."""
-        text = self.secrets.mask(text)
+        """Whole lines (masked; the last may be unterminated at the stream's end) ready to send."""
         first_line_end = text.find("\n") % (len(text) + 1)
         if (_may_hold_long_line(text, self.max_line_chars)
                 or self._open_chars + first_line_end > self.max_line_chars):
@@ -155,7 +172,7 @@ class LineAssembler:
             if self._open_chars:  # the terminal draws the line whole: end the part sent
                 out = self._emit("\n")
         self._pending = ""
-        return out + self._lines(self._screen.feed(text, now))
+        return out + self._lines(self.secrets.mask(self._screen.feed(text, now)))
 
     def _emit(self, text: str) -> str:
         """Prefix every line start (of text already masked); track whether the line is open."""
