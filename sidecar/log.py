@@ -76,8 +76,7 @@ class Secrets:
             return data, 0
         if not self._finders:
             self._finders = _finders(self._raw)
-        whole = data if isinstance(data, bytes) else bytes(data)  # memchr wants bytes: a copy
-        #                                                           costs a twentieth of a scan
+        whole = _searchable(data)
         spans = sorted(match[1:] for gate, finder in zip(self._gates, self._finders, strict=True)
                        if _may_hold(gate, whole) for match in finder.find_matches_as_indexes(data))
         end = 0
@@ -116,7 +115,19 @@ _COMMON = b" etaoinsrhldcumfpgwybvkxjqz0123456789.,:;-_/=()[]'\"ETAOINSRHLDCUMFP
 _RARE_FIRST = [byte for byte in range(256) if byte not in _COMMON] + list(reversed(_COMMON))
 
 
-def _may_hold(gate: list[int], data: bytes) -> bool:
+def _searchable(data: bytes | memoryview) -> bytes | bytearray:
+    """What the gate looks in: `data`, or the buffer a view of it is of when it is not much
+    larger. A buffer that lacks a byte has no view that holds it, and a copy of the view (a
+    file's block up to its last newline) cost more than the search it saves."""
+    if isinstance(data, memoryview):
+        whole = data.obj
+        if isinstance(whole, (bytes, bytearray)) and len(whole) <= 2 * data.nbytes:
+            return whole
+        return data.tobytes()
+    return data
+
+
+def _may_hold(gate: list[int], data: bytes | bytearray) -> bool:
     """False when `data` lacks one of the bytes in `gate` (which then goes first)."""
     for position, byte in enumerate(gate):
         if byte not in data:

@@ -371,6 +371,8 @@ def test_raw_masking_merges_overlapping_secrets_and_says_what_could_begin_one() 
     view = memoryview(b"nothing secret here")
     assert secrets.mask_raw(view) == (view, 0)  # the caller's buffer, not a copy
     assert secrets.mask_raw(view)[0] is view
+    assert secrets.mask_raw(memoryview(b"a tok-7777 b Q")[:10]) == (b"a ***", 0)  # a file's slice
+    assert secrets.mask_raw(memoryview(b"a b tok-7777")[:3])[0] == b"a b"
 
 
 OVERWRITES = ["\r", "\x1b[1K\r", "\x1b[2K\r", "\x1b[2K\x1b[1G", "\x1b[40D", "\b" * 30,
