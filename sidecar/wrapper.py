@@ -36,7 +36,7 @@ from sidecar.diagnose import Failure, diagnose
 from sidecar.log import log, mask, secrets
 from sidecar.node import resolve_node
 from sidecar.sources.console.child import FORWARDED_SIGNALS, READ_BYTES, Child, Pump, SpawnError
-from sidecar.sources.console.lines import LineAssembler
+from sidecar.sources.console.lines import SCREEN_SLICE_CHARS, LineAssembler
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.files.hparams import load_hparams
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
@@ -54,6 +54,8 @@ LOGS_DRAIN_SHARE = 0.5  # of --drain-timeout the output may take, so a hung /log
 TAIL_DRAIN_SHARE = 0.5  # of the output's share kept for the crash tail when older text waits
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
+MAX_BACKLOG_CHARS = 64 << 10  # of output the terminal model has still to draw: more is dropped
+#   (a flood of escape sequences it draws at a few microseconds a character)
 GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
 #                        so the loop's work on one block never holds up the child's pipe
 
@@ -105,6 +107,7 @@ class _Stream:
         self.stall = stall  # told of every block, read or skipped
         self.closed = asyncio.Event()
         self._skipped = 0
+        self._resuming = False  # a call to draw the terminal's backlog is scheduled
 
     def allowance(self) -> tuple[int, str]:
         """In the pump thread: drop before spending CPU on it, the trainer's cores are not ours."""
@@ -116,7 +119,10 @@ class _Stream:
         granted = self.budget.grant()
         if not granted:
             return 0, "the command writes faster than --log-rate forwards"
-        return granted, ""
+        room = MAX_BACKLOG_CHARS - self.assembler.backlog
+        if room <= 0:
+            return 0, "the sidecar fell behind the command's output"
+        return min(granted, room) if self.assembler.backlog else granted, ""
 
     def taken(self, size: int) -> None:
         self.budget.spend(size)
@@ -128,6 +134,25 @@ class _Stream:
         self.scanner.feed(self.name, block)
         self._mark_gap()
         self._put(self.assembler.feed(block, time.monotonic()))
+        self._resume_soon()
+
+    def _resume_soon(self) -> None:
+        """The terminal draws a slice a call: the rest once the loop has run what waits."""
+        if self.assembler.backlog and not self._resuming:
+            self._resuming = True
+            asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._resuming = False
+        if self.shipper is not None:
+            self._put(self.assembler.resume(time.monotonic()))
+            self._resume_soon()
+
+    async def drawn(self) -> None:
+        """Until the terminal drew all it was given, a slice a turn of the loop."""
+        while self.assembler.backlog and self.shipper is not None:
+            self._put(self.assembler.resume(time.monotonic()))
+            await asyncio.sleep(0)
 
     def skip(self, size: int, why: str) -> None:
         self.stall.activity()
@@ -188,8 +213,9 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     stall = stall_watch(cfg, report, shipper, prefix)
     keep_sgr = cfg.log_ansi == "keep"
     names = ("terminal",) if cfg.tty else ("stdout", "stderr")  # --tty: both share one
-    streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
-                       scanner, tail, stall)
+    streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr,
+                                           screen_slice_chars=SCREEN_SLICE_CHARS),
+                       shipper, budget, scanner, tail, stall)
                for name, tail in zip(names, new_tails(len(names)), strict=True)]
     child = Child(argv, child_env, tty=cfg.tty)
     cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
@@ -239,8 +265,8 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     ticker = supervise("ticker", lambda: _tick(streams, stall))
 
     exit_status = await child.wait()
-    ended_at = time.time()
-    duration_s = time.monotonic() - spawned_at
+    ended_at = child.exited_at or time.time()  # when it exited, not when the loop saw it
+    duration_s = (child.exited_monotonic or time.monotonic()) - spawned_at
     if cfg.running_when == "marker" and "running" not in lifecycle.recorded:
         log.warning("the command exited (status %d) and never ran `sidecar lifecycle running`, "
                     "the marker --running-when marker waits for: `running` was never posted; "
@@ -252,6 +278,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     await _wait_all([s.closed for s in streams], OUTPUT_GRACE_S)
     ticker.cancel()
     for stream in streams:
+        await stream.drawn()
         stream.finish()
     summary = ""
     if exit_status != 0:

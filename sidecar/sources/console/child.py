@@ -226,6 +226,8 @@ class Child:
         self._proc: subprocess.Popen[bytes] | None = None
         self._exit: asyncio.Future[int] | None = None
         self._foreground: _Foreground | None = None
+        self.exited_at: float | None = None  # time.time() when it exited, seen by a thread that
+        self.exited_monotonic: float | None = None  # waits for it: the loop may be late to it
 
     def spawn(self) -> tuple[int, ...]:
         """Start the command; returns what to read its output from: the read ends of its stdout
@@ -245,6 +247,8 @@ class Child:
             if terminal is not None:
                 os.close(terminal[1])  # the child holds it now: its exit ends the reads (EIO)
         self.pid = self._proc.pid
+        threading.Thread(target=self._see_exit, args=(loop,), name="child-exit",
+                         daemon=True).start()
         self._foreground = _Foreground.give(self.pid)
         if terminal is not None:
             self._reap()
@@ -274,6 +278,16 @@ class Child:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signum)
+
+    def _see_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In a thread: the moment the child exits, without reaping it (the loop does)."""
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        except OSError:  # reaped already (the loop was there first): its clock stands
+            return
+        self.exited_monotonic, self.exited_at = time.monotonic(), time.time()
+        with contextlib.suppress(RuntimeError):  # the loop closed
+            loop.call_soon_threadsafe(self._reap)
 
     def _reap(self) -> None:
         """SIGCHLD: collect the child's status; as PID 1 also reap adopted orphans, as tini does."""

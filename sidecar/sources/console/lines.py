@@ -6,14 +6,17 @@ moves the cursor (a carriage return, a backspace, an escape sequence other than 
 a small terminal (terminal.py) until it holds nothing. Secrets are masked in the raw bytes, before
 any of that: a token the terminal would overwrite in part (a progress bar drawn over it) is gone
 before it is drawn, and what the terminal shows is masked again, for a token its redraws put
-together. The end of a block that could begin a secret waits for the next block. Pure: the caller
-supplies the clock.
+together. The end of a block that could begin a secret waits for the next block. The terminal's
+work per call can be bounded (`screen_slice_chars`): what it has not drawn yet waits, in order,
+for `resume`. Pure: the caller supplies the clock.
 """
 
 from __future__ import annotations
 
 import codecs
 import re
+import sys
+from collections import deque
 from typing import Protocol
 
 from sidecar.sources.console.terminal import Screen
@@ -21,6 +24,8 @@ from sidecar.sources.console.terminal import Screen
 MAX_LINE_CHARS = 64 * 1024  # CONTRACT 5: a longer line is split
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet
 PROGRESS_INTERVAL_S = 3.0  # a progress bar's latest state at most this often
+SCREEN_SLICE_CHARS = 1 << 10  # drawn in one call where the work per call is bounded: a flood of
+#   escape sequences costs the terminal up to a few microseconds a character
 
 _BARE_CR = re.compile(r"\r(?=[^\n])")  # a final one may be half of a CRLF: the next block says
 _NOT_SGR = re.compile(r"\x1b(?!\[[0-9;:]*m)")  # an escape that is not a complete colour sequence
@@ -65,7 +70,10 @@ class LineAssembler:
 
     def __init__(self, secrets: Masker = NO_SECRETS, prefix: str = "", keep_sgr: bool = False,
                  max_line_chars: int = MAX_LINE_CHARS, quiet_flush_s: float = QUIET_FLUSH_S,
-                 progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
+                 progress_interval_s: float = PROGRESS_INTERVAL_S,
+                 screen_slice_chars: int | None = None) -> None:
+        """`screen_slice_chars`: at most this much is drawn on the terminal in one call, the
+        rest waits for `resume` (None: all of it at once)."""
         self.secrets = secrets
         self.prefix = prefix
         self.keep_sgr = keep_sgr  # --log-ansi keep: colour sequences are forwarded
@@ -78,13 +86,20 @@ class LineAssembler:
         self._open_chars = 0  # how much of the current line was already sent (a quiet partial)
         self._last_feed = 0.0
         self._screen: Screen | None = None  # while output that moves the cursor is being drawn
+        self.screen_slice_chars = screen_slice_chars
+        self._backlog: deque[str | int] = deque()  # what the terminal has still to draw, in
+        #                                 order: text, or a gap (that many bytes were dropped)
+        self.backlog = 0  # characters of text in it
 
     def feed(self, block: bytes | memoryview, now: float) -> str:
         """Take the next block of the stream; returns the text ready to send (often all of it)."""
         self._last_feed = now
         text = self._pending + self._decode(self._mask(block))
-        if (self._screen is not None and not self._screen.idle) or _moves_cursor(text):
-            return self._on_screen(text, now)
+        if self._backlog or (self._screen is not None and not self._screen.idle) \
+                or _moves_cursor(text):
+            self._pending = ""
+            self._queue(text)
+            return self._draw(now, self.screen_slice_chars)
         self._screen = None
         if "\x1b" in text and not self.keep_sgr:
             text = _SGR.sub("", text)  # colours alone need no terminal
@@ -93,34 +108,59 @@ class LineAssembler:
         out = self._lines(text[:cut]) if cut else ""
         return out + self._hold(now)
 
+    def resume(self, now: float) -> str:
+        """Draw the next slice of what waits for the terminal (see `backlog`)."""
+        return self._draw(now, self.screen_slice_chars) if self._backlog else ""
+
     def tick(self, now: float) -> str:
         """Called periodically: a partial line after a quiet second, a progress bar's state."""
-        if self._screen is not None:
-            return self._lines(self.secrets.mask(self._screen.tick(now)))
+        if self._screen is not None or self._backlog:
+            out = self.resume(now)
+            if self._screen is not None:
+                out += self._lines(self.secrets.mask(self._screen.tick(now)))
+            return out
         if not self._pending or now - self._last_feed < self.quiet_flush_s:
             return ""
         partial, self._pending = self._pending, ""
         return self._emit(partial)
 
     def finish(self) -> str:
-        """The stream ended: everything left, a progress bar's final state included."""
-        held, self._held = self._held, b""
-        text = self._pending + self._decode(self.secrets.mask_raw(held)[0], final=True)
-        self._pending = ""
+        """The stream ended: everything left, a progress bar's final state included (all that
+        waits for the terminal too: a caller bounding the work per call resumes until
+        `backlog` is 0 first)."""
+        text = self._rest()
+        out = self._draw(self._last_feed, None) if self._backlog else ""
         if self._screen is not None:
             screen, self._screen = self._screen, None
-            return self._lines(self.secrets.mask(screen.finish(text)))
-        if not text:
-            return ""
-        return self._lines(text)
+            return out + self._lines(self.secrets.mask(screen.finish(text)))
+        return out + self._lines(text) if text else out
 
     def gap(self, dropped_bytes: int) -> str:
-        """Some of the stream was dropped: close the line and say so in the log itself."""
-        out = self.finish()
+        """Some of the stream was dropped: close the line and say so in the log itself (once
+        the terminal has drawn what came before)."""
+        if self._backlog:
+            self._queue(self._rest())
+            self._backlog.append(dropped_bytes)
+            return ""
+        return self._gap(self.finish(), dropped_bytes)
+
+    def _gap(self, out: str, dropped_bytes: int) -> str:
         if self._open_chars:
             out += "\n"
             self._open_chars = 0
         return out + f"{self.prefix}[sidecar] {dropped_bytes} bytes of output were dropped here\n"
+
+    def _rest(self) -> str:
+        """The text not yet sent nor drawn, the end kept back for a secret included."""
+        held, self._held = self._held, b""
+        text = self._pending + self._decode(self.secrets.mask_raw(held)[0], final=True)
+        self._pending = ""
+        return text
+
+    def _queue(self, text: str) -> None:
+        if text:
+            self._backlog.append(text)
+            self.backlog += len(text)
 
     def _mask(self, block: bytes | memoryview) -> bytes | memoryview:
         """The block with every secret masked, the end of the one before it in front; its own
@@ -163,16 +203,31 @@ class LineAssembler:
             text = _split_long(text, self.max_line_chars, self._open_chars)
         return self._emit(text)
 
-    def _on_screen(self, text: str, now: float) -> str:
-        """Output that moves the cursor: drawn on the terminal, which says what to send."""
-        out = ""
-        if self._screen is None:
-            self._screen = Screen(self.max_line_chars, self.keep_sgr, self.progress_interval_s,
-                                  self.quiet_flush_s, unfinished=self.secrets.unfinished)
-            if self._open_chars:  # the terminal draws the line whole: end the part sent
-                out = self._emit("\n")
-        self._pending = ""
-        return out + self._lines(self.secrets.mask(self._screen.feed(text, now)))
+    def _draw(self, now: float, limit: int | None) -> str:
+        """Output that moves the cursor: drawn on the terminal, which says what to send; at
+        most `limit` characters of what waits (None: all), in order, gaps included."""
+        out = []
+        left = limit if limit is not None else sys.maxsize
+        while self._backlog and left > 0:
+            item = self._backlog.popleft()
+            if isinstance(item, int):  # a gap: the terminal's lines end before its notice
+                screen, self._screen = self._screen, None
+                ended = self._lines(self.secrets.mask(screen.finish())) if screen else ""
+                out.append(self._gap(ended, item))
+                continue
+            if len(item) > left:
+                item, rest = item[:left], item[left:]
+                self._backlog.appendleft(rest)
+            self.backlog -= len(item)
+            left -= len(item)
+            if self._screen is None:
+                self._screen = Screen(self.max_line_chars, self.keep_sgr,
+                                      self.progress_interval_s, self.quiet_flush_s,
+                                      unfinished=self.secrets.unfinished)
+                if self._open_chars:  # the terminal draws the line whole: end the part sent
+                    out.append(self._emit("\n"))
+            out.append(self._lines(self.secrets.mask(self._screen.feed(item, now))))
+        return "".join(out)
 
     def _emit(self, text: str) -> str:
         """Prefix every line start (of text already masked); track whether the line is open."""
