@@ -119,10 +119,12 @@ class _Stream:
         granted = self.budget.grant()
         if not granted:
             return 0, "the command writes faster than --log-rate forwards"
-        room = MAX_BACKLOG_CHARS - self.assembler.backlog
+        if not self.assembler.drawing:
+            return granted, ""
+        room = MAX_BACKLOG_CHARS - self.assembler.backlog  # read, as it says, in this thread
         if room <= 0:
             return 0, "the sidecar fell behind the command's output"
-        return min(granted, room) if self.assembler.backlog else granted, ""
+        return min(granted, room), ""
 
     def taken(self, size: int) -> None:
         self.budget.spend(size)
@@ -149,9 +151,12 @@ class _Stream:
             self._resume_soon()
 
     async def drawn(self) -> None:
-        """Until the terminal drew all it was given, a slice a turn of the loop."""
-        while self.assembler.backlog and self.shipper is not None:
+        """Until the terminal drew what it was given so far, a slice a turn of the loop (what a
+        writer that outlived the command adds meanwhile is left to `finish`)."""
+        left = self.assembler.backlog
+        while left > 0 and self.assembler.backlog and self.shipper is not None:
             self._put(self.assembler.resume(time.monotonic()))
+            left -= SCREEN_SLICE_CHARS
             await asyncio.sleep(0)
 
     def skip(self, size: int, why: str) -> None:

@@ -108,6 +108,11 @@ class LineAssembler:
         out = self._lines(text[:cut]) if cut else ""
         return out + self._hold(now)
 
+    @property
+    def drawing(self) -> bool:
+        """Whether output goes to the terminal model (it then may fall behind)."""
+        return self._screen is not None or bool(self._backlog)
+
     def resume(self, now: float) -> str:
         """Draw the next slice of what waits for the terminal (see `backlog`)."""
         return self._draw(now, self.screen_slice_chars) if self._backlog else ""
