@@ -19,7 +19,7 @@ import sys
 from collections import deque
 from typing import Protocol
 
-from sidecar.sources.console.terminal import Screen
+from sidecar.sources.console.terminal import Screen, skip_redraws
 
 MAX_LINE_CHARS = 64 * 1024  # CONTRACT 5: a longer line is split
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet
@@ -98,7 +98,8 @@ class LineAssembler:
         if self._backlog or (self._screen is not None and not self._screen.idle) \
                 or _moves_cursor(text):
             self._pending = ""
-            self._queue(text)
+            self._queue(skip_redraws(text, self.max_line_chars) if self.screen_slice_chars
+                        else text)  # thinned whole: a slice would hold too few redraws to thin
             return self._draw(now, self.screen_slice_chars)
         self._screen = None
         if "\x1b" in text and not self.keep_sgr:
