@@ -247,9 +247,9 @@ class Child:
             if terminal is not None:
                 os.close(terminal[1])  # the child holds it now: its exit ends the reads (EIO)
         self.pid = self._proc.pid
+        self._foreground = _Foreground.give(self.pid)  # first: it may be reading its terminal
         threading.Thread(target=self._see_exit, args=(loop,), name="child-exit",
                          daemon=True).start()
-        self._foreground = _Foreground.give(self.pid)
         if terminal is not None:
             self._reap()
             return (terminal[0],)

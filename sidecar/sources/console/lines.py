@@ -24,6 +24,7 @@ from sidecar.sources.console.terminal import Screen, skip_redraws
 MAX_LINE_CHARS = 64 * 1024  # CONTRACT 5: a longer line is split
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet
 PROGRESS_INTERVAL_S = 3.0  # a progress bar's latest state at most this often
+THIN_CHARS = 32 << 10  # of what waits for the terminal, thinned at once (see _thin)
 SCREEN_SLICE_CHARS = 1 << 10  # drawn in one call where the work per call is bounded: a flood of
 #   escape sequences costs the terminal up to a few microseconds a character
 
@@ -89,17 +90,17 @@ class LineAssembler:
         self.screen_slice_chars = screen_slice_chars
         self._backlog: deque[str | int] = deque()  # what the terminal has still to draw, in
         #                                 order: text, or a gap (that many bytes were dropped)
-        self.backlog = 0  # characters of text in it
+        self._thinned = ""  # its head, the redraws a later one covers taken out
+        self.backlog = 0  # characters of text in both
 
     def feed(self, block: bytes | memoryview, now: float) -> str:
         """Take the next block of the stream; returns the text ready to send (often all of it)."""
         self._last_feed = now
         text = self._pending + self._decode(self._mask(block))
-        if self._backlog or (self._screen is not None and not self._screen.idle) \
+        if self._waiting or (self._screen is not None and not self._screen.idle) \
                 or _moves_cursor(text):
             self._pending = ""
-            self._queue(skip_redraws(text, self.max_line_chars) if self.screen_slice_chars
-                        else text)  # thinned whole: a slice would hold too few redraws to thin
+            self._queue(text)
             return self._draw(now, self.screen_slice_chars)
         self._screen = None
         if "\x1b" in text and not self.keep_sgr:
@@ -112,15 +113,19 @@ class LineAssembler:
     @property
     def drawing(self) -> bool:
         """Whether output goes to the terminal model (it then may fall behind)."""
-        return self._screen is not None or bool(self._backlog)
+        return self._screen is not None or self._waiting
+
+    @property
+    def _waiting(self) -> bool:
+        return bool(self._backlog or self._thinned)
 
     def resume(self, now: float) -> str:
         """Draw the next slice of what waits for the terminal (see `backlog`)."""
-        return self._draw(now, self.screen_slice_chars) if self._backlog else ""
+        return self._draw(now, self.screen_slice_chars) if self._waiting else ""
 
     def tick(self, now: float) -> str:
         """Called periodically: a partial line after a quiet second, a progress bar's state."""
-        if self._screen is not None or self._backlog:
+        if self._screen is not None or self._waiting:
             out = self.resume(now)
             if self._screen is not None:
                 out += self._lines(self.secrets.mask(self._screen.tick(now)))
@@ -135,7 +140,7 @@ class LineAssembler:
         waits for the terminal too: a caller bounding the work per call resumes until
         `backlog` is 0 first)."""
         text = self._rest()
-        out = self._draw(self._last_feed, None) if self._backlog else ""
+        out = self._draw(self._last_feed, None) if self._waiting else ""
         if self._screen is not None:
             screen, self._screen = self._screen, None
             return out + self._lines(self.secrets.mask(screen.finish(text)))
@@ -144,7 +149,7 @@ class LineAssembler:
     def gap(self, dropped_bytes: int) -> str:
         """Some of the stream was dropped: close the line and say so in the log itself (once
         the terminal has drawn what came before)."""
-        if self._backlog:
+        if self._waiting:
             self._queue(self._rest())
             self._backlog.append(dropped_bytes)
             return ""
@@ -214,16 +219,16 @@ class LineAssembler:
         most `limit` characters of what waits (None: all), in order, gaps included."""
         out = []
         left = limit if limit is not None else sys.maxsize
-        while self._backlog and left > 0:
-            item = self._backlog.popleft()
-            if isinstance(item, int):  # a gap: the terminal's lines end before its notice
-                screen, self._screen = self._screen, None
-                ended = self._lines(self.secrets.mask(screen.finish())) if screen else ""
-                out.append(self._gap(ended, item))
-                continue
-            if len(item) > left:
-                item, rest = item[:left], item[left:]
-                self._backlog.appendleft(rest)
+        while self._waiting and left > 0:
+            if not self._thinned:
+                head = self._backlog.popleft()
+                if isinstance(head, int):  # a gap: the terminal's lines end before its notice
+                    screen, self._screen = self._screen, None
+                    ended = self._lines(self.secrets.mask(screen.finish())) if screen else ""
+                    out.append(self._gap(ended, head))
+                    continue
+                self._thinned = self._thin(head)
+            item, self._thinned = self._thinned[:left], self._thinned[left:]
             self.backlog -= len(item)
             left -= len(item)
             if self._screen is None:
@@ -234,6 +239,19 @@ class LineAssembler:
                     out.append(self._emit("\n"))
             out.append(self._lines(self.secrets.mask(self._screen.feed(item, now))))
         return "".join(out)
+
+    def _thin(self, text: str) -> str:
+        """The next THIN_CHARS of `text` (the rest goes back first in the backlog) without the
+        redraws a later one covers: a slice alone holds too few of a bar's redraws to thin, and
+        thinning costs a flood of escape sequences as much as drawing a tenth of it."""
+        if self.screen_slice_chars is None:
+            return text  # the terminal thins what it is given whole
+        if len(text) > THIN_CHARS:
+            text, rest = text[:THIN_CHARS], text[THIN_CHARS:]
+            self._backlog.appendleft(rest)
+        thinned = skip_redraws(text, self.max_line_chars)
+        self.backlog -= len(text) - len(thinned)
+        return thinned
 
     def _emit(self, text: str) -> str:
         """Prefix every line start (of text already masked); track whether the line is open."""
