@@ -311,10 +311,10 @@ def test_an_escape_flood_never_holds_up_the_loop(ingest: RunningIngest, tmp_path
     stderr = run.communicate(timeout=60)[1]
     waits = json.loads(probe.communicate(timeout=30)[0])
     assert run.returncode == 0, stderr
-    # The loop itself never runs a callback for 30 ms here (asyncio's debug mode says so); a
-    # busy machine can keep the probe waiting for a core that long, hence a percentile.
+    # No call of the loop lasts 20 ms here and the slowest answer takes 15-25 ms on a quiet
+    # machine; a busy one can keep the probe itself waiting for a core, hence the percentile.
     assert len(waits) >= 10, waits
-    assert sorted(waits)[len(waits) * 9 // 10] < 0.1 and max(waits) < 1.0, sorted(waits)[-5:]
+    assert sorted(waits)[len(waits) * 9 // 10] < 0.1 and max(waits) < 0.5, sorted(waits)[-5:]
     end = ingest.records("lifecycle")[-1]
     assert end["event"] == "succeeded"
     assert abs(datetime.fromisoformat(end["ts"]).timestamp() - float(stamp.read_text())) < 0.5
