@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import SplitResult, urlsplit
 
-from sidecar.log import add_secret, mask
+from sidecar.log import MIN_SECRET_CHARS, add_secret, mask
 
 
 class ConfigError(Exception):
@@ -370,8 +370,8 @@ def _without_credentials(parts: SplitResult) -> str:
 
 
 def check_token(token: str, source: str) -> str:
-    """`token` when an HTTP header can carry it (visible ASCII, one line); else ConfigError
-    naming `source` and the fault, never the token."""
+    """`token` when an HTTP header can carry it (visible ASCII, one line) and it is long enough
+    to be masked; else ConfigError naming `source` and the fault, never the token."""
     if "\n" in token or "\r" in token:
         raise ConfigError(f"{source} holds more than one line; it should hold the token alone "
                           "(a trailing newline is fine)")
@@ -381,6 +381,11 @@ def check_token(token: str, source: str) -> str:
                 else "a space or a control character")
         raise ConfigError(f"{source}: the token holds {what} at position {bad + 1}, which an "
                           "HTTP header cannot carry; it should be the token exactly as issued")
+    if len(token) < MIN_SECRET_CHARS:
+        raise ConfigError(f"{source}: the token is {len(token)} characters long, too short to be "
+                          "masked in the output (a token of fewer than "
+                          f"{MIN_SECRET_CHARS} would blank pieces of ordinary words); it should "
+                          "be the token exactly as issued")
     return token
 
 
@@ -439,12 +444,17 @@ def _learn_secrets(args: argparse.Namespace, environ: Mapping[str, str],
             add_secrets(Path(token_file).expanduser().read_text(encoding="utf-8"))
 
 
+WORD_SECRET_CHARS = 8  # a word of a file that is more than a token is masked from this length
+
+
 def add_secrets(text: str) -> None:
-    """Mask `text` stripped, and each of its words: a token file with a second line holds the
-    token on its first."""
+    """Mask `text` stripped, and each of its longer words: a token file with a second line
+    holds the token on its first (the other words of such a file, short ones, are not masked
+    in the message that says so)."""
     add_secret(text.strip())
     for word in text.split():
-        add_secret(word)
+        if len(word) >= WORD_SECRET_CHARS:
+            add_secret(word)
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

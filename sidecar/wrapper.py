@@ -43,7 +43,7 @@ from sidecar.sources.console.child import (
     ReadOrder,
     SpawnError,
 )
-from sidecar.sources.console.lines import LineAssembler
+from sidecar.sources.console.lines import SCREEN_SLICE_CHARS, LineAssembler
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.stall import StallWatch
@@ -64,6 +64,8 @@ FIRST_ANSWER_WAIT_S = 1.0  # at the drain, for the run's first answer when none 
 #                            refused connection or a 401 is known then, and not waited out
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
+MAX_BACKLOG_CHARS = 64 << 10  # of output the terminal model has still to draw: more is dropped
+#   (a flood of escape sequences it draws at a few microseconds a character)
 GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
 #                        so the loop's work on one block never holds up the child's pipe
 
@@ -117,6 +119,7 @@ class _Stream:
         self.ended = False  # finished for /logs: what comes after is not forwarded
         self.others: Sequence[_Stream] = ()  # the command's other streams (none with --tty)
         self._skipped = 0
+        self._resuming = False  # a call to draw the terminal's backlog is scheduled
 
     def allowance(self) -> tuple[int, str]:
         """In the pump thread: drop before spending CPU on it, the trainer's cores are not ours."""
@@ -130,7 +133,12 @@ class _Stream:
         granted = self.budget.grant()
         if not granted:
             return 0, "the command writes faster than --log-rate forwards"
-        return granted, ""
+        if not self.assembler.drawing:
+            return granted, ""
+        room = MAX_BACKLOG_CHARS - self.assembler.backlog  # read, as it says, in this thread
+        if room <= 0:
+            return 0, "the sidecar fell behind the command's output"
+        return min(granted, room), ""
 
     def taken(self, size: int) -> None:
         self.budget.spend(size)
@@ -147,10 +155,32 @@ class _Stream:
             other.commit(now)
         self._mark_gap()
         self._put(self.assembler.feed(block, now))
+        self._resume_soon()
 
     def commit(self, now: float) -> None:
         if self.shipper is not None:
             self._put(self.assembler.commit(now))
+
+    def _resume_soon(self) -> None:
+        """The terminal draws a slice a call: the rest once the loop has run what waits."""
+        if self.assembler.backlog and not self._resuming:
+            self._resuming = True
+            asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._resuming = False
+        if self.shipper is not None:
+            self._put(self.assembler.resume(time.monotonic()))
+            self._resume_soon()
+
+    async def drawn(self) -> None:
+        """Until the terminal drew what it was given so far, a slice a turn of the loop (what a
+        writer that outlived the command adds meanwhile is left to `finish`)."""
+        left = self.assembler.backlog
+        while left > 0 and self.assembler.backlog and self.shipper is not None:
+            self._put(self.assembler.resume(time.monotonic()))
+            left -= SCREEN_SLICE_CHARS
+            await asyncio.sleep(0)
 
     def skip(self, size: int, why: str) -> None:
         if self.ended:
@@ -232,8 +262,9 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     stall = stall_watch(cfg, report, shipper, prefix)
     keep_sgr = cfg.log_ansi == "keep"
     names = ("terminal",) if cfg.tty else ("stdout", "stderr")  # --tty: both share one
-    streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr), shipper, budget,
-                       scanner, tail, stall)
+    streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr,
+                                           screen_slice_chars=SCREEN_SLICE_CHARS),
+                       shipper, budget, scanner, tail, stall)
                for name, tail in zip(names, new_tails(len(names)), strict=True)]
     stall.say = lambda line: _say(streams, line)  # through the streams' line assemblers
     for stream in streams:
@@ -287,9 +318,9 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     ticker = supervise("ticker", lambda: _tick(streams, stall))
 
     exit_status = await child.wait()
-    ended_at = time.time()
+    ended_at = child.exited_at or time.time()  # when it exited, not when the loop saw it
     exited.set()
-    exited_at = time.monotonic()  # the drain's deadlines count from here
+    exited_at = child.exited_monotonic or time.monotonic()  # the drain's deadlines count from here
     duration_s = exited_at - spawned_at
     if client is not None:
         client.hurry()  # a backoff of the request in flight ends now
@@ -307,6 +338,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     ticker.cancel()
     holding = not all(stream.closed.is_set() for stream in streams)
     for stream in streams:
+        await stream.drawn()
         stream.finish()
     if holding:
         _say_holders(streams, await asyncio.to_thread(child.output_holders),

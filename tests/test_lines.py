@@ -353,19 +353,49 @@ def test_token_straddling_the_line_split_is_masked(blocks: int) -> None:
 def test_every_secret_added_is_masked_and_the_longest_wins() -> None:
     secrets = Secrets(["tok-first-000000"])
     secrets.add("tok-first-000000-and-longer")
-    secrets.add("short")  # too short to be a secret: never masked inside words
-    assert secrets.mask("a tok-first-000000-and-longer b tok-first-000000 short") == \
-        "a *** b *** short"
+    secrets.add("tok-1")  # the README's own: 4 characters are enough to be masked
+    secrets.add("abc")  # too short to be a secret (refused at start): never masked inside words
+    assert secrets.mask("a tok-first-000000-and-longer b tok-first-000000 tok-1 abc") == \
+        "a *** b *** *** abc"
+    assert secrets.mask_raw(b"a tok-first-000000-and-longer b tok-first-000000 tok-1 abc") == \
+        (b"a *** b *** *** abc", 0)
     assert secrets.longest == len("tok-first-000000-and-longer")
 
 
-def test_a_long_text_is_masked_whatever_part_of_the_secret_is_searched_for() -> None:
-    """Secrets searches a long text for the part of each secret that it finds fastest there."""
-    secrets = Secrets([TOKEN])
-    filler = "x" * (70 << 10)
-    assert secrets.mask(filler + TOKEN + filler) == filler + "***" + filler
-    for part in (TOKEN[:8], TOKEN[-8:], TOKEN[:-1]):
-        assert secrets.mask(filler + part + filler) == filler + part + filler
+def test_raw_masking_merges_overlapping_secrets_and_says_what_could_begin_one() -> None:
+    secrets = Secrets(["abcdXY", "XYZW", "tok-7777"])
+    assert secrets.mask_raw(b"abcdXYZW!") == (b"***!", 0)  # overlapping: one mask, no fragment
+    assert secrets.mask_raw(b"tok-7777tok-7777 tok-") == (b"*** tok-", 4)
+    assert secrets.mask_raw(b"abcdXYZ") == (b"***Z", 0)
+    assert secrets.mask_raw(b"x abcdX") == (b"x abcdX", 5)
+    view = memoryview(b"nothing secret here")
+    assert secrets.mask_raw(view) == (view, 0)  # the caller's buffer, not a copy
+    assert secrets.mask_raw(view)[0] is view
+    assert secrets.mask_raw(memoryview(b"a tok-7777 b Q")[:10]) == (b"a ***", 0)  # a file's slice
+    assert secrets.mask_raw(memoryview(b"a b tok-7777")[:3])[0] == b"a b"
+
+
+OVERWRITES = ["\r", "\x1b[1K\r", "\x1b[2K\r", "\x1b[2K\x1b[1G", "\x1b[40D", "\b" * 30,
+              "\x1b[1A\n\r"]
+
+
+@pytest.mark.parametrize("overwrite", OVERWRITES)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=120), max_size=6))
+def test_a_token_overwritten_by_a_progress_bar_leaves_nothing_of_it(overwrite: str,
+                                                                   cuts: list[int]) -> None:
+    """The terminal would show what the bar did not cover (`  0% |###|cret-0123...`): the
+    token is masked in the raw output, before the terminal model draws it."""
+    data = f"login with {TOKEN}{overwrite}  0% |###|\n 50% |#####|\rdone\n".encode()
+    for tick in (False, True):
+        asm = LineAssembler(secrets=SECRETS)
+        out = []
+        for i, block in enumerate(_blocks(data, cuts)):
+            out.append(asm.feed(block, i * 2.0))
+            if tick:
+                out.append(asm.tick(i * 2.0 + QUIET_FLUSH_S))
+        text = "".join(out) + asm.finish()
+        assert not any(TOKEN[i:i + 8] in text for i in range(len(TOKEN) - 7)), text
+        assert "done" in text
 
 
 # --- prefix ----------------------------------------------------------------------------------

@@ -2,10 +2,13 @@
 floor loop, on the same file and the same receiver in one run.
 
     python tests/bench/bench_throughput.py [--quick] [--lines N] [--line-bytes B ...] [--repeat N]
+                                           [--letter L]
 
-A file of N lines of B bytes of random text (default 2,000,000 of 100 B, then 200,000 of 1 KiB)
-is forwarded from its start to a counting receiver on loopback (_receiver.py, its own process),
-each run until the receiver counted every line:
+A file of N lines of B bytes of random text (default 2,000,000 of 100 B, then 200,000 of 1 KiB,
+then 200,000 of 1 KiB whose text is one repeated letter, `x`: with a token holding an `8`, a line
+of `x`s was CPython's substring search's slow case, when masking used it) is forwarded from its
+start to a counting receiver on loopback (_receiver.py, its own process), each run until the
+receiver counted every line:
 - by the floor loop (_floor.py: 1 MiB blocks cut at the last newline, one chunk a POST encoded
   with orjson, aiohttp, one kept-alive connection);
 - by Fluent Bit 5.1.1, the C forwarder operators run today (shared/anchors/fluent-bit beside
@@ -18,11 +21,14 @@ go; for Fluent Bit when it is started, the file already there (its start-up, a f
 of C, is counted); for the sidecar when the file appears under the name it follows (hard-linked
 there once the sidecar had started and gone quiet, so that its start-up is not counted; it then
 reads the file from its start). CPU is the process's user + system time, all threads.
-With --repeat N the runs alternate N times and the median run of each is reported.
+With --repeat N the runs alternate N times and the median run of each is reported; the two
+tokens take turns at going first (the sidecar run right after Fluent Bit's has measured up to
+twice the CPU-s/GB of the next one, whichever its token), so compare them with an even N.
 
 Targets (issue 17), against Fluent Bit: at 100 B lines at least 2.5x its lines/s at no more than
-0.4x its CPU-s/GB; at 1 KiB lines at least 2x its lines/s at no more than its CPU-s/GB. The
-floor's figures are shown beside them.
+0.4x its CPU-s/GB; at 1 KiB lines at least 2x its lines/s at no more than its CPU-s/GB; at 1 KiB
+lines of a repeated letter (issue 25) at least 2x its lines/s with either token. The floor's
+figures are shown beside them.
 """
 
 from __future__ import annotations
@@ -65,12 +71,14 @@ from _harness import (
 BENCH = "log throughput"
 TIMEOUT_S = 300.0
 STALL_S = 10.0  # no new line for this long: what is missing is not coming
-SIZES = ((2_000_000, 100), (200_000, 1024))
-QUICK_SIZES = ((500_000, 100), (50_000, 1024))
+LETTER = "x"  # the one repeated letter of the third file
+SIZES = ((2_000_000, 100, ""), (200_000, 1024, ""), (200_000, 1024, LETTER))
+QUICK_SIZES = ((500_000, 100, ""), (50_000, 1024, ""), (50_000, 1024, LETTER))
 TOKENS = ("tok-bench-0123456789", "tok-3f9c2a7e51b08d46")  # issue 17: the first one made
 #   CPython's substring search (masking) three times slower than the second
 # line bytes -> (lines/s at least, CPU-s/GB at most), as multiples of Fluent Bit's
 TARGETS = {100: (2.5, 0.4), 1024: (2.0, 1.0)}
+LETTER_TARGET = 2.0  # lines/s, as a multiple of Fluent Bit's, on lines of a repeated letter
 FLUENT_BIT_CONFIG = """\
 [SERVICE]
     Flush        0.2
@@ -97,9 +105,10 @@ FLUENT_BIT_CONFIG = """\
 """
 
 
-def write_log(path: Path, lines: int, line_bytes: int, seed: int = 17) -> None:
+def write_log(path: Path, lines: int, line_bytes: int, seed: int = 17, letter: str = "") -> None:
     """`lines` lines of exactly `line_bytes` bytes (newline included), numbered, each ending in
-    random words (letters, digits, `+`, `.`: no quote, backslash or control character)."""
+    random words (letters, digits, `+`, `.`: no quote, backslash or control character), or in
+    `letter` repeated."""
     head = b"2025-01-01T00:00:00.000Z INFO train step=%09d loss=0.4321 "
     pad = line_bytes - len(head % 0) - 1
     rng = random.Random(seed)
@@ -107,7 +116,8 @@ def write_log(path: Path, lines: int, line_bytes: int, seed: int = 17) -> None:
     with path.open("wb") as f:
         for start in range(0, lines, 100_000):
             count = min(start + 100_000, lines) - start
-            noise = base64.b64encode(rng.randbytes(pad * count * 3 // 4 + 3)).translate(spaces)
+            noise = letter.encode() * (pad * count) if letter else \
+                base64.b64encode(rng.randbytes(pad * count * 3 // 4 + 3)).translate(spaces)
             f.write(b"".join(head % (start + i) + noise[i * pad:(i + 1) * pad] + b"\n"
                              for i in range(count)))
 
@@ -234,8 +244,11 @@ def sidecar(path: Path, lines: int, work: Path, token: str, profile: Path | None
     return Measured(lines, arrived, size, wall_s, cpu_s)
 
 
-def measure(lines: int, line_bytes: int, profile: Path | None, repeat: int) -> list[Row]:
+def measure(lines: int, line_bytes: int, profile: Path | None, repeat: int,
+            letter: str = "") -> list[Row]:
     label = f"{line_bytes} B lines" if line_bytes < 1024 else f"{line_bytes // 1024} KiB lines"
+    if letter:
+        label += f" of {letter!r} repeated"
     skipped = fluent_bit_unavailable()
     floors: list[Measured] = []
     anchors: list[Measured] = []
@@ -243,19 +256,21 @@ def measure(lines: int, line_bytes: int, profile: Path | None, repeat: int) -> l
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         work = Path(tmp)
         path = work / "input.log"
-        write_log(path, lines, line_bytes)
+        write_log(path, lines, line_bytes, letter=letter)
         print(f"{label}: {lines:,} lines, {path.stat().st_size / 1e6:.0f} MB")
         if skipped:
             print(f"  Fluent Bit:     SKIPPED: {skipped}")
-        for _ in range(repeat):  # alternated, so that a slow spell of the machine hits all
+        for round_ in range(repeat):  # alternated, so that a slow spell of the machine hits all
             floors.append(floor(path, lines))
             print(f"  floor loop:     {floors[-1]}")
             if not skipped:
                 anchors.append(fluent_bit_run(path, lines, work))
                 print(f"  Fluent Bit:     {anchors[-1]}")
-            for i, token in enumerate(TOKENS):
-                ours[token].append(sidecar(path, lines, work, token, profile,
-                                           f"throughput-{line_bytes}-token{i + 1}"))
+            # The first sidecar after Fluent Bit has measured up to twice the CPU of the second,
+            # whichever the token: each goes first in every other round.
+            for token in TOKENS[::-1] if round_ % 2 else TOKENS:
+                name = f"throughput-{line_bytes}{letter}-token{TOKENS.index(token) + 1}"
+                ours[token].append(sidecar(path, lines, work, token, profile, name))
                 print(f"  sidecar watch, token {token}:  {ours[token][-1]}")
     base = _median(floors)
     anchor = _median(anchors) if anchors else None
@@ -271,7 +286,12 @@ def measure(lines: int, line_bytes: int, profile: Path | None, repeat: int) -> l
         what = f"{label}, token {token}"
         rows.append(limit_row(BENCH, f"{what}: share of lines delivered",
                               100 * run.arrived / lines, "%", ">=", 100.0))
-        if anchor is not None:
+        if anchor is not None and letter:
+            rows += [ratio_row(BENCH, f"{what}: lines/s", run.lines_per_s, anchor.lines_per_s,
+                               "lines/s", "Fluent Bit", ">=", LETTER_TARGET),
+                     info_row(BENCH, f"{what}: CPU-s/GB", run.cpu_s_per_gb, "CPU-s/GB",
+                              anchor.cpu_s_per_gb, "Fluent Bit")]
+        elif anchor is not None:
             rows += [ratio_row(BENCH, f"{what}: lines/s", run.lines_per_s, anchor.lines_per_s,
                                "lines/s", "Fluent Bit", ">=", more_lines),
                      ratio_row(BENCH, f"{what}: CPU-s/GB", run.cpu_s_per_gb,
@@ -293,13 +313,14 @@ def main() -> None:
     options.add_argument("--lines", type=int, help="lines in the file (one size only)")
     options.add_argument("--line-bytes", type=int, help="bytes a line, newline included")
     options.add_argument("--repeat", type=int, default=1, help="runs of each (median)")
+    options.add_argument("--letter", help="lines of this letter repeated (one size only)")
     args = parse(options)
-    sizes: tuple[tuple[int, int], ...] = QUICK_SIZES if args.quick else SIZES
-    if args.lines or args.line_bytes:
-        sizes = ((args.lines or sizes[0][0], args.line_bytes or 100),)
+    sizes: tuple[tuple[int, int, str], ...] = QUICK_SIZES if args.quick else SIZES
+    if args.lines or args.line_bytes or args.letter:
+        sizes = ((args.lines or sizes[0][0], args.line_bytes or 100, args.letter or ""),)
     rows: list[Row] = []
-    for lines, line_bytes in sizes:
-        rows += measure(lines, line_bytes, args.profile, args.repeat)
+    for lines, line_bytes, letter in sizes:
+        rows += measure(lines, line_bytes, args.profile, args.repeat, letter)
     finish(rows, args.json)
 
 

@@ -4,10 +4,10 @@ same run, the ratio, the target and whether it was met.
     python tests/bench/run_all.py [--quick] [--only NAME[,NAME...]] [--profile DIR]
                                   [--set NAME=VALUE ...]
 
-NAME is one of: throughput, wrapper, tensorboard, latency, idle, startup, hardware,
+NAME is one of: throughput, masking, wrapper, tensorboard, latency, idle, startup, hardware,
 checkpoints. Each benchmark runs in a process of its own and can be run alone
-(tests/bench/bench_NAME.py, the same options). About 17 minutes on a 2-core machine; --quick
-(smaller sizes, shorter runs) about 4. To measure a modified copy of the package:
+(tests/bench/bench_NAME.py, the same options). About 19 minutes on a 2-core machine; --quick
+(smaller sizes, shorter runs) about 5. To measure a modified copy of the package:
 PYTHONPATH=/path/to/copy python tests/bench/run_all.py (the sidecar runs in a scratch folder, so
 the copy is what it imports).
 """
@@ -32,6 +32,7 @@ TENSORBOARD_TARGET = 30.0  # issue 17 (issue 8: 20)
 # name -> (script, options, options with --quick)
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "throughput": ("bench_throughput.py", [], ["--quick"]),
+    "masking": ("bench_mask.py", [], ["--quick"]),
     "wrapper": ("bench_wrapper.py", ["--repeat", "5"], ["--quick"]),
     "tensorboard": ("bench_tensorboard.py", ["--mb", "100"], ["--mb", "10"]),
     "latency": ("bench_latency.py", [], ["--quick"]),

@@ -314,6 +314,8 @@ class Child:
         self._exit: asyncio.Future[int] | None = None
         self._foreground: _Foreground | None = None
         self._output_links: set[str] = set()  # how /proc/PID/fd shows its output's write end
+        self.exited_at: float | None = None  # time.time() when it exited, seen by a thread that
+        self.exited_monotonic: float | None = None  # waits for it: the loop may be late to it
 
     def spawn(self) -> tuple[int, ...]:
         """Start the command; returns what to read its output from: the read ends of its stdout
@@ -335,7 +337,9 @@ class Child:
             if terminal is not None:
                 os.close(terminal[1])  # the child holds it now: its exit ends the reads (EIO)
         self.pid = self._proc.pid
-        self._foreground = _Foreground.give(self.pid)
+        self._foreground = _Foreground.give(self.pid)  # first: it may be reading its terminal
+        threading.Thread(target=self._see_exit, args=(loop,), name="child-exit",
+                         daemon=True).start()
         if terminal is not None:
             self._reap()
             return (terminal[0],)
@@ -387,6 +391,16 @@ class Child:
                 if os.readlink(f"{process}/fd/{fd}") in self._output_links:
                     return True
         return False
+
+    def _see_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In a thread: the moment the child exits, without reaping it (the loop does)."""
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        except OSError:  # reaped already (the loop was there first): its clock stands
+            return
+        self.exited_monotonic, self.exited_at = time.monotonic(), time.time()
+        with contextlib.suppress(RuntimeError):  # the loop closed
+            loop.call_soon_threadsafe(self._reap)
 
     def _reap(self) -> None:
         """SIGCHLD: collect the child's status; as PID 1 also reap adopted orphans, as tini does."""

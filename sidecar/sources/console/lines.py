@@ -3,21 +3,30 @@
 Works on blocks, not lines: a block of ordinary output is decoded, cut at its last newline and
 passed on as one piece of text; an over-long line takes a per-line path, and the rare block that
 moves the cursor (a carriage return, a backspace, an escape sequence other than colours) goes to
-a small terminal (terminal.py) until it holds nothing. Secrets are masked before any cut, and a
-partial line keeps back what could be a secret's start. Pure: the caller supplies the clock.
+a small terminal (terminal.py) until it holds nothing. Secrets are masked in the raw bytes, before
+any of that: a token the terminal would overwrite in part (a progress bar drawn over it) is gone
+before it is drawn, and what the terminal shows is masked again, for a token its redraws put
+together. The end of a block that could begin a secret waits for the next block. The terminal's
+work per call can be bounded (`screen_slice_chars`): what it has not drawn yet waits, in order,
+for `resume`. Pure: the caller supplies the clock.
 """
 
 from __future__ import annotations
 
 import codecs
 import re
+import sys
+from collections import deque
 from typing import Protocol
 
-from sidecar.sources.console.terminal import Screen
+from sidecar.sources.console.terminal import Screen, skip_redraws
 
 MAX_LINE_CHARS = 64 * 1024  # CONTRACT 5: a longer line is split
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet
 PROGRESS_INTERVAL_S = 3.0  # a progress bar's latest state at most this often
+THIN_CHARS = 32 << 10  # of what waits for the terminal, thinned at once (see _thin)
+SCREEN_SLICE_CHARS = 1 << 10  # drawn in one call where the work per call is bounded: a flood of
+#   escape sequences costs the terminal up to a few microseconds a character
 
 _BARE_CR = re.compile(r"\r(?=[^\n])")  # a final one may be half of a CRLF: the next block says
 _NOT_SGR = re.compile(r"\x1b(?!\[[0-9;:]*m)")  # an escape that is not a complete colour sequence
@@ -35,6 +44,10 @@ class Masker(Protocol):
     def unfinished(self, text: str) -> int:
         """How many characters at the end of `text` could be the start of a secret."""
 
+    def mask_raw(self, data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+        """Raw output with every secret replaced, and how many bytes at its end could begin
+        one."""
+
 
 class _NoSecrets:
     longest = 0
@@ -44,6 +57,9 @@ class _NoSecrets:
 
     def unfinished(self, text: str) -> int:
         return 0
+
+    def mask_raw(self, data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+        return data, 0
 
 
 NO_SECRETS: Masker = _NoSecrets()
@@ -55,25 +71,37 @@ class LineAssembler:
 
     def __init__(self, secrets: Masker = NO_SECRETS, prefix: str = "", keep_sgr: bool = False,
                  max_line_chars: int = MAX_LINE_CHARS, quiet_flush_s: float = QUIET_FLUSH_S,
-                 progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
+                 progress_interval_s: float = PROGRESS_INTERVAL_S,
+                 screen_slice_chars: int | None = None) -> None:
+        """`screen_slice_chars`: at most this much is drawn on the terminal in one call, the
+        rest waits for `resume` (None: all of it at once)."""
         self.secrets = secrets
         self.prefix = prefix
         self.keep_sgr = keep_sgr  # --log-ansi keep: colour sequences are forwarded
         self.max_line_chars = max_line_chars
         self.quiet_flush_s = quiet_flush_s
         self.progress_interval_s = progress_interval_s
+        self._held = b""  # the end of the last block, which could begin a secret
         self._undecoded = b""  # the start of a character cut by the end of the last block
         self._pending = ""  # the current line's text not yet sent
         self._open_chars = 0  # how much of the current line was already sent (a quiet partial)
         self._last_feed = 0.0
         self._screen: Screen | None = None  # while output that moves the cursor is being drawn
+        self.screen_slice_chars = screen_slice_chars
+        self._backlog: deque[str | int] = deque()  # what the terminal has still to draw, in
+        #                                 order: text, or a gap (that many bytes were dropped)
+        self._thinned = ""  # its head, the redraws a later one covers taken out
+        self.backlog = 0  # characters of text in both
 
     def feed(self, block: bytes | memoryview, now: float) -> str:
         """Take the next block of the stream; returns the text ready to send (often all of it)."""
         self._last_feed = now
-        text = self._pending + self._decode(block)
-        if (self._screen is not None and not self._screen.idle) or _moves_cursor(text):
-            return self._on_screen(text, now)
+        text = self._pending + self._decode(self._mask(block))
+        if self._waiting or (self._screen is not None and not self._screen.idle) \
+                or _moves_cursor(text):
+            self._pending = ""
+            self._queue(text)
+            return self._draw(now, self.screen_slice_chars)
         self._screen = None
         if "\x1b" in text and not self.keep_sgr:
             text = _SGR.sub("", text)  # colours alone need no terminal
@@ -82,10 +110,26 @@ class LineAssembler:
         out = self._lines(text[:cut]) if cut else ""
         return out + self._hold(now)
 
+    @property
+    def drawing(self) -> bool:
+        """Whether output goes to the terminal model (it then may fall behind)."""
+        return self._screen is not None or self._waiting
+
+    @property
+    def _waiting(self) -> bool:
+        return bool(self._backlog or self._thinned)
+
+    def resume(self, now: float) -> str:
+        """Draw the next slice of what waits for the terminal (see `backlog`)."""
+        return self._draw(now, self.screen_slice_chars) if self._waiting else ""
+
     def tick(self, now: float) -> str:
         """Called periodically: a partial line after a quiet second, a progress bar's state."""
-        if self._screen is not None:
-            return self._lines(self._screen.tick(now))
+        if self._screen is not None or self._waiting:
+            out = self.resume(now)
+            if self._screen is not None:
+                out += self._lines(self.secrets.mask(self._screen.tick(now)))
+            return out
         if now - self._last_feed < self.quiet_flush_s:
             return ""
         return self._partial()
@@ -93,30 +137,30 @@ class LineAssembler:
     def commit(self, now: float) -> str:
         """Another stream of the command wrote: on a terminal both share, its text lands after
         everything this one showed, so what this one holds goes first: its partial line, and
-        the lines the cursor left (not the line a bar is still being redrawn on)."""
+        the lines the cursor left (not the line a bar is still being redrawn on, nor what the
+        terminal has still to draw: that waits its turn, a slice a call)."""
         if self._screen is not None:
-            return self._lines(self._screen.commit(now))
-        return self._partial()
+            return self._lines(self.secrets.mask(self._screen.commit(now)))
+        return "" if self._waiting else self._partial()
 
     def _partial(self) -> str:
-        """The unfinished line as it stands, but what could be the start of a secret."""
+        """The unfinished line as it stands (masked already: what could begin a secret is kept
+        back with the raw bytes)."""
         if not self._pending:
             return ""
-        partial = self.secrets.mask(self._pending)
-        cut = len(partial) - self.secrets.unfinished(partial)  # kept: may begin a secret
-        self._pending = partial[cut:]
-        return self._emit(partial[:cut])
+        partial, self._pending = self._pending, ""
+        return self._emit(partial)
 
     def finish(self) -> str:
-        """The stream ended: everything left, a progress bar's final state included."""
-        text = self._pending + self._decode(b"", final=True)
-        self._pending = ""
+        """The stream ended: everything left, a progress bar's final state included (all that
+        waits for the terminal too: a caller bounding the work per call resumes until
+        `backlog` is 0 first)."""
+        text = self._rest()
+        out = self._draw(self._last_feed, None) if self._waiting else ""
         if self._screen is not None:
             screen, self._screen = self._screen, None
-            return self._lines(screen.finish(text))
-        if not text:
-            return ""
-        return self._lines(text)
+            return out + self._lines(self.secrets.mask(screen.finish(text)))
+        return out + self._lines(text) if text else out
 
     def end_line(self) -> str:
         """A line of the sidecar's own follows: the newline that ends the line sent in part (a
@@ -132,12 +176,43 @@ class LineAssembler:
         return self.end_line() + f"{self.prefix}{line}\n"
 
     def gap(self, dropped_bytes: int) -> str:
-        """Some of the stream was dropped: close the line and say so in the log itself."""
-        out = self.finish()
+        """Some of the stream was dropped: close the line and say so in the log itself (once
+        the terminal has drawn what came before)."""
+        if self._waiting:
+            self._queue(self._rest())
+            self._backlog.append(dropped_bytes)
+            return ""
+        return self._gap(self.finish(), dropped_bytes)
+
+    def _gap(self, out: str, dropped_bytes: int) -> str:
         if self._open_chars:
             out += "\n"
             self._open_chars = 0
         return out + f"{self.prefix}[sidecar] {dropped_bytes} bytes of output were dropped here\n"
+
+    def _rest(self) -> str:
+        """The text not yet sent nor drawn, the end kept back for a secret included."""
+        held, self._held = self._held, b""
+        text = self._pending + self._decode(self.secrets.mask_raw(held)[0], final=True)
+        self._pending = ""
+        return text
+
+    def _queue(self, text: str) -> None:
+        if text:
+            self._backlog.append(text)
+            self.backlog += len(text)
+
+    def _mask(self, block: bytes | memoryview) -> bytes | memoryview:
+        """The block with every secret masked, the end of the one before it in front; its own
+        end kept back where it could begin a secret."""
+        if self._held:
+            block = self._held + block
+        masked, keep = self.secrets.mask_raw(block)
+        if not keep:
+            self._held = b""
+            return masked
+        self._held = bytes(masked[len(masked) - keep:])
+        return masked[:len(masked) - keep]
 
     def _decode(self, block: bytes | memoryview, final: bool = False) -> str:
         """UTF-8 with replacement, straight from the caller's buffer (a view of a read is not
@@ -149,40 +224,63 @@ class LineAssembler:
         return text
 
     def _hold(self, now: float) -> str:
-        """Keep the unfinished line, sending what it must not keep: over-long text, masked first
-        and keeping back what could be a secret's start."""
+        """Keep the unfinished line, sending what it must not keep: over-long text (masked
+        already: a cut cannot split a secret)."""
         room = self.max_line_chars - self._open_chars
-        if len(self._pending) <= room:
+        pending = self._pending
+        if len(pending) <= room:
             return ""
-        pending = self.secrets.mask(self._pending)
-        keep = max(self.secrets.longest - 1, 0)
-        if len(pending) - keep <= room:
-            self._pending = pending
-            return ""
-        cut = room + (len(pending) - keep - room - 1) // self.max_line_chars * self.max_line_chars
+        cut = room + (len(pending) - room - 1) // self.max_line_chars * self.max_line_chars
         self._pending = pending[cut:]
         return self._emit(_split_long(pending[:cut] + "\n", self.max_line_chars,
                                       self._open_chars))
 
     def _lines(self, text: str) -> str:
-        """Whole lines (the last may be unterminated at the stream's end) ready to send."""
-        text = self.secrets.mask(text)
+        """Whole lines (masked; the last may be unterminated at the stream's end) ready to send."""
         first_line_end = text.find("\n") % (len(text) + 1)
         if (_may_hold_long_line(text, self.max_line_chars)
                 or self._open_chars + first_line_end > self.max_line_chars):
             text = _split_long(text, self.max_line_chars, self._open_chars)
         return self._emit(text)
 
-    def _on_screen(self, text: str, now: float) -> str:
-        """Output that moves the cursor: drawn on the terminal, which says what to send."""
-        out = ""
-        if self._screen is None:
-            self._screen = Screen(self.max_line_chars, self.keep_sgr, self.progress_interval_s,
-                                  self.quiet_flush_s, unfinished=self.secrets.unfinished)
-            if self._open_chars:  # the terminal draws the line whole: end the part sent
-                out = self._emit("\n")
-        self._pending = ""
-        return out + self._lines(self._screen.feed(text, now))
+    def _draw(self, now: float, limit: int | None) -> str:
+        """Output that moves the cursor: drawn on the terminal, which says what to send; at
+        most `limit` characters of what waits (None: all), in order, gaps included."""
+        out = []
+        left = limit if limit is not None else sys.maxsize
+        while self._waiting and left > 0:
+            if not self._thinned:
+                head = self._backlog.popleft()
+                if isinstance(head, int):  # a gap: the terminal's lines end before its notice
+                    screen, self._screen = self._screen, None
+                    ended = self._lines(self.secrets.mask(screen.finish())) if screen else ""
+                    out.append(self._gap(ended, head))
+                    continue
+                self._thinned = self._thin(head)
+            item, self._thinned = self._thinned[:left], self._thinned[left:]
+            self.backlog -= len(item)
+            left -= len(item)
+            if self._screen is None:
+                self._screen = Screen(self.max_line_chars, self.keep_sgr,
+                                      self.progress_interval_s, self.quiet_flush_s,
+                                      unfinished=self.secrets.unfinished)
+                if self._open_chars:  # the terminal draws the line whole: end the part sent
+                    out.append(self._emit("\n"))
+            out.append(self._lines(self.secrets.mask(self._screen.feed(item, now))))
+        return "".join(out)
+
+    def _thin(self, text: str) -> str:
+        """The next THIN_CHARS of `text` (the rest goes back first in the backlog) without the
+        redraws a later one covers: a slice alone holds too few of a bar's redraws to thin, and
+        thinning costs a flood of escape sequences as much as drawing a tenth of it."""
+        if self.screen_slice_chars is None:
+            return text  # the terminal thins what it is given whole
+        if len(text) > THIN_CHARS:
+            text, rest = text[:THIN_CHARS], text[THIN_CHARS:]
+            self._backlog.appendleft(rest)
+        thinned = skip_redraws(text, self.max_line_chars)
+        self.backlog -= len(text) - len(thinned)
+        return thinned
 
     def _emit(self, text: str) -> str:
         """Prefix every line start (of text already masked); track whether the line is open."""

@@ -92,7 +92,7 @@ class Screen:
         cut = text.rfind("\x1b")
         if cut >= 0 and len(text) - cut <= MAX_CARRY_CHARS and _UNFINISHED.fullmatch(text, cut):
             text, self._carry = text[:cut], text[cut:]
-        self._apply(_skip_redraws(text, self.width))
+        self._apply(skip_redraws(text, self.width))
         self._settle()
         if now - self._snapshot_at >= self.interval_s:
             self._snapshot()
@@ -280,7 +280,7 @@ class Screen:
         return out
 
 
-def _skip_redraws(text: str, width: int) -> str:
+def skip_redraws(text: str, width: int) -> str:
     """`text` without the redraws a later one covers whole, found with a few C-speed string
     operations, so that a flood of bar updates costs little more than its last ones: runs of
     `\rTEXT` on one line, runs of tqdm's redraw of a bar below the cursor, and runs of the
