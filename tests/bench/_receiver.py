@@ -10,8 +10,9 @@ MODE:
              bytes are the body's length. Every route answers 200.
   hang-logs  as count, but a /logs request is read and never answered (the connection stays
              open until the client gives up); every other route answers 200.
-  latency    /logs and /metrics bodies are parsed: each log line `LAT <epoch> ...` and each
-             point with key `latency_probe` gives one (arrival - write) delay, by `ts`.
+  latency    /logs and /metrics bodies are parsed: each log line `LAT <epoch> ...` (of the
+             sidecar's chunks, or of Fluent Bit's records' `log`) and each point with key
+             `latency_probe` gives one (arrival - write) delay, by `ts`.
 
 `GET /_stats` answers the counters as JSON; `GET /_delays` the latency mode's delays (seconds,
 log lines and points separately). It is deliberately not `sidecar receive`: that one validates
@@ -79,7 +80,10 @@ class Receiver:
             self.first_log_at = self.first_log_at or now
             self.last_log_at = now
             if self.mode == "latency":
-                for chunk in json.loads(body)["chunks"]:
+                doc = json.loads(body)
+                chunks = [record.get("log", "") for record in doc] if isinstance(doc, list) \
+                    else doc["chunks"]  # Fluent Bit's records, or the sidecar's chunks
+                for chunk in chunks:
                     self.log_delays.extend(now - float(t) for t in _LAT_LINE.findall(chunk))
             if self.mode == "hang-logs":
                 return None

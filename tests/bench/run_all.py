@@ -4,7 +4,8 @@ same run, the ratio, the target and whether it was met.
     python tests/bench/run_all.py [--quick] [--only NAME[,NAME...]] [--profile DIR]
                                   [--set NAME=VALUE ...]
 
-NAME is one of: throughput, wrapper, tensorboard, latency, idle, startup, hardware. Each
+NAME is one of: throughput, wrapper, tensorboard, latency, idle, startup, hardware,
+trickle. Each
 benchmark runs in a process of its own and can be run alone (tests/bench/bench_NAME.py, the same
 options). About 15 minutes on a 2-core machine; --quick (smaller sizes, shorter runs) about 3. To
 measure a modified copy of the package: PYTHONPATH=/path/to/copy python tests/bench/run_all.py (the
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "idle": ("bench_idle.py", [], ["--quick"]),
     "startup": ("bench_startup.py", [], ["--quick"]),
     "hardware": ("bench_hardware.py", [], ["--quick"]),
+    "trickle": ("bench_trickle.py", [], ["--quick"]),
 }
 
 
