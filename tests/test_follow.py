@@ -420,9 +420,11 @@ async def test_a_steady_trickle_is_read_in_gatherings_without_looking_for_files(
     """A line each 10 ms, each its own write, was an inotify wake-up, a look for files (globs,
     stats, watches) and a read per line: a training run's trickle of 100 lines a second cost
     100 of each. Now a change of content only reads the files followed, and while they keep
-    growing a read waits COALESCE_S for company: about ten reads a second, every line once."""
-    log = tmp_path / "train.log"
+    growing a read waits COALESCE_S for company: about ten reads a second, every line once. A
+    file beside it that fits no pattern (the trainer's own) costs no look when it grows."""
+    log, other = tmp_path / "train.log", tmp_path / "trainer-notes.txt"
     log.write_bytes(b"")
+    other.write_bytes(b"")
     looks: list[str] = []
     match = follow.discover.match
     monkeypatch.setattr(follow.discover, "match",
@@ -431,13 +433,14 @@ async def test_a_steady_trickle_is_read_in_gatherings_without_looking_for_files(
     sink = _Collect()
     follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"))
     task = asyncio.create_task(follower.run())
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    fd, other_fd = os.open(log, os.O_WRONLY | os.O_APPEND), os.open(other, os.O_WRONLY)
     try:
         await async_wait_until(lambda: bool(looks), "the first look")
         looked = len(looks)
         began = time.monotonic()
         for i in range(100):
             os.write(fd, f"line {i:03d}\n".encode())
+            os.write(other_fd, b"note\n")
             await asyncio.sleep(0.01)  # the trickle's pace, not a synchronisation
         elapsed = time.monotonic() - began
         await async_wait_until(lambda: sum(p.records for p in sink.parsed) == 100,
@@ -448,6 +451,7 @@ async def test_a_steady_trickle_is_read_in_gatherings_without_looking_for_files(
         assert len(looks) - looked <= 2  # no look per write: only the content changed
     finally:
         os.close(fd)
+        os.close(other_fd)
         await cancel(task)
         follower.close()
 

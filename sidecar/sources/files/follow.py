@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import logging
 import os
 import re
@@ -53,6 +54,7 @@ POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
 INLINE_READ_BYTES = 64 << 10  # event mode (a local filesystem): a read this small of what was
 #   just written comes from the page cache and is read on the loop, not in a thread
+MAX_FITS_CACHED = 4096  # paths remembered as fitting a pattern or not
 COALESCE_S = 0.1  # a look that found new data and read everything: the next waits this long
 #   from its start for company (a look per write costs what a look costs; the delivery paces
 #   its requests at about one a second anyway, batcher.PACE_S)
@@ -210,6 +212,7 @@ class Follower:
         self._looked_at = float("-inf")  # when the last look ended: the next is due `interval` on
         self._events: Inotify | None = None
         self._open_paths_cache: set[str] | None = None
+        self._fits: dict[str, bool] = {}  # path -> whether it fits a pattern (_may_follow)
 
     async def run(self) -> None:
         """Follow until cancelled."""
@@ -281,9 +284,25 @@ class Follower:
         (globs, stats, watches)."""
         assert self._events is not None
         structural, modified = self._events.take_changes()
-        if structural or not modified <= self._open_paths():
+        if structural or any(self._may_follow(path) for path in modified - self._open_paths()):
             self._look = True
         self._wake.set()
+
+    def _may_follow(self, path: str) -> bool:
+        """Whether a file at `path` (absolute) may be one to follow: its name fits a pattern
+        (fnmatch's `*` crosses folders, so this errs towards a look, never away from one).
+        A trainer's other files in a followed folder then cost no look when they grow."""
+        fits = self._fits.get(path)
+        if fits is None:
+            name = os.path.basename(path)
+            fits = any(
+                fnmatch.fnmatch(name, spec.tree) if spec.tree else
+                fnmatch.fnmatch(path, os.path.abspath(pattern))
+                for spec in self.specs for pattern in spec.patterns)
+            if len(self._fits) >= MAX_FITS_CACHED:
+                self._fits.clear()
+            self._fits[path] = fits
+        return fits
 
     def _open_paths(self) -> set[str]:
         """The absolute paths of the files open for reading (kept until a look or a close)."""
