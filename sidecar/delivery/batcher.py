@@ -57,6 +57,12 @@ class Pace:
         """How long a small batch waits from now: `least_s` at least (for company)."""
         return max(least_s, self.sent_at + self.interval_s - time.monotonic())
 
+    def next_at(self) -> float | None:
+        """When (time.monotonic) a request that is not full may start next, while that is still
+        ahead; None when one may start now."""
+        at = self.sent_at + self.interval_s
+        return at if at > time.monotonic() else None
+
     def sent(self, full: bool) -> None:
         """A request starts; `full`: as large as the route's requests get."""
         self.sent_at = float("-inf") if full else time.monotonic()

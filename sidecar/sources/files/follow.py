@@ -18,8 +18,9 @@ after checking that it is still the same file (device, inode and fingerprint).
 Changes are noticed through inotify read by the event loop (no thread, nothing spent while idle),
 with a slow safety poll. A change of content only of files open for reading reads them on
 without looking for files; while they keep growing, the next read waits COALESCE_S from the
-start of the one before (a write each 10 ms is read ten times a second, not a hundred); the
-first change after a quiet spell is read at once. Folders on NFS, SMB, FUSE and the like, where
+start of the one before, or until just before the sink's next request when it paces them (a
+write each 10 ms is read about twice a second, not a hundred times); the first change after a
+quiet spell is read at once. Folders on NFS, SMB, FUSE and the like, where
 events never arrive, are polled instead, as is everything in `poll` mode.
 """
 
@@ -54,10 +55,12 @@ POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
 INLINE_READ_BYTES = 64 << 10  # event mode (a local filesystem): a read this small of what was
 #   just written comes from the page cache and is read on the loop, not in a thread
+READ_LEAD_S = 0.05  # a trickle is read this long before the sink's next request starts
+MAX_GATHER_S = 1.0  # and never waits longer than this for it
 MAX_FITS_CACHED = 4096  # paths remembered as fitting a pattern or not
 COALESCE_S = 0.1  # a look that found new data and read everything: the next waits this long
-#   from its start for company (a look per write costs what a look costs; the delivery paces
-#   its requests at about one a second anyway, batcher.PACE_S)
+#   from its start for company, and until just before the sink's next request when it paces
+#   them (batcher.PACE_S: about one a second), so a trickle is read about twice a second
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
 IDLE_CLOSE_S = 10.0  # a file read to its end and quiet this long gives its descriptor back
@@ -143,6 +146,11 @@ class Sink:
 
     def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
         raise NotImplementedError
+
+    def due(self) -> float | None:
+        """When (time.monotonic) the sink next sends what it holds, while it paces its requests;
+        None when it sends at once. A trickle is read just before then."""
+        return None
 
 
 class _Tail:
@@ -232,11 +240,21 @@ class Follower:
                 else:  # only room in the sink: the files followed are read on, none looked for
                     await self._read_followed()
                 if self._bytes_read() > before and self._read_all():
-                    await self._gather(began + COALESCE_S)
+                    await self._gather(self._gathered_by(began))
                 await wait_set(self._wake, max(self._looked_at + interval - time.monotonic(), 0))
         finally:
             if self._events is not None:
                 self._events.close()
+
+    def _gathered_by(self, began: float) -> float:
+        """When the next read of a trickle is due, the last one having begun at `began`: just
+        before the sink's next request (what is read then goes with it), and no sooner than
+        COALESCE_S after the last read."""
+        until = began + COALESCE_S
+        due = self.sink.due()
+        if due is not None:
+            until = max(until, min(due - READ_LEAD_S, began + MAX_GATHER_S))
+        return until
 
     async def _gather(self, until: float) -> None:
         """A look found new data and read all of it: let more of the trickle gather until
