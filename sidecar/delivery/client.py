@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import enum
 import json
-import random
 import ssl
 import time
 from collections.abc import Callable
@@ -363,6 +362,9 @@ def retry_wait(policy: RoutePolicy, failed: int, retry_after_s: float | None = N
     After an answer that said Retry-After: never shorter than told, and spread over up to half
     as long again (at least first_backoff_s), so that the nodes an overloaded ingest sent away
     at once do not all come back in the same instant."""
+    import random  # only once an attempt failed: its import costs a start-up more than it
+    #                answers (test_footprint)
+
     if retry_after_s is not None:
         return retry_after_s + random.uniform(0.0, max(retry_after_s / 2, policy.first_backoff_s))
     ceiling = policy.first_backoff_s * 2.0 ** min(max(failed - 1, 0), 64)
