@@ -288,6 +288,12 @@ class Pipeline(Sink):
     def has_room(self) -> bool:
         return self.shipper.has_room and self.metrics.has_room and self.hparams.has_room
 
+    def due(self) -> float | None:
+        """The soonest a request of log text or points that is not full starts, while paced."""
+        paced = [at for at in (self.shipper.pace.next_at(), self.metrics.pace.next_at())
+                 if at is not None]
+        return min(paced, default=None)
+
     def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
         active = bool(parsed.text) or self._new_step(parsed.points)
         if parsed.text:  # before a line of ours about it (resumed): the text is assembled,

@@ -12,6 +12,7 @@ from typing import Any
 from sidecar.commands.receive import Fault
 from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST, Batcher
 from sidecar.delivery.client import IngestClient
+from sidecar.delivery.logs import LogShipper
 from sidecar.records import Ticket
 from tests.conftest import RUN_ID, TOKEN
 from tests.ingest_server import RunningIngest
@@ -273,3 +274,60 @@ async def test_unwritable_dead_letter_file_does_not_stop_delivery(
         delivered = await batcher.flush(3.0)
     assert delivered
     assert [p["step"] for p in received(ingest)] == [i for i in range(20) if i != 3]
+
+
+async def test_a_point_after_a_quiet_spell_goes_at_once_and_a_trickle_waits_for_the_pace(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """Every point was its own request when points came one at a time (10 a second: 10
+    requests a second at the ingest). Now a point after a quiet spell still goes at once, and
+    while points keep coming they wait for the pace (here 60 s, so that the count cannot
+    depend on the machine's speed): a trickle of 20 points is 2 requests, the first point alone
+    and the rest when the flush hurries them, each point once, in order."""
+    async with delivering(ingest, tmp_path / "run", pace_s=60.0) as batcher:
+        await batcher.put([point(0)])
+        await wait_until(lambda: len(received(ingest)) == 1, "the lone point arrived",
+                         timeout=30.0)
+        for step in range(1, 20):
+            await batcher.put([point(step)])
+            await asyncio.sleep(0.01)  # a trickle, not a batch: the batcher runs in between
+        assert batcher.queued == 19  # held for the pace, not sent one by one
+        assert await batcher.flush(FLUSH_S)
+    assert [p["step"] for p in received(ingest)] == list(range(20))
+    assert request_sizes(ingest) == [1, 19]
+
+
+async def test_a_full_batch_does_not_wait_for_the_pace(ingest: RunningIngest,
+                                                       tmp_path: Path) -> None:
+    """A flood is not held back by the pace: full requests go back to back, and the small
+    batch at its end goes after the short linger, not a pace later."""
+    async with delivering(ingest, tmp_path / "run", pace_s=60.0, max_items=100) as batcher:
+        await batcher.put([point(step) for step in range(250)])
+        await wait_until(lambda: len(received(ingest)) == 250, "the flood arrived",
+                         timeout=30.0)
+    assert request_sizes(ingest) == [100, 100, 50]
+
+
+async def test_log_text_after_a_quiet_spell_goes_at_once_and_a_trickle_waits_for_the_pace(
+        ingest: RunningIngest) -> None:
+    """/logs as /metrics: a line after a quiet spell is sent at once, and a trickle of lines
+    (each its own write: 14 to 18 requests a second at 100 lines/s) waits for the pace (60 s
+    here), then goes in one request when the flush hurries it; every line once, in order."""
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    shipper = LogShipper(client, RUN_ID, pace_s=60.0)
+    shipper.start()
+    try:
+        shipper.put("line 0\n")
+        await wait_until(lambda: len(ingest.records("logs")) == 1, "the lone line arrived",
+                         timeout=30.0)
+        for i in range(1, 20):
+            shipper.put(f"line {i}\n")
+            await asyncio.sleep(0.01)  # a trickle, not a batch: the shipper runs in between
+        assert shipper.queued == 19
+        assert await shipper.flush(FLUSH_S)
+    finally:
+        await shipper.stop()
+        await client.close()
+    assert [len(body["chunks"]) for body in ingest.records("logs")] == [1, 19]
+    assert "".join(c for body in ingest.records("logs") for c in body["chunks"]) == "".join(
+        f"line {i}\n" for i in range(20))

@@ -415,6 +415,90 @@ async def test_room_again_reads_on_without_looking_for_files(
         follower.close()
 
 
+async def test_a_steady_trickle_is_read_in_gatherings_without_looking_for_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line each 10 ms, each its own write, was an inotify wake-up, a look for files (globs,
+    stats, watches) and a read per line: a training run's trickle of 100 lines a second cost
+    100 of each. Now a change of content only reads the files followed, and while they keep
+    growing a read waits COALESCE_S for company: about ten reads a second, every line once. A
+    file beside it that fits no pattern (the trainer's own) costs no look when it grows."""
+    log, other = tmp_path / "train.log", tmp_path / "trainer-notes.txt"
+    log.write_bytes(b"")
+    other.write_bytes(b"")
+    looks: list[str] = []
+    match = follow.discover.match
+    monkeypatch.setattr(follow.discover, "match",
+                        lambda pattern, *rest: looks.append(pattern) or match(pattern, *rest))
+    spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser(), option="--log")
+    sink = _Collect()
+    follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"))
+    task = asyncio.create_task(follower.run())
+    fd, other_fd = os.open(log, os.O_WRONLY | os.O_APPEND), os.open(other, os.O_WRONLY)
+    try:
+        await async_wait_until(lambda: bool(looks), "the first look")
+        looked = len(looks)
+        began = time.monotonic()
+        for i in range(100):
+            os.write(fd, f"line {i:03d}\n".encode())
+            os.write(other_fd, b"note\n")
+            await asyncio.sleep(0.01)  # the trickle's pace, not a synchronisation
+        elapsed = time.monotonic() - began
+        await async_wait_until(lambda: sum(p.records for p in sink.parsed) == 100,
+                               "every line was read")
+        assert "".join(p.text for p in sink.parsed) == "".join(
+            f"line {i:03d}\n" for i in range(100))
+        assert len(sink.parsed) <= elapsed / follow.COALESCE_S + 3, len(sink.parsed)
+        assert len(looks) - looked <= 2  # no look per write: only the content changed
+    finally:
+        os.close(fd)
+        os.close(other_fd)
+        await cancel(task)
+        follower.close()
+
+
+class _Paced(_Collect):
+    """A sink that sends what it holds each PERIOD_S, as a paced batcher does."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began = time.monotonic()
+
+    def due(self) -> float | None:
+        periods = (time.monotonic() - self.began) // self.PERIOD_S + 1
+        return self.began + periods * self.PERIOD_S
+
+
+async def test_a_trickle_is_read_just_before_the_sink_sends(tmp_path: Path) -> None:
+    """Reading a trickle ten times a second still woke the sidecar ten times for a request a
+    second: the follower now reads just before the sink's next request, so about once per
+    request (here one each 0.5 s), every line still once and in order."""
+    log = tmp_path / "train.log"
+    log.write_bytes(b"")
+    spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser(), option="--log")
+    sink = _Paced()
+    follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"))
+    task = asyncio.create_task(follower.run())
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    try:
+        began = time.monotonic()
+        for i in range(150):
+            os.write(fd, f"line {i:03d}\n".encode())
+            await asyncio.sleep(0.01)  # the trickle's pace, not a synchronisation
+        elapsed = time.monotonic() - began
+        await async_wait_until(lambda: sum(p.records for p in sink.parsed) == 150,
+                               "every line was read")
+        assert "".join(p.text for p in sink.parsed) == "".join(
+            f"line {i:03d}\n" for i in range(150))
+        # at most two reads a period: one just before the sink sends, one after a quiet start
+        assert len(sink.parsed) <= 2 * elapsed / _Paced.PERIOD_S + 3, len(sink.parsed)
+    finally:
+        os.close(fd)
+        await cancel(task)
+        follower.close()
+
+
 def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
         tmp_path: Path) -> None:
     from sidecar.commands.replay import _unread

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import statistics
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from sidecar.delivery.client import Answer, IngestClient, RouteStats, Verdict
+from sidecar.delivery.client import ROUTES, Answer, IngestClient, RouteStats, Verdict, retry_wait
 from sidecar.delivery.transport import MAX_ANSWER_BYTES, Transport, TransportError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -275,3 +277,28 @@ async def test_an_ipv6_endpoint_is_reached_and_named_in_brackets() -> None:
         await server.__aexit__()
     assert reply.status == 200
     assert f"host: [::1]:{transport.origin.port}" in server.requests[0].decode().lower()
+
+
+def test_retries_wait_with_full_jitter_and_spread_a_retry_after() -> None:
+    """A backoff of 2^n times first_backoff_s plus at most first_backoff_s of jitter brought a
+    fleet that lost its ingest together back together: every node waited 30 to 30.5 s once at
+    the cap, so a recovering ingest met them in waves. Full jitter draws each wait between 0
+    and the capped backoff; a Retry-After is never cut short and is spread over half as long
+    again."""
+    policy = ROUTES["metrics"]  # 0.5 s doubling to 30 s
+    rng_state = random.getstate()
+    random.seed(25)
+    try:
+        capped = [retry_wait(policy, 12) for _ in range(20_000)]
+        early = [retry_wait(policy, 3) for _ in range(20_000)]  # at most 0.5 * 2^2 = 2 s
+        told = [retry_wait(policy, 12, 10.0) for _ in range(20_000)]
+    finally:
+        random.setstate(rng_state)
+    assert 0.0 <= min(capped) < 0.5 and 29.5 < max(capped) <= policy.max_backoff_s
+    assert statistics.fmean(capped) == pytest.approx(15.0, abs=0.5)
+    deciles = statistics.quantiles(capped, n=10)  # uniform: a tenth of the waits in each 3 s
+    assert all(abs(d - 3.0 * (i + 1)) < 0.6 for i, d in enumerate(deciles))
+    assert min(early) >= 0.0 and max(early) <= 2.0
+    assert statistics.fmean(early) == pytest.approx(1.0, abs=0.05)
+    assert min(told) >= 10.0 and max(told) <= 15.0
+    assert statistics.fmean(told) == pytest.approx(12.5, abs=0.1)

@@ -19,6 +19,7 @@ from typing import IO
 import pytest
 
 from sidecar.commands.receive import Fault
+from sidecar.delivery.batcher import PACE_S
 from sidecar.delivery.logs import MAX_REQUEST_CHARS
 from tests.conftest import RUN_ID, Finished, Sidecar, platform_env
 from tests.ingest_server import RunningIngest, wait_until
@@ -92,6 +93,42 @@ def test_a_large_file_goes_out_in_full_requests(ingest: RunningIngest, tmp_path:
     assert watch.stop().status == 0
     assert log_lines(ingest) == written
     assert len(ingest.records("logs")) <= math.ceil(6_000_000 / MAX_REQUEST_CHARS)
+
+
+def test_a_steady_trickle_costs_about_a_request_a_second_per_route(
+        ingest: RunningIngest, tmp_path: Path, folder: Path) -> None:
+    """A training run's trickle, each line and each point its own write, was a request per
+    point and one per few lines (at 100 lines/s and 10 points/s: 27 requests a second). Now
+    each route sends about one a second while output keeps coming (batcher.PACE_S), and every
+    line and point arrives once."""
+    log, metrics = folder / "train.log", folder / "metrics.jsonl"
+    log.touch()
+    metrics.touch()
+    watch = Watch(ingest, tmp_path, "--log", str(log), "--jsonl", str(metrics)).start()
+    lines = [f"step {i:03d} loss 0.{i:03d}" for i in range(60)]
+    log_fd, metrics_fd = os.open(log, os.O_WRONLY | os.O_APPEND), os.open(metrics, os.O_WRONLY)
+    os.write(metrics_fd, b'{"step": -1, "loss": 1.0}\n')  # the files are followed from here
+    ingest.wait_for(lambda: bool(points(ingest)), 15)
+    before = {route: len(ingest.records(route)) for route in ("logs", "metrics")}
+    began = time.monotonic()
+    try:
+        for i, line in enumerate(lines):  # 20 lines and 4 points a second for 3 s
+            os.write(log_fd, f"{line}\n".encode())
+            if i % 5 == 0:
+                os.write(metrics_fd, f'{{"step": {i}, "loss": {i / 100}}}\n'.encode())
+            time.sleep(0.05)  # the trickle's pace, not a synchronisation
+    finally:
+        os.close(log_fd)
+        os.close(metrics_fd)
+    elapsed = time.monotonic() - began
+    ingest.wait_for(lambda: len(log_lines(ingest)) >= 60 and len(points(ingest)) >= 13, 15)
+    assert watch.stop().status == 0
+    assert log_lines(ingest) == lines
+    assert sorted(int(str(p["step"])) for p in points(ingest)) == [-1, *range(0, 60, 5)]
+    most = elapsed / PACE_S + 3  # the lone first one, the pace, the drain at the stop
+    for route in ("logs", "metrics"):
+        sent = len(ingest.records(route)) - before[route]
+        assert sent <= most, f"{sent} requests to /{route} in {elapsed:.1f} s"
 
 
 def test_a_file_in_a_folder_that_does_not_exist_yet(ingest: RunningIngest, tmp_path: Path,

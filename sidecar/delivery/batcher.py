@@ -5,6 +5,11 @@ that travels back when the ingest acknowledged them: a file source commits its o
 then. A full queue makes `put` wait (a file is its own buffer, so its reader simply pauses);
 `offer` never waits and says whether the items were taken.
 
+Pacing: an item after a quiet spell goes out at once (after LINGER_S for company); while items
+keep coming, a route sends at most one request every PACE_S (`Pace`), so a steady trickle costs
+the ingest about a request a second per route instead of one per point, and a full batch still
+goes at once (a flood is not held back).
+
 Answers (CONTRACT 4): 413 splits the batch and retries the halves; a permanent 4xx bisects the
 batch so that one poison item goes to the dead-letter file and the good ones get through.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +35,37 @@ from sidecar.supervise import fault_point, supervise
 MAX_POINTS_PER_REQUEST = 2048  # CONTRACT 4, /metrics
 MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8 requests)
 LINGER_S = 0.05  # a small batch waits this long for company
+PACE_S = 0.85  # while output keeps coming, a route's requests start at most this often: about
+#   one a second, and what waits for the next one (with the file reader's coalescing,
+#   follow.COALESCE_S) still arrives within a second
+
+
+class Pace:
+    """When a route's next request that is not full may start: at once after a quiet spell
+    (no request for `interval_s`) or after a full request (a flood's last small batch is not
+    held back), else `interval_s` after the previous one. The linger of a small batch so grows
+    with the load: a lone point goes at once, a steady trickle of them in one request each
+    `interval_s`."""
+
+    __slots__ = ("interval_s", "sent_at")
+
+    def __init__(self, interval_s: float = PACE_S) -> None:
+        self.interval_s = interval_s
+        self.sent_at = float("-inf")  # when the last request that was not full started
+
+    def linger_s(self, least_s: float) -> float:
+        """How long a small batch waits from now: `least_s` at least (for company)."""
+        return max(least_s, self.sent_at + self.interval_s - time.monotonic())
+
+    def next_at(self) -> float | None:
+        """When (time.monotonic) a request that is not full may start next, while that is still
+        ahead; None when one may start now."""
+        at = self.sent_at + self.interval_s
+        return at if at > time.monotonic() else None
+
+    def sent(self, full: bool) -> None:
+        """A request starts; `full`: as large as the route's requests get."""
+        self.sent_at = float("-inf") if full else time.monotonic()
 
 
 class _Item:
@@ -46,7 +83,7 @@ class Batcher:
                  wrap: Callable[[list[Any]], dict[str, Any]], run_dir: Path,
                  max_items: int = MAX_POINTS_PER_REQUEST, max_queued: int = MAX_QUEUED_ITEMS,
                  linger_s: float = LINGER_S, spill: DiskQueue | None = None,
-                 on_room: Callable[[], None] | None = None) -> None:
+                 on_room: Callable[[], None] | None = None, pace_s: float = PACE_S) -> None:
         self.client = client
         self.route = route
         self.wrap = wrap
@@ -54,6 +91,7 @@ class Batcher:
         self.max_items = max_items
         self.max_queued = max_queued
         self.linger_s = linger_s
+        self.pace = Pace(pace_s)
         self.spill = spill  # overflow on disk, for routes whose source cannot wait
         self.on_room = on_room  # called when room comes back (wakes a reader)
         self.delivered = 0
@@ -64,6 +102,8 @@ class Batcher:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._idle = asyncio.Event()
+        self._lingering = False  # a small batch waits: only a full one or a flush wakes it
+        self._hurry = False  # a flush waits: what is queued goes without lingering
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -119,7 +159,8 @@ class Batcher:
         for value in items:
             self._queue.append(_Item(value, ticket.hold() if ticket else None))
         self._idle.clear()
-        self._wake.set()
+        if not self._lingering or len(self._queue) >= self.max_items:
+            self._wake.set()
 
     async def persist(self) -> int:
         """Move what waits in memory to the disk spool (shutdown); returns how many moved.
@@ -138,7 +179,10 @@ class Batcher:
         return len(payloads)
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait until everything queued was acknowledged (or dead-lettered)."""
+        """Wait until everything queued was acknowledged (or dead-lettered); what is queued
+        goes without lingering."""
+        self._hurry = True
+        self._wake.set()
         return await wait_set(self._idle, timeout_s)
 
     async def stop(self) -> None:
@@ -152,12 +196,13 @@ class Batcher:
                 continue
             if not self._queue:
                 self._idle.set()
+                self._hurry = False
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if len(self._queue) < self.max_items:
-                await asyncio.sleep(self.linger_s)
+            await self._linger()
             batch = [self._queue[i] for i in range(min(self.max_items, len(self._queue)))]
+            self.pace.sent(len(batch) >= self.max_items)
             await self._send(batch)
             for _ in batch:
                 self._queue.popleft()
@@ -168,6 +213,21 @@ class Batcher:
             for item in batch:
                 if item.ticket is not None:
                     item.ticket.release()
+
+    async def _linger(self) -> None:
+        """Let a small batch wait for company: linger_s after a quiet spell, else until the
+        pace allows the next request; a full batch, or a flush, ends the wait."""
+        deadline = time.monotonic() + self.pace.linger_s(self.linger_s)
+        self._lingering = True
+        try:
+            while len(self._queue) < self.max_items and not self._hurry:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._wake.clear()
+                await wait_set(self._wake, left)
+        finally:
+            self._lingering = False
 
     async def _send_spilled(self) -> None:
         assert self.spill is not None

@@ -65,6 +65,11 @@ CONNECT_TIMEOUT_S = 5.0
 DRAIN_BACKOFF_S = 0.5
 MAX_RETRY_AFTER_S = 300.0
 MAX_CONNECTIONS = 8
+# Retries wait with full jitter: a random time between 0 and the exponential backoff (capped at
+# the route's max_backoff_s). With a jitter of at most first_backoff_s on top of the backoff,
+# the nodes of a fleet that lost the ingest together reached the 30 s cap together and came
+# back together, in waves, when it recovered.
+
 # Upper bounds of the buckets of one attempt's duration (/metrics' request duration histogram).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -394,20 +399,16 @@ class IngestClient:
             retry_if_result,
             stop_after_attempt,
             stop_never,
-            wait_exponential,
-            wait_random,
         )
 
         stop = stop_never if policy.max_attempts is None else stop_after_attempt(
             policy.max_attempts)
-        backoff = (wait_exponential(multiplier=policy.first_backoff_s, max=policy.max_backoff_s)
-                   + wait_random(0, policy.first_backoff_s))
 
         def wait(state: RetryCallState) -> float:
             answer = state.outcome.result() if state.outcome else None
-            if isinstance(answer, Answer) and answer.retry_after_s is not None:
-                return -answer.retry_after_s  # negative: as told, see _sleep
-            return backoff(state)
+            told = answer.retry_after_s if isinstance(answer, Answer) else None
+            # negative: a Retry-After, honoured whole (see _sleep)
+            return retry_wait(policy, state.attempt_number, told) * (1 if told is None else -1)
 
         made: list[Answer] = [first]
 
@@ -439,6 +440,21 @@ class IngestClient:
             await asyncio.sleep(min(seconds, DRAIN_BACKOFF_S))
         else:
             await wait_set(self._hurry, seconds)
+
+
+def retry_wait(policy: RoutePolicy, failed: int, retry_after_s: float | None = None) -> float:
+    """Seconds to wait after the `failed`-th failed attempt. Full jitter: a random time between
+    0 and the exponential backoff (first_backoff_s doubled each time, at most max_backoff_s).
+    After an answer that said Retry-After: never shorter than told, and spread over up to half
+    as long again (at least first_backoff_s), so that the nodes an overloaded ingest sent away
+    at once do not all come back in the same instant."""
+    import random  # only once an attempt failed: its import costs a start-up more than it
+    #                answers (test_footprint)
+
+    if retry_after_s is not None:
+        return retry_after_s + random.uniform(0.0, max(retry_after_s / 2, policy.first_backoff_s))
+    ceiling = policy.first_backoff_s * 2.0 ** min(max(failed - 1, 0), 64)
+    return random.uniform(0.0, min(ceiling, policy.max_backoff_s))
 
 
 def _retryable(policy: RoutePolicy, answer: Answer) -> bool:

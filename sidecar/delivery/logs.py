@@ -2,7 +2,9 @@
 
 `put` never blocks and never raises: when the ingest is slow or down, text waits in a buffer of
 bounded size and the oldest is dropped (and counted) once it is full. One request is in flight
-at a time so the console sees the text in order.
+at a time so the console sees the text in order. Requests are paced as the item routes'
+(batcher.Pace): text after a quiet spell goes at once, a steady trickle in about one request a
+second, a batch worth its request (LINGER_BELOW_CHARS) without waiting.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from sidecar.aio import cancel, wait_set
+from sidecar.delivery.batcher import PACE_S, Pace
 from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.crashtail import Piece, Span
 from sidecar.log import log
@@ -41,13 +44,15 @@ class LogShipper:
                  max_buffer_chars: int = MAX_BUFFER_CHARS,
                  max_request_chars: int = MAX_REQUEST_CHARS, linger_s: float = LINGER_S,
                  linger_below_chars: int = LINGER_BELOW_CHARS,
-                 on_room: Callable[[], None] | None = None, prefix: str = "") -> None:
+                 on_room: Callable[[], None] | None = None, prefix: str = "",
+                 pace_s: float = PACE_S) -> None:
         self.client = client
         self.run_id = run_id
         self.max_buffer_chars = max_buffer_chars
         self.max_request_chars = max_request_chars
         self.linger_s = linger_s
         self.linger_below_chars = linger_below_chars
+        self.pace = Pace(pace_s)
         self.on_room = on_room  # called when room comes back (wakes a reader)
         self.prefix = prefix  # of the log's lines (--log-prefix), for a gap's line of ours
         self.dropped_chars = 0
@@ -61,6 +66,8 @@ class LogShipper:
         self._buffered = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
+        self._lingering = False  # a small batch waits: only a big one or a flush wakes it
+        self._hurry = False  # a flush waits: what is queued goes without lingering
         self._task: asyncio.Task[None] | None = None
         # taken, not yet answered
         self._inflight: list[tuple[str, Ticket | None, Span | None]] | None = None
@@ -116,14 +123,16 @@ class LogShipper:
                 done.release()
             if span is not None:
                 span.ack(len(oldest))  # given up: the crash tail does not carry it later
-        self._wake.set()
+        if not self._lingering or self._buffered >= self.linger_below_chars:
+            self._wake.set()
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was sent or dropped; False if `timeout_s` ran out or
         the request in flight has had no answer for `flush_stall_s`, counted from when it was
         sent, not from when the flush began: an ingest that hung during the run costs the
         exit at most what is left of that second (logs are best-effort, and the end event
-        waits behind them)."""
+        waits behind them). What is queued goes without lingering."""
+        self._hurry = True
         self._wake.set()
         deadline = time.monotonic() + timeout_s
         while not self._idle.is_set():
@@ -183,6 +192,7 @@ class LogShipper:
                 if not self._chunks or self._settling:
                     if not self._chunks:
                         self._idle.set()
+                        self._hurry = False
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -200,6 +210,7 @@ class LogShipper:
                     // DENSE_TEXT_MARGIN)):
                 continue  # never sent: an ingest behind nginx would refuse it
             self._active_at = time.monotonic()
+            self.pace.sent(size >= self.linger_below_chars)
             self._answered.clear()
             answer = await self.client.deliver("logs", body)
             self._active_at = time.monotonic()
@@ -227,15 +238,20 @@ class LogShipper:
                     span.ack(len(text))
 
     async def _linger(self) -> None:
-        """Give a small batch up to linger_s to gain company, and no longer than it takes to
-        grow worth its request."""
-        deadline = time.monotonic() + self.linger_s
-        while self._buffered < self.linger_below_chars:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._wake.clear()
-            await wait_set(self._wake, left)
+        """Give a small batch linger_s to gain company after a quiet spell, else until the
+        pace allows the next request, and no longer than it takes to grow worth its request
+        or than a flush allows."""
+        deadline = time.monotonic() + self.pace.linger_s(self.linger_s)
+        self._lingering = True
+        try:
+            while self._buffered < self.linger_below_chars and not self._hurry:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._wake.clear()
+                await wait_set(self._wake, left)
+        finally:
+            self._lingering = False
 
     def _halve(self, size: int) -> bool:
         """After a 413: the batch in flight goes again as two requests' worth, and requests

@@ -10,8 +10,13 @@ MODE:
              bytes are the body's length. Every route answers 200.
   hang-logs  as count, but a /logs request is read and never answered (the connection stays
              open until the client gives up); every other route answers 200.
-  latency    /logs and /metrics bodies are parsed: each log line `LAT <epoch> ...` and each
-             point with key `latency_probe` gives one (arrival - write) delay, by `ts`.
+  soak       as count, and every /metrics point whose key holds `soak_` is counted by (key,
+             step); `GET /_down` starts an outage (every ingest request is read, then its
+             connection closed unanswered: the ingest is unreachable) and `GET /_up` ends it;
+             `GET /_soak` answers, per key, the distinct steps and the extra copies.
+  latency    /logs and /metrics bodies are parsed: each log line `LAT <epoch> ...` (of the
+             sidecar's chunks, or of Fluent Bit's records' `log`) and each point with key
+             `latency_probe` gives one (arrival - write) delay, by `ts`.
 
 `GET /_stats` answers the counters as JSON; `GET /_delays` the latency mode's delays (seconds,
 log lines and points separately). It is deliberately not `sidecar receive`: that one validates
@@ -46,6 +51,8 @@ class Receiver:
         self.hung = 0
         self.log_delays: list[float] = []
         self.point_delays: list[float] = []
+        self.down = False
+        self.soak_points: Counter[tuple[str, int]] = Counter()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -53,6 +60,9 @@ class Receiver:
                 head = await reader.readuntil(b"\r\n\r\n")
                 method, target, length = _parse_head(head)
                 body = await reader.readexactly(length) if length else b""
+                if self.down and method != "GET":
+                    self.routes["refused during the outage"] += 1
+                    return  # closed unanswered
                 answer = self._handle(method, target, body)
                 if answer is None:  # hang: never answer; the client gives up in its own time
                     self.hung += 1
@@ -66,6 +76,11 @@ class Receiver:
 
     def _handle(self, method: str, target: str, body: bytes) -> bytes | None:
         if method == "GET":
+            if target in ("/_down", "/_up"):
+                self.down = target == "/_down"
+                return _json_answer({"down": self.down})
+            if target == "/_soak":
+                return _json_answer(self._soak())
             return _json_answer(self._stats() if target == "/_stats" else {
                 "logs": self.log_delays, "points": self.point_delays})
         route = target.split("/api/ingest", 1)[-1]
@@ -79,10 +94,17 @@ class Receiver:
             self.first_log_at = self.first_log_at or now
             self.last_log_at = now
             if self.mode == "latency":
-                for chunk in json.loads(body)["chunks"]:
+                doc = json.loads(body)
+                chunks = [record.get("log", "") for record in doc] if isinstance(doc, list) \
+                    else doc["chunks"]  # Fluent Bit's records, or the sidecar's chunks
+                for chunk in chunks:
                     self.log_delays.extend(now - float(t) for t in _LAT_LINE.findall(chunk))
             if self.mode == "hang-logs":
                 return None
+        elif route == "/metrics" and self.mode == "soak":
+            for point in json.loads(body)["points"]:
+                if "soak_" in point["key"]:
+                    self.soak_points[point["key"], int(point["step"])] += 1
         elif route == "/metrics" and self.mode == "latency":
             now = time.time()
             for point in json.loads(body)["points"]:
@@ -96,6 +118,15 @@ class Receiver:
                 "log_requests": self.log_requests, "routes": dict(self.routes),
                 "first_log_at": self.first_log_at, "last_log_at": self.last_log_at,
                 "hung": self.hung}
+
+
+    def _soak(self) -> dict[str, Any]:
+        keys: dict[str, dict[str, int]] = {}
+        for (key, _), copies in self.soak_points.items():
+            entry = keys.setdefault(key, {"distinct": 0, "repeated": 0})
+            entry["distinct"] += 1
+            entry["repeated"] += copies - 1
+        return keys
 
 
 def _parse_head(head: bytes) -> tuple[str, str, int]:
@@ -125,6 +156,6 @@ async def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in ("count", "hang-logs", "latency"):
+    if len(sys.argv) != 2 or sys.argv[1] not in ("count", "hang-logs", "latency", "soak"):
         raise SystemExit(__doc__)
     asyncio.run(main(sys.argv[1]))

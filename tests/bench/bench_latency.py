@@ -8,12 +8,14 @@ with the time of its write. The receiver (_receiver.py in latency mode) notes th
 each; the delay is arrival - write, same machine, same clock. The sidecar follows both files
 from their start with its default file watching (inotify plus the safety poll).
 
-Target (issue 8): p99 under 250 ms (issue 3: within a second).
+Target: p99 at most 1 s (issue 3: within a second; issue 25 paces requests to about one a
+second per route while output keeps coming, so the 250 ms of issue 8 no longer applies).
 
 Under load (issue 17): `sidecar run --jsonl FILE -- _flood_child.py` while the command floods
 its stdout at 50 MB/s and the writer appends 200 JSONL points/s: the points' p99 at most 100 ms
 (metrics must not queue behind logs), and the share of the flood that reaches /logs at the
-default --log-rate is shown.
+default --log-rate is shown. Issue 17 asked 100 ms there; with paced requests the points' p99
+is set by the pace, not by the flood: at most 1 s (they do not queue behind logs).
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ from _harness import (
 BENCH = "latency"
 LINES_PER_S = 1000
 POINTS_PER_S = 200
-TARGET_P99_MS = 250.0
+TARGET_P99_MS = 1000.0
 FLOOD_BYTES_PER_S = 50e6
-FLOOD_TARGET_P99_MS = 100.0
+FLOOD_TARGET_P99_MS = 1000.0
 ARRIVAL_TIMEOUT_S = 3.0  # after the writer stopped, the longest the last items may take
 
 
@@ -109,7 +111,7 @@ def measure(seconds: float, profile: Path | None) -> list[Row]:
         print(f"  {name:12} {len(ms):6,} of {count:6,} arrived; p50 {p50:6.1f} ms, "
               f"p99 {p99:6.1f} ms, max {worst:6.1f} ms, mean {statistics.fmean(ms):6.1f} ms")
         rows.append(info_row(BENCH, f"{name}: p50 write to arrival", p50, "ms"))
-        rows.append(limit_row(BENCH, f"{name}: p99 write to arrival", p99, "ms", "<",
+        rows.append(limit_row(BENCH, f"{name}: p99 write to arrival", p99, "ms", "<=",
                               TARGET_P99_MS))
         if len(ms) < count:
             rows.append(limit_row(BENCH, f"{name}: arrived", 100 * len(ms) / count, "%",

@@ -39,8 +39,10 @@ READ_BYTES = PIPE_BYTES  # the whole pipe at once: reads of 960 KiB (records.LOG
 FORWARDING_FAILED = "forwarding this stream to /logs failed (said once)"
 MAX_PENDING_BYTES = 32 << 20  # output offered to the loop but not yet taken
 SMALL_READ_BYTES = 16 << 10  # a read this small, right after another, waits for company:
-COALESCE_S = 0.02  # a flood of small writes (a bar's redraws) is read 50 times a second at
-#                    most, not once per write; a lone line is never delayed
+COALESCE_S = 0.1  # a flood of small writes (a bar's redraws, a line each 10 ms) is read 10
+#                   times a second at most, not once per write (each read wakes the event loop:
+#                   at 0.02 s a trickle of 100 lines/s cost `run` 1.8x the CPU); a lone line
+#                   is never delayed
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
 

@@ -16,14 +16,19 @@ after a quiet while, or at once when another file needs one, and is reopened whe
 after checking that it is still the same file (device, inode and fingerprint).
 
 Changes are noticed through inotify read by the event loop (no thread, nothing spent while idle),
-with a slow safety poll; folders on NFS, SMB, FUSE and the like, where events never arrive, are
-polled instead, as is everything in `poll` mode.
+with a slow safety poll. A change of content only of files open for reading reads them on
+without looking for files; while they keep growing, the next read waits COALESCE_S from the
+start of the one before, or until just before the sink's next request when it paces them (a
+write each 10 ms is read about twice a second, not a hundred times); the first change after a
+quiet spell is read at once. Folders on NFS, SMB, FUSE and the like, where
+events never arrive, are polled instead, as is everything in `poll` mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import logging
 import os
 import re
@@ -48,6 +53,14 @@ READ_BYTES = LOG_BLOCK
 END_CHECK_BYTES = 64  # a copy taken for a file's content must hold its last bytes read
 POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
+INLINE_READ_BYTES = 64 << 10  # event mode (a local filesystem): a read this small of what was
+#   just written comes from the page cache and is read on the loop, not in a thread
+READ_LEAD_S = 0.05  # a trickle is read this long before the sink's next request starts
+MAX_GATHER_S = 1.0  # and never waits longer than this for it
+MAX_FITS_CACHED = 4096  # paths remembered as fitting a pattern or not
+COALESCE_S = 0.1  # a look that found new data and read everything: the next waits this long
+#   from its start for company, and until just before the sink's next request when it paces
+#   them (batcher.PACE_S: about one a second), so a trickle is read about twice a second
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
 IDLE_CLOSE_S = 10.0  # a file read to its end and quiet this long gives its descriptor back
@@ -134,6 +147,11 @@ class Sink:
     def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
         raise NotImplementedError
 
+    def due(self) -> float | None:
+        """When (time.monotonic) the sink next sends what it holds, while it paces its requests;
+        None when it sends at once. A trickle is read just before then."""
+        return None
+
 
 class _Tail:
     """One file being followed."""
@@ -201,6 +219,8 @@ class Follower:
         self._look = True  # a file changed since the last look (or none was taken yet)
         self._looked_at = float("-inf")  # when the last look ended: the next is due `interval` on
         self._events: Inotify | None = None
+        self._open_paths_cache: set[str] | None = None
+        self._fits: dict[str, bool] = {}  # path -> whether it fits a pattern (_may_follow)
 
     async def run(self) -> None:
         """Follow until cancelled."""
@@ -210,7 +230,8 @@ class Follower:
             while True:
                 fault_point()
                 self._wake.clear()  # before the look: a change during it means another look
-                if self._look or time.monotonic() - self._looked_at >= interval:
+                began, before = time.monotonic(), self._bytes_read()
+                if self._look or began - self._looked_at >= interval:
                     self._look = False
                     if self._events is not None:  # before the look: what appears after the
                         self._events.watch(_watch_folders(self.specs))  # watch sends an event
@@ -218,10 +239,42 @@ class Follower:
                     self._looked_at = time.monotonic()
                 else:  # only room in the sink: the files followed are read on, none looked for
                     await self._read_followed()
+                if self._bytes_read() > before and self._read_all():
+                    await self._gather(self._gathered_by(began))
                 await wait_set(self._wake, max(self._looked_at + interval - time.monotonic(), 0))
         finally:
             if self._events is not None:
                 self._events.close()
+
+    def _gathered_by(self, began: float) -> float:
+        """When the next read of a trickle is due, the last one having begun at `began`: just
+        before the sink's next request (what is read then goes with it), and no sooner than
+        COALESCE_S after the last read."""
+        until = began + COALESCE_S
+        due = self.sink.due()
+        if due is not None:
+            until = max(until, min(due - READ_LEAD_S, began + MAX_GATHER_S))
+        return until
+
+    async def _gather(self, until: float) -> None:
+        """A look found new data and read all of it: let more of the trickle gather until
+        `until`, its file events unread meanwhile (they wait in the kernel, and wake the next
+        look at once)."""
+        if self._events is not None:
+            self._events.pause()
+        try:
+            await asyncio.sleep(max(until - time.monotonic(), 0))
+        finally:
+            if self._events is not None:
+                self._events.resume()
+
+    def _bytes_read(self) -> int:
+        return sum(stats.bytes_read for stats in self.stats.values())
+
+    def _read_all(self) -> bool:
+        """Whether every file followed was read to its end (no backlog waits for room)."""
+        return all(tail.read_offset >= tail.size or tail.fd < 0
+                   for tail in [*self._tails.values(), *self._retired])
 
     def _start_events(self) -> Inotify | None:
         """inotify, unless a followed folder is on a filesystem where it sees nothing."""
@@ -232,7 +285,7 @@ class Follower:
                          root, fstype, POLL_S)
                 return None
         try:
-            return Inotify(self.wake)
+            return Inotify(self._file_event)
         except OSError as exc:
             log.info("file events unavailable (%s): polling every %.2f s", exc, POLL_S)
             return None
@@ -241,6 +294,40 @@ class Follower:
         """Look at the files now (a file changed)."""
         self._look = True
         self._wake.set()
+
+    def _file_event(self) -> None:
+        """A file event: a look when names or folders changed, or a file not open for reading
+        changed (a new one, an empty one not followed yet, one closed while idle); when only
+        the content of open files changed, they are read on, without looking for files
+        (globs, stats, watches)."""
+        assert self._events is not None
+        structural, modified = self._events.take_changes()
+        if structural or any(self._may_follow(path) for path in modified - self._open_paths()):
+            self._look = True
+        self._wake.set()
+
+    def _may_follow(self, path: str) -> bool:
+        """Whether a file at `path` (absolute) may be one to follow: its name fits a pattern
+        (fnmatch's `*` crosses folders, so this errs towards a look, never away from one).
+        A trainer's other files in a followed folder then cost no look when they grow."""
+        fits = self._fits.get(path)
+        if fits is None:
+            name = os.path.basename(path)
+            fits = any(
+                fnmatch.fnmatch(name, spec.tree) if spec.tree else
+                fnmatch.fnmatch(path, os.path.abspath(pattern))
+                for spec in self.specs for pattern in spec.patterns)
+            if len(self._fits) >= MAX_FITS_CACHED:
+                self._fits.clear()
+            self._fits[path] = fits
+        return fits
+
+    def _open_paths(self) -> set[str]:
+        """The absolute paths of the files open for reading (kept until a look or a close)."""
+        if self._open_paths_cache is None:
+            self._open_paths_cache = {os.path.abspath(tail.path)
+                                      for tail in self._tails.values() if tail.fd >= 0}
+        return self._open_paths_cache
 
     def room(self) -> None:
         """A sink has room again: read on in the files followed. Finding files (globs, stats,
@@ -251,6 +338,7 @@ class Follower:
     async def step(self) -> None:
         """One look at every file: discover, detect rotation, read what is new. New files
         waiting for a descriptor get those of files read to their end, round after round."""
+        self._open_paths_cache = None
         self._discover()
         while True:
             await self._read_followed()
@@ -260,6 +348,7 @@ class Follower:
             for spec, name in waiting:
                 self._open_new(spec, name)
         self._close_finished()
+        self._open_paths_cache = None
 
     async def _read_followed(self) -> None:
         for tail in [*self._tails.values(), *self._retired]:
@@ -440,6 +529,7 @@ class Follower:
         del self._ids[tail.id]
         self.offsets.forget(*tail.id)
         fd, tail.fd = tail.fd, -1
+        self._open_paths_cache = None
         if fd >= 0:
             self._caught_up.pop(tail, None)
         copy = self._copy_holding(tail)
@@ -535,6 +625,7 @@ class Follower:
         if tail.fd >= 0:
             self._close_fd(tail.fd)
             tail.fd = -1
+            self._open_paths_cache = None
 
     def _reopen(self, tail: _Tail) -> bool:
         """Reopen a tail closed while idle, if its name still holds the same file."""
@@ -566,11 +657,18 @@ class Follower:
                 tail.size = os.fstat(tail.fd).st_size
             except OSError:
                 return
+            if tail.size < tail.read_offset:  # truncated: the next look sorts it out
+                self._look = True
+                self._wake.set()
+                return
             # what the buffer holds and the read make whole parse slices: none is cut by a copy
             want = min(tail.size - tail.read_offset, READ_BYTES - len(tail.buffer) % READ_BYTES)
             if want <= 0:
                 break
-            data = await asyncio.to_thread(os.pread, tail.fd, want, tail.read_offset)
+            if want <= INLINE_READ_BYTES and self._events is not None:
+                data = os.pread(tail.fd, want, tail.read_offset)  # just written: page cache
+            else:
+                data = await asyncio.to_thread(os.pread, tail.fd, want, tail.read_offset)
             if not data:
                 break
             self._caught_up.pop(tail, None)

@@ -25,6 +25,8 @@ _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; t
 _MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE
          | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR)
 _READ_BYTES = 64 << 10
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then len bytes
+_CONTENT_ONLY = _IN_MODIFY | _IN_CLOSE_WRITE  # a file's bytes changed, no name or folder did
 
 # Filesystems where another machine writes and inotify stays silent.
 REMOTE_FILESYSTEMS = frozenset({
@@ -59,7 +61,11 @@ def is_remote(fstype: str) -> bool:
 
 
 class Inotify:
-    """An inotify descriptor watching folders; calls `on_event` from the loop on any change."""
+    """An inotify descriptor watching folders; calls `on_event` from the loop on any change.
+    `take_changes` says what changed since it was last called: whether anything but a file's
+    content did (a file created, moved, deleted, its attributes; an overflowed queue), and the
+    files whose content changed: when those are all files the follower reads already, it only
+    reads on, without looking for files."""
 
     def __init__(self, on_event: Callable[[], None]) -> None:
         libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already uses
@@ -70,7 +76,11 @@ class Inotify:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         # folder -> its watch (-1: it could not be watched) and the folder's device and inode
         self._watched: dict[str, tuple[int, int, int]] = {}
+        self._folders: dict[int, str] = {}  # by watch descriptor, absolute
         self._on_event = on_event
+        self._structural = False
+        self._modified: set[str] = set()  # absolute paths
+        self._paused = False
         asyncio.get_running_loop().add_reader(self._fd, self._readable)
 
     def watch(self, folders: Iterable[str]) -> None:
@@ -90,11 +100,33 @@ class Inotify:
             if wd < 0:
                 errno = ctypes.get_errno()
                 log.info("no file events for %s (%s); it is polled", folder, os.strerror(errno))
+            self._folders[wd] = os.path.abspath(folder)
             self._watched[folder] = (wd, st.st_dev, st.st_ino)
+
+    def take_changes(self) -> tuple[bool, set[str]]:
+        """(whether anything but a file's content changed, the files whose content changed)
+        since the last call."""
+        changes = self._structural, self._modified
+        self._structural, self._modified = False, set()
+        return changes
+
+    def pause(self) -> None:
+        """Leave events unread (they queue in the kernel) until `resume`: a steady trickle of
+        writes wakes the loop once per gathering, not once per write."""
+        if self._fd >= 0 and not self._paused:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._paused = True
+
+    def resume(self) -> None:
+        """Read events again; those that queued meanwhile call `on_event` at once."""
+        if self._fd >= 0 and self._paused:
+            asyncio.get_running_loop().add_reader(self._fd, self._readable)
+        self._paused = False
 
     def close(self) -> None:
         if self._fd >= 0:
-            asyncio.get_running_loop().remove_reader(self._fd)
+            if not self._paused:
+                asyncio.get_running_loop().remove_reader(self._fd)
             os.close(self._fd)
             self._fd = -1
 
@@ -102,6 +134,8 @@ class Inotify:
         try:
             while data := os.read(self._fd, _READ_BYTES):
                 self._forget_ended(data)
+                if not self._structural:
+                    self._structural = self._note(data)
         except BlockingIOError:
             pass
         except OSError as exc:
@@ -121,3 +155,20 @@ class Inotify:
             offset += _EVENT.size + name_len
         if ended:
             self._watched = {f: w for f, w in self._watched.items() if w[0] not in ended}
+            for wd in ended:
+                self._folders.pop(wd, None)
+
+    def _note(self, data: bytes) -> bool:
+        """Note the files whose content the events in `data` changed; True when one of them
+        is more than a change of content (or cannot be told)."""
+        offset = 0
+        while offset + _EVENT.size <= len(data):
+            wd, mask, _, length = _EVENT.unpack_from(data, offset)
+            folder = self._folders.get(wd)
+            if mask & ~_CONTENT_ONLY or folder is None or not length:
+                return True
+            start = offset + _EVENT.size
+            name = data[start:start + length].rstrip(b"\0")
+            self._modified.add(os.path.join(folder, os.fsdecode(name)))
+            offset = start + length
+        return offset != len(data)  # a torn read: cannot tell
