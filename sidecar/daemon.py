@@ -13,14 +13,13 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sidecar.aio import cancel
 from sidecar.config import Config, ConfigError
 from sidecar.delivery.client import IngestClient
-from sidecar.delivery.logs import LogShipper
-from sidecar.log import log, mask
+from sidecar.log import log
 from sidecar.node import Node, resolve_node
 from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
@@ -111,9 +110,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     pipeline.start()
     pipeline.start_telemetry(environ, environ, (), None, find_trainer_python=False)
     report = Report(gpus=pipeline)
-    stall = stall_watch(cfg, report, pipeline.shipper, cfg.log_prefix.format(
-        node=node.name, rank=node.rank))
-    stall.say = pipeline.say  # between the followed files' lines, never inside an open one
+    stall = stall_watch(cfg, report, pipeline.say)  # between the followed files' lines
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await serve_status(cfg, node, "watch", client, pipeline, None, report)
@@ -165,14 +162,10 @@ async def _watch_stall(stall: StallWatch) -> None:
         stall.check()
 
 
-def stall_watch(cfg: Config, report: Report, shipper: LogShipper | None,
-                 prefix: str) -> StallWatch:
-    """--stall-after for a run: its lines to /logs (prefixed like the output), the GPUs as the
-    sampler last saw them, its state on the status endpoint."""
-    def say(line: str) -> None:
-        if shipper is not None:
-            shipper.put(mask(prefix + line + "\n"))
-
+def stall_watch(cfg: Config, report: Report, say: Callable[[str], None]) -> StallWatch:
+    """--stall-after for a run: its lines to /logs through `say` (between the output's lines,
+    never inside one), the GPUs as the sampler last saw them, its state on the status
+    endpoint."""
     report.stall = StallWatch(cfg.stall_after, say, report.gpu_summary)
     return report.stall
 

@@ -42,6 +42,7 @@ class Secrets:
         self._gates: list[list[int]] = []  # each secret's distinct bytes, in the order tried
         self._finders: list[Any] = []  # one search each, built at the first output
         self.longest = 0  # characters of the longest
+        self._longest_raw = 0  # bytes of the longest in UTF-8 (not the longest in characters)
         for secret in secrets:
             self.add(secret)
 
@@ -54,6 +55,7 @@ class Secrets:
         self._gates = [sorted(set(raw), key=_RARE_FIRST.index) for raw in self._raw]
         self._finders = []
         self.longest = max(self.longest, len(secret))
+        self._longest_raw = max(map(len, self._raw))
 
     def mask(self, text: str) -> str:
         """`text` with every known secret replaced by ***."""
@@ -97,7 +99,7 @@ class Secrets:
 
     def _unfinished_raw(self, data: bytes | memoryview, start: int) -> int:
         """How many bytes at the end of `data`, none before `start`, could begin a secret."""
-        tail = bytes(data[max(len(data) - len(self._raw[0]) + 1, start):])
+        tail = bytes(data[max(len(data) - self._longest_raw + 1, start):])
         longest = 0
         for secret in self._raw:
             first = secret[:1]

@@ -373,10 +373,9 @@ class Pipeline(Sink):
         if self.hparams_file is not None:
             await cancel(self._hparams_task)
             await self.hparams_file.check(final=True)
-        if self.checkpoints is not None:
-            await cancel(self._checkpoints_task)
-            if self.artifacts.opened.is_set():
-                await self.checkpoints.drain(deadline)
+        await cancel(self._checkpoints_task)
+        checkpoints = asyncio.create_task(self._drain_checkpoints(deadline))  # beside the files:
+        #   a checkpoint still being written at a stop may take the drain's whole time
         if self._follow_task is not None:
             await cancel(self._follow_task)
             while time.monotonic() < deadline:
@@ -384,9 +383,16 @@ class Pipeline(Sink):
                     break
                 await asyncio.sleep(DRAIN_READ_STEP_S)
         remaining = max(deadline - time.monotonic(), 0.0)
-        await asyncio.gather(self.shipper.flush(remaining), self.artifacts.drain(remaining),
+        await asyncio.gather(self.shipper.flush(remaining), checkpoints,
                              *(b.flush(remaining) for b in self.batchers))
         await self.offsets.save()
+
+    async def _drain_checkpoints(self, deadline: float) -> None:
+        """Judge the checkpoints that are settling, then deliver the registrations, by
+        `deadline`."""
+        if self.checkpoints is not None and self.artifacts.opened.is_set():
+            await self.checkpoints.drain(deadline)
+        await self.artifacts.drain(max(deadline - time.monotonic(), 0.0))
 
     async def stop_reading(self) -> None:
         """Stop every source at once, reading nothing more (the drain is not waited out: no

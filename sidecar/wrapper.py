@@ -158,8 +158,11 @@ class _Stream:
         self._resume_soon()
 
     def commit(self, now: float) -> None:
+        """Another stream wrote: what this one holds goes first, its open line ended (the rest
+        of that line, when it comes, starts a line of its own, prefixed like the others)."""
         if self.shipper is not None:
             self._put(self.assembler.commit(now))
+            self._put(self.assembler.end_line())
 
     def _resume_soon(self) -> None:
         """The terminal draws a slice a call: the rest once the loop has run what waits."""
@@ -259,14 +262,15 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     #                                        the spawn, is up
     scanner = Scanner()
     report = Report(scanner)
-    stall = stall_watch(cfg, report, shipper, prefix)
+    streams: list[_Stream] = []
+    stall = stall_watch(cfg, report, lambda line: _say(streams, line))  # through the streams'
+    #                                                                     line assemblers
     keep_sgr = cfg.log_ansi == "keep"
     names = ("terminal",) if cfg.tty else ("stdout", "stderr")  # --tty: both share one
-    streams = [_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr,
-                                           screen_slice_chars=SCREEN_SLICE_CHARS),
-                       shipper, budget, scanner, tail, stall)
-               for name, tail in zip(names, new_tails(len(names)), strict=True)]
-    stall.say = lambda line: _say(streams, line)  # through the streams' line assemblers
+    streams.extend(_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr,
+                                               screen_slice_chars=SCREEN_SLICE_CHARS),
+                           shipper, budget, scanner, tail, stall)
+                   for name, tail in zip(names, new_tails(len(names)), strict=True))
     for stream in streams:
         stream.others = [other for other in streams if other is not stream]
     child = Child(argv, child_env, tty=cfg.tty)
@@ -321,7 +325,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     ended_at = child.exited_at or time.time()  # when it exited, not when the loop saw it
     exited.set()
     exited_at = child.exited_monotonic or time.monotonic()  # the drain's deadlines count from here
-    duration_s = exited_at - spawned_at
+    duration_s = max(exited_at - spawned_at, 0.0)
     if client is not None:
         client.hurry()  # a backoff of the request in flight ends now
     if cfg.running_when == "marker" and "running" not in lifecycle.recorded:

@@ -850,3 +850,36 @@ def test_a_deepspeed_tag_latest_has_moved_past_is_complete_one_newer_waits(
     assert assess(shape, older, files).complete
     (tmp_path / "latest").write_text("best")  # written after every file of both
     assert assess(shape, newer, files).complete and assess(shape, older, files).complete
+
+
+# A checkpoint still being written when the sidecar is told to stop keeps its drain busy to the
+# deadline: here its drain is made to take all of it, as a save that never settles would. Files
+# are polled once a minute, so what the log gains before the stop is read by the drain alone.
+BUSY_CHECKPOINT_DRAIN = (
+    sys.executable, "-c",
+    "import asyncio, sys, time; import sidecar.sources.files.checkpoints as c\n"
+    "import sidecar.sources.files.follow as f; f.POLL_S = 60.0\n"
+    "async def drain(self, deadline):\n"
+    "    await asyncio.sleep(max(deadline - time.monotonic(), 0))\n"
+    "c.CheckpointWatcher.drain = drain\n"
+    "from sidecar.cli import main; sys.exit(main())")
+
+
+def test_a_checkpoint_busy_at_the_stop_leaves_the_files_their_drain(
+        ingest: RunningIngest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last lines of a followed log, written as the stop comes, are read and delivered
+    while the checkpoints are still being judged, not after."""
+    monkeypatch.setattr("tests.conftest.SIDECAR", BUSY_CHECKPOINT_DRAIN)
+    root, log = tmp_path / "ckpt", tmp_path / "train.log"
+    root.mkdir()
+    save_files(root, 1)
+    log.write_text("first\n")
+    watch = Watch(ingest, tmp_path, root, "--log", str(log), "--drain-timeout", "4",
+                  SIDECAR_FILE_WATCH="poll").start()
+    wait_until(lambda: bool(artifacts(ingest)) and "first\n" in "".join(
+        c for r in ingest.records("logs") for c in r["chunks"]), timeout=30)
+    with log.open("a") as out:
+        out.writelines(f"last {n}\n" for n in range(200))
+    assert watch.stop().status == 0
+    text = "".join(c for r in ingest.records("logs") for c in r["chunks"])
+    assert text.count("last ") == 200, text[-300:]

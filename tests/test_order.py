@@ -99,3 +99,51 @@ def test_lines_held_by_the_screen_model_go_before_a_later_line_of_the_other_stre
     for epoch in range(3):
         at = lines.index(f"epoch {epoch} done")
         assert lines[at - 2:at] == [f"epoch {epoch}: 1/1", "batch 5/5 done"], lines
+
+
+# Log lines and one redraw in a single write on stderr: the whole write goes to the terminal
+# model, which draws it a slice per turn of the loop; a line on stdout right after must still
+# come after all of it.
+BIG_REDRAWN_BLOCK_THEN_LINE = """
+import os, sys, time
+time.sleep(1.0)
+block = "".join(f"INFO step {n} of the warm-up\\n" for n in range(2000))
+block += "\\rloading 1/2\\rloading 2/2\\n"
+os.write(2, block.encode())
+time.sleep(0.002)
+os.write(1, b"after the block\\n")
+time.sleep(1.5)
+"""
+
+# A partial line on stdout, a line on stderr, the rest of stdout's line: on a shared terminal
+# they would glue; in the log each stays a line of its own, prefixed.
+PARTIAL_THEN_OTHER_STREAM = """
+import os, time
+time.sleep(1.0)
+os.write(1, b"epoch 1: ")
+time.sleep(0.02)
+os.write(2, b"a warning\\n")
+time.sleep(0.02)
+os.write(1, b"done\\n")
+time.sleep(1.5)
+"""
+
+
+def test_a_line_after_a_block_the_terminal_draws_in_slices_comes_after_all_of_it(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--", *python_child(BIG_REDRAWN_BLOCK_THEN_LINE)], env,
+                   tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    lines = log_text(ingest).splitlines()
+    assert lines[-1] == "after the block", lines[-5:]
+    assert lines[:2000] == [f"INFO step {n} of the warm-up" for n in range(2000)]  # none cut
+
+
+def test_a_partial_line_ended_by_the_other_stream_keeps_every_line_prefixed(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    env = platform_env(ingest, tmp_path / "state")
+    done = sidecar(["run", "--log-prefix", "[n0] ", "--",
+                    *python_child(PARTIAL_THEN_OTHER_STREAM)], env, tmp_path / "sc")
+    assert done.status == 0, done.stderr
+    assert log_text(ingest).splitlines() == ["[n0] epoch 1: ", "[n0] a warning", "[n0] done"]

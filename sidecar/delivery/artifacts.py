@@ -173,7 +173,8 @@ class Artifacts:
         if not answer.ok:  # a 4xx (a 413 too: one registration cannot be split)
             self.rejected += 1
             try:
-                kept = append_dead_letter(self.run_dir, "artifact", answer.status, body)
+                kept = await asyncio.to_thread(append_dead_letter, self.run_dir, "artifact",
+                                               answer.status, body)
                 where = f"kept in {kept}"
             except OSError as exc:
                 state_write_failed(self.run_dir / "dead-letter.jsonl", exc)

@@ -65,11 +65,6 @@ CONNECT_TIMEOUT_S = 5.0
 DRAIN_BACKOFF_S = 0.5
 MAX_RETRY_AFTER_S = 300.0
 MAX_CONNECTIONS = 8
-# Retries wait with full jitter: a random time between 0 and the exponential backoff (capped at
-# the route's max_backoff_s). With a jitter of at most first_backoff_s on top of the backoff,
-# the nodes of a fleet that lost the ingest together reached the 30 s cap together and came
-# back together, in waves, when it recovered.
-
 # Upper bounds of the buckets of one attempt's duration (/metrics' request duration histogram).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -136,12 +136,13 @@ class LineAssembler:
 
     def commit(self, now: float) -> str:
         """Another stream of the command wrote: on a terminal both share, its text lands after
-        everything this one showed, so what this one holds goes first: its partial line, and
-        the lines the cursor left (not the line a bar is still being redrawn on, nor what the
-        terminal has still to draw: that waits its turn, a slice a call)."""
+        everything this one showed, so what this one holds goes first: what waits for the
+        terminal (the caller bounds it: MAX_BACKLOG_CHARS), its partial line, and the lines the
+        cursor left (not the line a bar is still being redrawn on)."""
+        out = self._draw(now, None) if self._waiting else ""
         if self._screen is not None:
-            return self._lines(self.secrets.mask(self._screen.commit(now)))
-        return "" if self._waiting else self._partial()
+            return out + self._lines(self.secrets.mask(self._screen.commit(now)))
+        return out + self._partial()
 
     def _partial(self) -> str:
         """The unfinished line as it stands (masked already: what could begin a secret is kept
@@ -266,7 +267,8 @@ class LineAssembler:
                                       unfinished=self.secrets.unfinished)
                 if self._open_chars:  # the terminal draws the line whole: end the part sent
                     out.append(self._emit("\n"))
-            out.append(self._lines(self.secrets.mask(self._screen.feed(item, now))))
+            drawn = self._screen.feed(item, now, more=self._waiting)
+            out.append(self._lines(self.secrets.mask(drawn)))
         return "".join(out)
 
     def _thin(self, text: str) -> str:

@@ -83,9 +83,10 @@ class Screen:
         """Nothing held: the cursor at the start of an empty line with nothing around it."""
         return len(self._rows) == 1 and not self._rows[0].cells and not self._x and not self._carry
 
-    def feed(self, text: str, now: float) -> str:
+    def feed(self, text: str, now: float, more: bool = False) -> str:
         """Apply the next piece of the stream; returns the lines it made final, and the states of
-        lines being redrawn when one is due."""
+        lines being redrawn when one is due (not while `more` of what was written waits to be
+        drawn: a line cut by a slice is not being redrawn, its rest is there)."""
         self._now = self._last_feed = now
         text = self._carry + text
         self._carry = ""
@@ -94,7 +95,7 @@ class Screen:
             text, self._carry = text[:cut], text[cut:]
         self._apply(skip_redraws(text, self.width))
         self._settle()
-        if now - self._snapshot_at >= self.interval_s:
+        if not more and now - self._snapshot_at >= self.interval_s:
             self._snapshot()
         return self._take()
 

@@ -25,7 +25,6 @@ _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; t
 _MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE
          | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR)
 _READ_BYTES = 64 << 10
-_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then len bytes
 _CONTENT_ONLY = _IN_MODIFY | _IN_CLOSE_WRITE  # a file's bytes changed, no name or folder did
 
 # Filesystems where another machine writes and inotify stays silent.
@@ -100,7 +99,8 @@ class Inotify:
             if wd < 0:
                 errno = ctypes.get_errno()
                 log.info("no file events for %s (%s); it is polled", folder, os.strerror(errno))
-            self._folders[wd] = os.path.abspath(folder)
+            else:
+                self._folders[wd] = os.path.abspath(folder)
             self._watched[folder] = (wd, st.st_dev, st.st_ino)
 
     def take_changes(self) -> tuple[bool, set[str]]:
