@@ -442,9 +442,9 @@ class _CountingScreen(Screen):
 
     fed: ClassVar[list[int]] = []
 
-    def feed(self, text: str, now: float) -> str:
+    def feed(self, text: str, now: float, more: bool = False) -> str:
         self.fed.append(len(text))
-        return super().feed(text, now)
+        return super().feed(text, now, more)
 
 
 @settings(max_examples=200)
