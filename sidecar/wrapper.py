@@ -158,11 +158,9 @@ class _Stream:
         self._resume_soon()
 
     def commit(self, now: float) -> None:
-        """Another stream wrote: what this one holds goes first, its open line ended (the rest
-        of that line, when it comes, starts a line of its own, prefixed like the others)."""
+        """Another stream wrote: the whole lines this one holds go first."""
         if self.shipper is not None:
             self._put(self.assembler.commit(now))
-            self._put(self.assembler.end_line())
 
     def _resume_soon(self) -> None:
         """The terminal draws a slice a call: the rest once the loop has run what waits."""

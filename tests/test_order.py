@@ -115,20 +115,6 @@ os.write(1, b"after the block\\n")
 time.sleep(1.5)
 """
 
-# A partial line on stdout, a line on stderr, the rest of stdout's line: on a shared terminal
-# they would glue; in the log each stays a line of its own, prefixed.
-PARTIAL_THEN_OTHER_STREAM = """
-import os, time
-time.sleep(1.0)
-os.write(1, b"epoch 1: ")
-time.sleep(0.02)
-os.write(2, b"a warning\\n")
-time.sleep(0.02)
-os.write(1, b"done\\n")
-time.sleep(1.5)
-"""
-
-
 def test_a_line_after_a_block_the_terminal_draws_in_slices_comes_after_all_of_it(
         ingest: RunningIngest, tmp_path: Path) -> None:
     env = platform_env(ingest, tmp_path / "state")
@@ -139,11 +125,3 @@ def test_a_line_after_a_block_the_terminal_draws_in_slices_comes_after_all_of_it
     assert lines[-1] == "after the block", lines[-5:]
     assert lines[:2000] == [f"INFO step {n} of the warm-up" for n in range(2000)]  # none cut
 
-
-def test_a_partial_line_ended_by_the_other_stream_keeps_every_line_prefixed(
-        ingest: RunningIngest, tmp_path: Path) -> None:
-    env = platform_env(ingest, tmp_path / "state")
-    done = sidecar(["run", "--log-prefix", "[n0] ", "--",
-                    *python_child(PARTIAL_THEN_OTHER_STREAM)], env, tmp_path / "sc")
-    assert done.status == 0, done.stderr
-    assert log_text(ingest).splitlines() == ["[n0] epoch 1: ", "[n0] a warning", "[n0] done"]

@@ -128,7 +128,7 @@ class LineAssembler:
         if self._screen is not None or self._waiting:
             out = self.resume(now)
             if self._screen is not None:
-                out += self._lines(self.secrets.mask(self._screen.tick(now)))
+                out += self._lines(self.secrets.mask(self._screen.tick(now, more=self._waiting)))
             return out
         if now - self._last_feed < self.quiet_flush_s:
             return ""
@@ -137,12 +137,13 @@ class LineAssembler:
     def commit(self, now: float) -> str:
         """Another stream of the command wrote: on a terminal both share, its text lands after
         everything this one showed, so what this one holds goes first: what waits for the
-        terminal (the caller bounds it: MAX_BACKLOG_CHARS), its partial line, and the lines the
-        cursor left (not the line a bar is still being redrawn on)."""
+        terminal (the caller bounds it: MAX_BACKLOG_CHARS) and the lines the cursor left (not
+        the line a bar is still being redrawn on). A partial line waits for its end as ever:
+        a read may have cut it, and sending it would split one line in two."""
         out = self._draw(now, None) if self._waiting else ""
         if self._screen is not None:
-            return out + self._lines(self.secrets.mask(self._screen.commit(now)))
-        return out + self._partial()
+            out += self._lines(self.secrets.mask(self._screen.commit(now)))
+        return out
 
     def _partial(self) -> str:
         """The unfinished line as it stands (masked already: what could begin a secret is kept

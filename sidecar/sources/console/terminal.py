@@ -99,12 +99,13 @@ class Screen:
             self._snapshot()
         return self._take()
 
-    def tick(self, now: float) -> str:
+    def tick(self, now: float, more: bool = False) -> str:
         """Called periodically: lines that became final, states due (at once after a quiet
-        spell, as a stalled bar's latest state)."""
+        spell, as a stalled bar's latest state; none while `more` waits to be drawn)."""
         self._now = now
         self._settle()
-        if now - self._last_feed >= self.quiet_s or now - self._snapshot_at >= self.interval_s:
+        if not more and (now - self._last_feed >= self.quiet_s
+                         or now - self._snapshot_at >= self.interval_s):
             self._snapshot()
         return self._take()
 
