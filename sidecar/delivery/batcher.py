@@ -67,6 +67,19 @@ class Pace:
         """A request starts; `full`: as large as the route's requests get."""
         self.sent_at = float("-inf") if full else time.monotonic()
 
+    async def linger(self, least_s: float, wake: asyncio.Event,
+                     enough: Callable[[], bool]) -> None:
+        """Let a small batch wait for company: `least_s` after a quiet spell, else until the
+        next request may start; over as soon as `enough()` (the batch is worth its request, or
+        a flush hurries it), checked again each time `wake` is set."""
+        deadline = time.monotonic() + self.linger_s(least_s)
+        while not enough():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            wake.clear()
+            await wait_set(wake, left)
+
 
 class _Item:
     __slots__ = ("ticket", "value")
@@ -215,17 +228,11 @@ class Batcher:
                     item.ticket.release()
 
     async def _linger(self) -> None:
-        """Let a small batch wait for company: linger_s after a quiet spell, else until the
-        pace allows the next request; a full batch, or a flush, ends the wait."""
-        deadline = time.monotonic() + self.pace.linger_s(self.linger_s)
+        """A small batch waits for the pace; a full batch, or a flush, ends the wait."""
         self._lingering = True
         try:
-            while len(self._queue) < self.max_items and not self._hurry:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._wake.clear()
-                await wait_set(self._wake, left)
+            await self.pace.linger(self.linger_s, self._wake,
+                                   lambda: len(self._queue) >= self.max_items or self._hurry)
         finally:
             self._lingering = False
 

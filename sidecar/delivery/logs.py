@@ -241,15 +241,11 @@ class LogShipper:
         """Give a small batch linger_s to gain company after a quiet spell, else until the
         pace allows the next request, and no longer than it takes to grow worth its request
         or than a flush allows."""
-        deadline = time.monotonic() + self.pace.linger_s(self.linger_s)
         self._lingering = True
         try:
-            while self._buffered < self.linger_below_chars and not self._hurry:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._wake.clear()
-                await wait_set(self._wake, left)
+            await self.pace.linger(self.linger_s, self._wake,
+                                   lambda: self._buffered >= self.linger_below_chars
+                                   or self._hurry)
         finally:
             self._lingering = False
 
