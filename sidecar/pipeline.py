@@ -28,6 +28,7 @@ from sidecar.delivery.artifacts import Artifacts
 from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
+from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
 from sidecar.log import log, mask, secrets, state_write_failed
 from sidecar.node import Node
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
     from sidecar.sources.files.checkpoints import CheckpointWatcher, Found
     from sidecar.sources.telemetry.hardware import HardwareSampler
 
-SHOWN_REFUSED_KEYS = 5  # named in the ERROR that refuses keys; the rest are counted
-MAX_METRIC_KEYS = 4096  # CONTRACT 5: a run's distinct keys; past it a new key is refused locally
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
 HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
@@ -176,8 +175,7 @@ class Pipeline(Sink):
         self.cfg = cfg
         self.client = client
         self.node = node
-        self.keys: set[str] = set()
-        self.refused_keys: set[str] = set()
+        self.keys = KeyBudget()  # the platform's limit on a run's distinct metric keys
         self.invalid: dict[str, int] = {}
         self.sampler: HardwareSampler | None = None
         # log text, or a metric step beyond any before
@@ -301,7 +299,7 @@ class Pipeline(Sink):
         if self.on_activity is not None and active:
             self.on_activity()
         if parsed.points:
-            self.metrics.push(self._admit(parsed.points), ticket)
+            self.metrics.push(self.keys.admit(parsed.points), ticket)
         if parsed.hparams:
             self.hparams.push(list(parsed.hparams.items()), ticket)
         for key, count in parsed.invalid.items():
@@ -341,34 +339,11 @@ class Pipeline(Sink):
                 return
         batcher.offer([payload])
 
-    def _admit(self, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Points whose key fits the run's key budget; the keys refused at once get one ERROR
-        together (a record of 5,000 keys is one line, not 904)."""
-        fresh = {point["key"] for point in points} - self.keys
-        if len(self.keys) + len(fresh) <= MAX_METRIC_KEYS:
-            self.keys |= fresh
-            return points
-        refused: list[str] = []
-        for key in dict.fromkeys(p["key"] for p in points if p["key"] not in self.keys):
-            if len(self.keys) < MAX_METRIC_KEYS:
-                self.keys.add(key)
-            elif key not in self.refused_keys:
-                self.refused_keys.add(key)
-                refused.append(key)
-        if refused:
-            shown = ", ".join(repr(key) for key in refused[:SHOWN_REFUSED_KEYS])
-            more = f" and {len(refused) - SHOWN_REFUSED_KEYS} more" if (
-                len(refused) > SHOWN_REFUSED_KEYS) else ""
-            log.error("%d metric key%s refused (%s%s): the run already has %d distinct metric "
-                      "keys, the platform's limit; their points are not sent (%d refused in "
-                      "all)", len(refused), "" if len(refused) == 1 else "s", shown, more,
-                      MAX_METRIC_KEYS, len(self.refused_keys))
-        return [p for p in points if p["key"] in self.keys]
-
     # -- shutdown -------------------------------------------------------------------------------
 
     async def drain(self, deadline: float) -> None:
         """Read every file to its end and deliver what can be delivered by `deadline`."""
+        self.keys.say()  # what a minute held back
         await self._stop_telemetry()
         if self.hparams_file is not None:
             await cancel(self._hparams_task)
@@ -408,6 +383,7 @@ class Pipeline(Sink):
     async def close(self) -> None:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
         one line."""
+        self.keys.say()
         await self.shipper.stop()
         await cancel(self._checkpoints_task)
         await self.artifacts.close()
