@@ -213,6 +213,9 @@ def _concerns(message: str) -> dict[str, str]:
     return {"option": flag}
 
 
+THROTTLE_PRUNE_FROM = 1024  # messages remembered before those of no use are forgotten
+
+
 class Throttle:
     """Lets a repeated message through once per `interval_s`, counting the ones it held back."""
 
@@ -220,6 +223,7 @@ class Throttle:
         self.interval_s = interval_s
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
+        self._prune_at = THROTTLE_PRUNE_FROM
 
     def admit(self, key: str) -> int | None:
         """None to stay quiet; else how many were held back since the last admitted one."""
@@ -229,7 +233,16 @@ class Throttle:
             self._held[key] = self._held.get(key, 0) + 1
             return None
         self._last[key] = now
+        if len(self._last) > self._prune_at:
+            self._prune(now)
         return self._held.pop(key, 0)
+
+    def _prune(self, now: float) -> None:
+        """Forget the messages whose interval is over and that hold nothing back: each message
+        that differs (a count, a key in it) would otherwise be remembered for the whole run."""
+        self._last = {key: at for key, at in self._last.items()
+                      if now - at < self.interval_s or key in self._held}
+        self._prune_at = max(THROTTLE_PRUNE_FROM, 2 * len(self._last))
 
 
 class _RepeatFilter(logging.Filter):

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import subprocess
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,3 +103,17 @@ def test_our_messages_start_a_line_of_their_own_in_a_file(ingest: RunningIngest,
     assert "40/50 [00:00<00:00, 45.92it/s]\n" in text
     assert re.search(r"it/s\]\n[0-9T:.-]+Z sidecar [A-Z]+ ", text), text
     assert not re.search(r"[^\n][0-9]{4}-[0-9T:.-]+Z sidecar ", text), text
+
+
+def test_the_repeat_throttle_forgets_messages_past_their_interval_but_not_what_it_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(sidecar_log, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    throttle = sidecar_log.Throttle(60.0)
+    assert throttle.admit("the same") == 0
+    assert throttle.admit("the same") is None  # held back, counted
+    for i in range(20_000):  # a message that differs each time, once a second for hours
+        clock.now += 1.0
+        assert throttle.admit(f"1 metric key refused ('k{i}')") == 0
+    assert len(throttle._last) <= 2 * sidecar_log.THROTTLE_PRUNE_FROM
+    assert throttle.admit("the same") == 1  # what it held is still said
