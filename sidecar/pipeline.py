@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from sidecar.sources.files.checkpoints import CheckpointWatcher, Found
     from sidecar.sources.telemetry.hardware import HardwareSampler
 
+MAX_NAMED_INVALID_KEYS = 100  # keys whose NaN/inf values are counted and said by name; the
+#   values of further keys are counted together (a new key every step would grow without end)
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
 HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
@@ -176,7 +178,8 @@ class Pipeline(Sink):
         self.client = client
         self.node = node
         self.keys = KeyBudget()  # the platform's limit on a run's distinct metric keys
-        self.invalid: dict[str, int] = {}
+        self.invalid: dict[str, int] = {}  # NaN and infinite values, per key
+        self.invalid_unnamed = 0  # those of keys past MAX_NAMED_INVALID_KEYS of them
         self.sampler: HardwareSampler | None = None
         # log text, or a metric step beyond any before
         self.on_activity: Callable[[], None] | None = None
@@ -303,10 +306,18 @@ class Pipeline(Sink):
         if parsed.hparams:
             self.hparams.push(list(parsed.hparams.items()), ticket)
         for key, count in parsed.invalid.items():
-            if key not in self.invalid:
+            if key in self.invalid:
+                self.invalid[key] += count
+            elif len(self.invalid) < MAX_NAMED_INVALID_KEYS:  # each said once
                 log.warning("metric %r: a NaN or infinite value is never sent; such values are "
                             "counted per key (said once per key)", key)
-            self.invalid[key] = self.invalid.get(key, 0) + count
+                self.invalid[key] = count
+            else:
+                if not self.invalid_unnamed:
+                    log.warning("NaN or infinite values in more than %d metric keys: those of "
+                                "further keys are counted together, not named",
+                                MAX_NAMED_INVALID_KEYS)
+                self.invalid_unnamed += count
 
     def say(self, line: str) -> None:
         """A line of ours (`[sidecar] ...`) to /logs between the followed files' lines, never

@@ -326,6 +326,21 @@ def test_bad_input_is_skipped_and_counted_never_fatal(ingest: RunningIngest, tmp
     assert log_lines(ingest)[0] == "\ufffd\ufffd bad utf-8 \ufffd"
 
 
+def test_nan_values_of_a_new_key_every_step_are_named_for_100_keys_then_counted_together(
+        ingest: RunningIngest, tmp_path: Path, folder: Path) -> None:
+    metrics = folder / "grads.jsonl"
+    metrics.write_text("".join(f'{{"step": {i}, "loss": 1.0, "grad/{i}": NaN}}\n'
+                               for i in range(300)))
+    watch = Watch(ingest, tmp_path, "--jsonl", str(metrics)).start()
+    ingest.wait_for(lambda: len(points(ingest)) >= 300, 15)
+    done = watch.stop()
+    assert done.status == 0
+    assert {p["key"] for p in points(ingest)} == {"loss"}
+    said = [line for line in done.stderr.decode().splitlines() if "NaN or infinite" in line]
+    assert len([line for line in said if "said once per key" in line]) == 100
+    assert len([line for line in said if "counted together, not named" in line]) == 1
+
+
 def test_metric_keys_past_the_limit_are_refused_locally(ingest: RunningIngest, tmp_path: Path,
                                                         folder: Path) -> None:
     metrics = folder / "wide.jsonl"
