@@ -2,7 +2,7 @@
 floor loop, on the same file and the same receiver in one run.
 
     python tests/bench/bench_throughput.py [--quick] [--lines N] [--line-bytes B ...] [--repeat N]
-                                           [--letter L]
+                                           [--letter L] [--against REF]
 
 A file of N lines of B bytes of random text (default 2,000,000 of 100 B, then 200,000 of 1 KiB,
 then 200,000 of 1 KiB whose text is one repeated letter, `x`: with a token holding an `8`, a line
@@ -28,6 +28,11 @@ the sidecar right after Fluent Bit measured up to twice the CPU-s/GB of the next
 it system time, whichever its token. With --repeat N the runs alternate N times and the median
 run of each is reported.
 
+With --against REF the package as it was at REF (`git archive`) and this one forward the same
+warm file alternately, --repeat times each (8 if not given), one token a pair and the two in
+turn, with no floor or Fluent Bit: the medians of their seconds and CPU-seconds, side by side
+(shown, no target): whether a change kept the bulk path's speed.
+
 Targets (issue 17), against Fluent Bit: at 100 B lines at least 2.5x its lines/s at no more than
 0.4x its CPU-s/GB; at 1 KiB lines at least 2x its lines/s at no more than its CPU-s/GB; at 1 KiB
 lines of a repeated letter (issue 25) at least 2x its lines/s with either token. The floor's
@@ -40,6 +45,7 @@ import base64
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,6 +76,7 @@ from _harness import (
     wait_quiet,
     wait_until_posted,
 )
+from bench_startup import baseline_package
 
 BENCH = "log throughput"
 TIMEOUT_S = 300.0
@@ -231,12 +238,15 @@ def fluent_bit_run(path: Path, lines: int, work: Path) -> Measured:
 
 
 def sidecar(path: Path, lines: int, work: Path, token: str, profile: Path | None,
-            name: str) -> Measured:
+            name: str, package_root: Path | None = None) -> Measured:
+    """`sidecar watch` forwarding the file; `package_root`: another copy of the package."""
     size = path.stat().st_size
     followed = work / "logs" / "train.log"
     followed.parent.mkdir(exist_ok=True)
     with receiver("count") as rec, tempfile.TemporaryDirectory(dir=work) as state:
         env = sidecar_env(rec.endpoint, Path(state), token)
+        if package_root is not None:
+            env["PYTHONPATH"] = str(package_root)
         proc = start_sidecar(["watch", "--log", str(followed)], env, work)
         try:
             wait_until_posted(rec, "/environment")
@@ -257,9 +267,7 @@ def sidecar(path: Path, lines: int, work: Path, token: str, profile: Path | None
 
 def measure(lines: int, line_bytes: int, profile: Path | None, repeat: int,
             letter: str = "") -> list[Row]:
-    label = f"{line_bytes} B lines" if line_bytes < 1024 else f"{line_bytes // 1024} KiB lines"
-    if letter:
-        label += f" of {letter!r} repeated"
+    label = _label(line_bytes, letter)
     skipped = fluent_bit_unavailable()
     floors: list[Measured] = []
     anchors: list[Measured] = []
@@ -315,6 +323,39 @@ def measure(lines: int, line_bytes: int, profile: Path | None, repeat: int,
     return rows
 
 
+def against(lines: int, line_bytes: int, letter: str, ref: str, repeat: int) -> list[Row]:
+    """This package and the one at `ref`, alternately on one warm file: medians, side by side."""
+    label = _label(line_bytes, letter)
+    runs: dict[str, list[Measured]] = {"this": [], ref: []}
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        work = Path(tmp)
+        baseline = work / "baseline"
+        baseline.mkdir()
+        baseline_package(ref, baseline)
+        path = work / "input.log"
+        write_log(path, lines, line_bytes, letter=letter)
+        print(f"{label}: {lines:,} lines, {path.stat().st_size / 1e6:.0f} MB, this package "
+              f"against {ref}")
+        for round_ in range(repeat):
+            token = TOKENS[round_ // 2 % len(TOKENS)]
+            pair: list[tuple[str, Path | None]] = [("this", None), (ref, baseline)]
+            for who, root in pair[::-1] if round_ % 2 else pair:
+                cache(path)
+                runs[who].append(sidecar(path, lines, work, token, None, "", root))
+                print(f"  {who:>12}, token {token}:  {runs[who][-1]}")
+    rows: list[Row] = []
+    ours, theirs = (statistics.median(m.wall_s for m in runs[who]) for who in ("this", ref))
+    rows.append(info_row(BENCH, f"{label}: seconds, median", ours, "s", theirs, ref))
+    ours, theirs = (statistics.median(m.cpu_s for m in runs[who]) for who in ("this", ref))
+    rows.append(info_row(BENCH, f"{label}: CPU-seconds, median", ours, "CPU-s", theirs, ref))
+    return rows
+
+
+def _label(line_bytes: int, letter: str) -> str:
+    label = f"{line_bytes} B lines" if line_bytes < 1024 else f"{line_bytes // 1024} KiB lines"
+    return label + (f" of {letter!r} repeated" if letter else "")
+
+
 def _median(runs: list[Measured]) -> Measured:
     """The run with the median lines/s (its other figures with it)."""
     return sorted(runs, key=lambda m: m.lines_per_s)[(len(runs) - 1) // 2]
@@ -324,7 +365,10 @@ def main() -> None:
     options = bench_arguments(__doc__.splitlines()[0])
     options.add_argument("--lines", type=int, help="lines in the file (one size only)")
     options.add_argument("--line-bytes", type=int, help="bytes a line, newline included")
-    options.add_argument("--repeat", type=int, default=1, help="runs of each (median)")
+    options.add_argument("--repeat", type=int, help="runs of each (median; 1, or 8 with "
+                         "--against)")
+    options.add_argument("--against", metavar="REF",
+                         help="compare with the package at this commit instead")
     options.add_argument("--letter", help="lines of this letter repeated (one size only)")
     args = parse(options)
     sizes: tuple[tuple[int, int, str], ...] = QUICK_SIZES if args.quick else SIZES
@@ -332,7 +376,10 @@ def main() -> None:
         sizes = ((args.lines or sizes[0][0], args.line_bytes or 100, args.letter or ""),)
     rows: list[Row] = []
     for lines, line_bytes, letter in sizes:
-        rows += measure(lines, line_bytes, args.profile, args.repeat, letter)
+        if args.against:
+            rows += against(lines, line_bytes, letter, args.against, args.repeat or 8)
+        else:
+            rows += measure(lines, line_bytes, args.profile, args.repeat or 1, letter)
     finish(rows, args.json)
 
 
