@@ -151,6 +151,9 @@ async def test_a_413_answered_before_the_body_was_read_is_seen_as_a_413() -> Non
     (b"garbage\r\n\r\n", "malformed"),
     (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (16 * MAX_ANSWER_BYTES) + b"\r\n\r\n", "malformed"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}", "closed"),
+    (b"", "the ingest closed the connection without answering"),
+    (b"HTTP/1.1 200 OK\r\nContent-Le", "the ingest closed the connection in the middle of its "
+                                       "answer"),
 ])
 async def test_a_garbled_answer_is_an_attempt_to_retry_and_the_next_one_works(
         answer: bytes, said: str) -> None:

@@ -78,6 +78,7 @@ class _Connection(asyncio.Protocol):
         self.received = 0  # bytes of the current answer
         self.closed = False  # by either side
         self.error: OSError | None = None  # why the connection was lost, if it failed
+        self._eof_told = False  # h11 was told of the close (once it had every byte before it)
         self._wake: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
 
@@ -127,12 +128,26 @@ class _Connection(asyncio.Protocol):
             raise self.error
 
     async def next_event(self) -> object:
-        """The answer's next h11 event, waiting for bytes when h11 needs more."""
+        """The answer's next h11 event, waiting for bytes when h11 needs more. h11 is told of a
+        close only once it needs more than it has, so that an error it raises then is the close
+        cutting the answer short, not a malformed answer."""
         while True:
-            event = self.h11.next_event()
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError:
+                if not self._eof_told:
+                    raise
+                raise ConnectionResetError(
+                    "the ingest closed the connection " + ("without answering" if not self.received
+                                                           else "in the middle of its answer")
+                ) from None
             if event is not h11.NEED_DATA:
                 return event
-            if self.closed:  # h11 was told of the close: it cannot need more data
+            if self.closed:
+                if not self._eof_told:
+                    self._eof_told = True
+                    self.h11.receive_data(b"")  # a ConnectionClosed, an end, or an error
+                    continue
                 raise ConnectionResetError("the ingest closed the connection")
             if self.transport is not None:
                 self.transport.resume_reading()
@@ -156,9 +171,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _end(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.h11.receive_data(b"")  # h11 turns it into ConnectionClosed, or an error
+        self.closed = True  # h11 learns of it in next_event, after the bytes before it
         self._notify()
 
     def _notify(self) -> None:
