@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from sidecar.log import secrets as log_secrets
 from tests.ingest_server import RunningIngest, running_ingest
 
 # The suite shares two cores with the sidecars it starts: no timing-based health checks.
@@ -26,6 +27,17 @@ SIDECAR = (sys.executable, "-m", "sidecar")
 # quickly: the `fast_sampling` fixture makes every Sidecar of the test start this way.
 FAST_SAMPLING = (sys.executable, "-c", "import sys; import sidecar.config as c; "
                  "c.MIN_HARDWARE_INTERVAL_S = 0.01; from sidecar.cli import main; sys.exit(main())")
+
+
+@pytest.fixture(autouse=True)
+def _secrets_of_this_test_only() -> Iterator[None]:
+    """The process's secrets as they were before the test, after it: a token one test used
+    was masked in a later test's output (its tmp_path `test_wrong_token_…` became
+    `test_***_token_…`), so a test passed or failed by the order the suite ran in."""
+    kept = dict(vars(log_secrets))
+    yield
+    vars(log_secrets).clear()
+    vars(log_secrets).update(kept)
 
 
 @pytest.fixture
