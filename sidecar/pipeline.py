@@ -177,7 +177,7 @@ class Pipeline(Sink):
         self.cfg = cfg
         self.client = client
         self.node = node
-        self.keys = KeyBudget()  # the platform's limit on a run's distinct metric keys
+        self.key_budget = KeyBudget()  # the platform's limit on a run's distinct metric keys
         self.invalid: dict[str, int] = {}  # NaN and infinite values, per key
         self.invalid_unnamed = 0  # those of keys past MAX_NAMED_INVALID_KEYS of them
         self.sampler: HardwareSampler | None = None
@@ -302,7 +302,7 @@ class Pipeline(Sink):
         if self.on_activity is not None and active:
             self.on_activity()
         if parsed.points:
-            self.metrics.push(self.keys.admit(parsed.points), ticket)
+            self.metrics.push(self.key_budget.admit(parsed.points), ticket)
         if parsed.hparams:
             self.hparams.push(list(parsed.hparams.items()), ticket)
         for key, count in parsed.invalid.items():
@@ -354,7 +354,7 @@ class Pipeline(Sink):
 
     async def drain(self, deadline: float) -> None:
         """Read every file to its end and deliver what can be delivered by `deadline`."""
-        self.keys.say()  # what a minute held back
+        self.key_budget.say()  # what a minute held back
         await self._stop_telemetry()
         if self.hparams_file is not None:
             await cancel(self._hparams_task)
@@ -394,7 +394,7 @@ class Pipeline(Sink):
     async def close(self) -> None:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
         one line."""
-        self.keys.say()
+        self.key_budget.say()
         await self.shipper.stop()
         await cancel(self._checkpoints_task)
         await self.artifacts.close()

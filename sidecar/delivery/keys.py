@@ -69,7 +69,7 @@ class KeyBudget:
         count, named = self._unsaid_count, self._unsaid
         more = f" and {count - len(named)} more" if count > len(named) else ""
         in_all = (f"more than {MAX_REMEMBERED_REFUSED_KEYS}"
-                  if len(self.refused) >= MAX_REMEMBERED_REFUSED_KEYS else str(self.refused_count))
+                  if self.refused_count > MAX_REMEMBERED_REFUSED_KEYS else str(self.refused_count))
         log.error("%d metric key%s refused (%s%s): the run already has %d distinct metric keys, "
                   "the platform's limit; their points are not sent (%s refused in all; said at "
                   "most once a minute)", count, "" if count == 1 else "s",
