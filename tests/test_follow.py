@@ -382,6 +382,15 @@ class _OneBlockAtATime(_Collect):
         self.room = False
 
 
+def _counted_looks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The patterns the follower looks for files with, one entry a look (discover.match)."""
+    looks: list[str] = []
+    match = follow.discover.match
+    monkeypatch.setattr(follow.discover, "match",
+                        lambda pattern, *rest: looks.append(pattern) or match(pattern, *rest))
+    return looks
+
+
 async def test_room_again_reads_on_without_looking_for_files(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A backlog read a request at a time wakes the follower once a request: each wake reads
@@ -390,10 +399,7 @@ async def test_room_again_reads_on_without_looking_for_files(
     log = tmp_path / "train.log"
     lines = 4 * follow.READ_BYTES // 1024
     log.write_bytes((b"x" * 1023 + b"\n") * lines)  # four blocks
-    looks: list[str] = []
-    match = follow.discover.match
-    monkeypatch.setattr(follow.discover, "match",
-                        lambda pattern, *rest: looks.append(pattern) or match(pattern, *rest))
+    looks = _counted_looks(monkeypatch)
     spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser(), option="--log")
     sink = _OneBlockAtATime()
     follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"))
@@ -425,10 +431,7 @@ async def test_a_steady_trickle_is_read_in_gatherings_without_looking_for_files(
     log, other = tmp_path / "train.log", tmp_path / "trainer-notes.txt"
     log.write_bytes(b"")
     other.write_bytes(b"")
-    looks: list[str] = []
-    match = follow.discover.match
-    monkeypatch.setattr(follow.discover, "match",
-                        lambda pattern, *rest: looks.append(pattern) or match(pattern, *rest))
+    looks = _counted_looks(monkeypatch)
     spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser(), option="--log")
     sink = _Collect()
     follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"))
