@@ -4,30 +4,70 @@ time, so their order across the command's stdout and stderr is all the platform 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
-from tests.conftest import platform_env, python_child, sidecar
+from tests.conftest import Finished, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest
 from tests.test_run import log_text
+
+# Each child waits, instead of sleeping, for two files the test makes: `go` once the sidecar
+# is up (its environment snapshot arrived: the pipeline is imported and posting; what a command
+# writes before that is the start-up exception the README names), `done` once its last line
+# arrived, so that /logs itself carried everything (what the crash tail takes over at the exit
+# is its own test).
+WAIT = """
+import os, sys, time
+def wait_for(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+go, done = sys.argv[1:3]
+"""
+
+
+def run_in_order(ingest: RunningIngest, tmp_path: Path, script: str, last_line: str,
+                 *args: str) -> Finished:
+    """`sidecar run` of the child `script` (WAIT first), released once the sidecar is up and
+    let exit once `last_line` arrived."""
+    go, done = tmp_path / "go", tmp_path / "done"
+
+    def release() -> None:
+        try:
+            ingest.wait_for(lambda: bool(ingest.records("environment")), 60, "the sidecar is up")
+            go.touch()
+            ingest.wait_for(lambda: last_line in log_text(ingest).splitlines(), 60,
+                            "the last line arrived")
+        finally:
+            go.touch()
+            done.touch()
+
+    releaser = threading.Thread(target=release, daemon=True)
+    releaser.start()
+    env = platform_env(ingest, tmp_path / "state")
+    result = sidecar(["run", "--", *python_child(WAIT + script), str(go), str(done), *args],
+                     env, tmp_path / "sc")
+    releaser.join(60)
+    return result
 
 # Lines on both streams, each its own write, `gap` seconds apart, in a fixed order: both
 # streams in a row, several lines in a row on one of them, and single alternations.
 ALTERNATING = """
 import os, sys, time
-gap = float(sys.argv[1])
-time.sleep(1.0)  # the sidecar is up (see the README: its own start-up is the exception)
+gap = float(sys.argv[3])
+wait_for(go)
 plan = "oeoeooeeoeeeoooeoeoeooeoeeoeoeoooeeoeoeo" * 2
 for n, stream in enumerate(plan):
     os.write(1 if stream == "o" else 2, f"line {n} on {stream}\\n".encode())
     time.sleep(gap)
-time.sleep(1.5)  # all sent before the exit: what the crash tail takes over is its own test
+wait_for(done)
 """
 
 # A tqdm-style loop: a line on stdout, a bar redrawn on stderr and closed with its final state
 # and a newline, then a line on stdout; three epochs.
 BAR_THEN_LINE = """
 import sys, time
-time.sleep(1.0)
+wait_for(go)
 for epoch in range(3):
     print(f"epoch {epoch} starts", flush=True)
     for step in range(1, 11):
@@ -39,7 +79,7 @@ for epoch in range(3):
     time.sleep(0.005)
     print(f"epoch {epoch} done", flush=True)
     time.sleep(0.005)
-time.sleep(1.5)
+wait_for(done)
 """
 
 
@@ -48,7 +88,7 @@ time.sleep(1.5)
 # it is sure the cursor does not come back; then a line on stdout.
 NESTED_BARS_THEN_LINE = """
 import sys, time
-time.sleep(1.0)
+wait_for(go)
 for epoch in range(3):
     sys.stderr.write(f"\\repoch {epoch}: 0/1")
     for step in range(1, 6):
@@ -60,14 +100,13 @@ for epoch in range(3):
     time.sleep(0.01)
     print(f"epoch {epoch} done", flush=True)
     time.sleep(0.01)
-time.sleep(1.5)
+wait_for(done)
 """
 
 
 def test_writes_5_ms_apart_on_two_streams_arrive_in_the_order_written(
         ingest: RunningIngest, tmp_path: Path) -> None:
-    env = platform_env(ingest, tmp_path / "state")
-    done = sidecar(["run", "--", *python_child(ALTERNATING), "0.005"], env, tmp_path / "sc")
+    done = run_in_order(ingest, tmp_path, ALTERNATING, "line 79 on o", "0.005")
     assert done.status == 0, done.stderr
     lines = log_text(ingest).splitlines()
     numbers = [int(line.split()[1]) for line in lines]
@@ -78,8 +117,7 @@ def test_a_closed_bar_reaches_the_log_before_the_line_printed_after_it(
         ingest: RunningIngest, tmp_path: Path) -> None:
     """The bar's final state is held while the screen model waits to see whether the cursor
     comes back up; a line on the other stream would have ended that wait on a shared terminal."""
-    env = platform_env(ingest, tmp_path / "state")
-    done = sidecar(["run", "--", *python_child(BAR_THEN_LINE)], env, tmp_path / "sc")
+    done = run_in_order(ingest, tmp_path, BAR_THEN_LINE, "epoch 2 done")
     assert done.status == 0, done.stderr
     lines = log_text(ingest).splitlines()
     for epoch in range(3):
@@ -92,8 +130,7 @@ def test_lines_held_by_the_screen_model_go_before_a_later_line_of_the_other_stre
         ingest: RunningIngest, tmp_path: Path) -> None:
     """After the cursor once went up, a line it left is held for a few seconds in case it
     comes back; on a terminal shared with stdout, stdout's next line would have ended that."""
-    env = platform_env(ingest, tmp_path / "state")
-    done = sidecar(["run", "--", *python_child(NESTED_BARS_THEN_LINE)], env, tmp_path / "sc")
+    done = run_in_order(ingest, tmp_path, NESTED_BARS_THEN_LINE, "epoch 2 done")
     assert done.status == 0, done.stderr
     lines = log_text(ingest).splitlines()
     for epoch in range(3):
@@ -106,20 +143,18 @@ def test_lines_held_by_the_screen_model_go_before_a_later_line_of_the_other_stre
 # come after all of it.
 BIG_REDRAWN_BLOCK_THEN_LINE = """
 import os, sys, time
-time.sleep(1.0)
+wait_for(go)
 block = "".join(f"INFO step {n} of the warm-up\\n" for n in range(2000))
 block += "\\rloading 1/2\\rloading 2/2\\n"
 os.write(2, block.encode())
 time.sleep(0.002)
 os.write(1, b"after the block\\n")
-time.sleep(1.5)
+wait_for(done)
 """
 
 def test_a_line_after_a_block_the_terminal_draws_in_slices_comes_after_all_of_it(
         ingest: RunningIngest, tmp_path: Path) -> None:
-    env = platform_env(ingest, tmp_path / "state")
-    done = sidecar(["run", "--", *python_child(BIG_REDRAWN_BLOCK_THEN_LINE)], env,
-                   tmp_path / "sc")
+    done = run_in_order(ingest, tmp_path, BIG_REDRAWN_BLOCK_THEN_LINE, "after the block")
     assert done.status == 0, done.stderr
     lines = log_text(ingest).splitlines()
     assert lines[-1] == "after the block", lines[-5:]
