@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from sidecar.node import Node, node_count, resolve_node
-from sidecar.sources.telemetry import environment, nvml
+from sidecar.sources.telemetry import environment
 from sidecar.sources.telemetry.environment import (
     environment_snapshot,
     find_python,
@@ -25,6 +25,7 @@ from sidecar.sources.telemetry.environment import (
     python_info,
     read_packages,
 )
+from sidecar.sources.telemetry.nvml import queries as nvml
 
 
 def dist_info(site: Path, name: str, version: str, metadata: bool = True) -> None:

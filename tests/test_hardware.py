@@ -22,7 +22,8 @@ import psutil
 import pytest
 
 from sidecar.log import log
-from sidecar.sources.telemetry.hardware import (
+from sidecar.sources.telemetry.nvml.queries import _field_value
+from sidecar.sources.telemetry.sampler import (
     CpuTimes,
     HardwareSampler,
     HostCollector,
@@ -35,7 +36,6 @@ from sidecar.sources.telemetry.hardware import (
     counter_rate,
     gpu_filter_from_env,
 )
-from sidecar.sources.telemetry.nvml import _field_value
 from tests.conftest import RUN_ID, Sidecar, clean_environ, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest, wait_until
 from tests.nvml_stub.build import BuildError, build, gcc

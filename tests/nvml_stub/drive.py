@@ -39,7 +39,7 @@ from typing import Any
 from sidecar import log as sidecar_log
 from sidecar.node import Node
 from sidecar.sources.telemetry.environment import environment_snapshot
-from sidecar.sources.telemetry.hardware import (
+from sidecar.sources.telemetry.sampler import (
     HardwareSampler,
     SamplerStats,
     choose_gpus,

@@ -127,7 +127,7 @@ def _nvidia_info() -> dict[str, Any] | None:
         ctypes.CDLL(NVML_LIBRARY)
     except OSError:
         return None
-    from sidecar.sources.telemetry import nvml
+    from sidecar.sources.telemetry.nvml import queries as nvml
 
     try:
         return nvml.nvidia_info()

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sidecar.log import log
 from sidecar.records import iso_ts
-from sidecar.sources.telemetry import nvml, procfs
-from sidecar.sources.telemetry.nvml import (
+from sidecar.sources.telemetry import procfs
+from sidecar.sources.telemetry.nvml import queries as nvml
+from sidecar.sources.telemetry.nvml.queries import (
     NVML_TIMEOUT_S,
     GpuDevice,
     GpuFilter,

@@ -1,0 +1,1 @@
+"""GPUs through NVML (nvidia-ml-py's bindings, loaded at first use)."""
