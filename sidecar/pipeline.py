@@ -263,7 +263,8 @@ class Pipeline(Sink):
             find_trainer_python=find_trainer_python))
         if cfg.hardware_interval > 0:
             # imported here: with sampling off, its NVML and psutil code is never loaded
-            from sidecar.sources.telemetry.sampler import HardwareSampler, choose_gpus
+            from sidecar.sources.telemetry.gpus import choose_gpus
+            from sidecar.sources.telemetry.sampler import HardwareSampler
 
             disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
                           *(Path(p) for p in cfg.tensorboard)]

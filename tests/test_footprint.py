@@ -36,11 +36,11 @@ import json, sys
 from sidecar import cli, daemon, pipeline
 from sidecar.observe import endpoint as status
 from sidecar.sources.telemetry import environment, sampler
-from sidecar.sources.telemetry.nvml import queries as nvml
+from sidecar.sources.telemetry.nvml import bindings
 cli.build_parser()
 try:
-    nvml.init()
-except nvml.NvmlError as exc:
+    bindings.init()
+except bindings.NvmlError as exc:
     reason = exc.reason()
 else:
     reason = ""
@@ -159,7 +159,7 @@ def test_a_default_watch_generates_no_dataclass_methods(
     loaded = _watch_loaded(ingest, tmp_path, SIDECAR_STATUS_ADDR="127.0.0.1:0",
                            **_nvml_stub(tmp_path, stub_dir))
     assert {"sidecar.observe.endpoint", "sidecar.sources.telemetry.sampler",
-            "sidecar.sources.telemetry.nvml.queries"} <= set(loaded["modules"])
+            "sidecar.sources.telemetry.nvml"} <= set(loaded["modules"])
     made = loaded["dataclasses"]
     assert made == [], f"dataclasses on a watch's start path: {made}"
 
@@ -190,7 +190,7 @@ def test_a_run_generates_no_dataclass_methods(ingest: RunningIngest, tmp_path: P
     assert {"sidecar.wrapper", "sidecar.sources.console.child",
             "sidecar.sources.console.signatures", "sidecar.diagnose",
             "sidecar.sources.telemetry.cgroup",
-            "sidecar.sources.telemetry.nvml.queries"} <= set(loaded["modules"])
+            "sidecar.sources.telemetry.nvml"} <= set(loaded["modules"])
     made = loaded["dataclasses"]
     assert made == [], f"dataclasses on a run's start path: {made}"
 
