@@ -7,7 +7,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from sidecar.log import log
+from sidecar.sources.telemetry.nvml.bindings import NvmlError
+from sidecar.sources.telemetry.nvml.processes import ProcessList
+
+if TYPE_CHECKING:
+    from sidecar.sources.telemetry.nvml.devices import GpuDevice
 
 
 class GpuFilter(NamedTuple):
@@ -146,3 +153,34 @@ def pod_pids(proc: Path = Path("/proc")) -> frozenset[int]:
                          if name.isdigit() and int(name) != ours)
     except OSError:
         return frozenset()
+
+
+class PodGpus:
+    """For a pod sidecar that sees its pod's processes: the job's GPUs, found among the
+    `candidates` as those on which one of the pod's processes runs (NVML's process lists).
+    A GPU once found stays the job's."""
+
+    def __init__(self, candidates: list[GpuDevice]) -> None:
+        self.candidates = candidates  # the GPUs not seen used yet
+        self._process_lists: dict[str, ProcessList] = {}
+
+    def used(self) -> list[GpuDevice]:
+        """The candidate GPUs whose compute processes include one of this pod's (a thread)."""
+        pids = pod_pids()
+        used = []
+        for device in self.candidates:
+            processes = self._process_lists.get(device.key)
+            if processes is None:
+                processes = self._process_lists[device.key] = ProcessList(device.handle)
+            try:
+                running = processes.read()
+            except NvmlError as exc:
+                log.debug("%s: its processes cannot be listed: %s", device.describe(), exc)
+                continue
+            if any(pid in pids for pid, _ in running):
+                used.append(device)
+        return used
+
+    def taken(self, used: list[GpuDevice]) -> None:
+        """`used` are the job's from now on: no longer candidates."""
+        self.candidates = [d for d in self.candidates if d not in used]

@@ -37,10 +37,9 @@ from sidecar.sources.telemetry.collectors.gpu import gpu_part
 from sidecar.sources.telemetry.collectors.host import HostCollector, host_part
 from sidecar.sources.telemetry.collectors.infiniband import InfinibandCollector
 from sidecar.sources.telemetry.collectors.probe import HostProbe
-from sidecar.sources.telemetry.gpus import GpuFilter, pod_pids
+from sidecar.sources.telemetry.gpus import GpuFilter, PodGpus
 from sidecar.sources.telemetry.nvml.bindings import NVML_TIMEOUT_S, NvmlError
 from sidecar.sources.telemetry.nvml.devices import GpuDevice, discover
-from sidecar.sources.telemetry.nvml.processes import ProcessList
 from sidecar.sources.telemetry.nvml.xid import XidEvent, XidWatcher
 from sidecar.sources.telemetry.readings import Rates, Readings
 from sidecar.supervise import fault_point
@@ -137,9 +136,8 @@ class HardwareSampler:
         self.by_processes = by_processes  # of the GPUs the filter allows, those the pod uses
         self.gpu_rule = gpu_rule or (f"those {gpu_filter.describe()} names" if gpu_filter
                                      else "every GPU this node shows")
-        self._candidates: list[GpuDevice] = []  # by_processes: the GPUs not seen used yet
+        self._pod: PodGpus | None = None  # by_processes: the GPUs the pod may come to use
         self._count = 0  # the GPUs the node shows
-        self._process_lists: dict[str, ProcessList] = {}
         probe = probe or HostProbe()
         self._rates = Rates()
         self._devices: list[GpuDevice] = []
@@ -213,7 +211,7 @@ class HardwareSampler:
             return
         self._count = count
         if self.by_processes:
-            self._candidates = devices
+            self._pod = PodGpus(devices)
             self._stats.gpu_status = f"0 of {count} GPUs (none used by this pod yet)"
             log.info("GPUs sampled: %s; none runs one of them yet", self.gpu_rule)
         else:
@@ -231,36 +229,19 @@ class HardwareSampler:
 
     async def _select_used_by_the_pod(self) -> None:
         """Add the GPUs on which a process of this pod now runs; a GPU once the job's stays."""
-        if not self._candidates:
+        if self._pod is None or not self._pod.candidates:
             return
         worker = self._sweeper()
         try:
-            used = await worker.call(self._used_by_the_pod, self.nvml_timeout_s)
+            used = await worker.call(self._pod.used, self.nvml_timeout_s)
         except TimeoutError:
             self._leave(worker)
             return
         if used:
-            self._candidates = [d for d in self._candidates if d not in used]
+            self._pod.taken(used)
             self._select(used)
             log.info("sampling GPU(s) %s: this pod's processes run on them",
                      ", ".join(f"{d.index} {d.name}" for d in used))
-
-    def _used_by_the_pod(self) -> list[GpuDevice]:
-        """The candidate GPUs whose compute processes include one of this pod's (a thread)."""
-        pids = pod_pids()
-        used = []
-        for device in self._candidates:
-            processes = self._process_lists.get(device.key)
-            if processes is None:
-                processes = self._process_lists[device.key] = ProcessList(device.handle)
-            try:
-                running = processes.read()
-            except NvmlError as exc:
-                log.debug("%s: its processes cannot be listed: %s", device.describe(), exc)
-                continue
-            if any(pid in pids for pid, _ in running):
-                used.append(device)
-        return used
 
     def _no_gpus(self, reason: str) -> None:
         self._stats.gpu_status = reason
