@@ -21,7 +21,7 @@ from sidecar.log import format_duration
 from sidecar.node import Node
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.telemetry.cgroup import OomKill
-from sidecar.sources.telemetry.nvml import XidEvent
+from sidecar.sources.telemetry.nvml.xid import XidEvent
 
 EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N is 128 + N (CONTRACT 2)
 LAST_LINE_STREAMS = ("stderr", "terminal", "stdout")  # the last resort, in this order; with

@@ -46,7 +46,7 @@ from sidecar.supervise import supervise
 
 if TYPE_CHECKING:
     from sidecar.sources.files.checkpoints import CheckpointWatcher, Found
-    from sidecar.sources.telemetry.hardware import HardwareSampler
+    from sidecar.sources.telemetry.sampler import HardwareSampler
 
 MAX_NAMED_INVALID_KEYS = 100  # keys whose NaN/inf values are counted and said by name; the
 #   values of further keys are counted together (a new key every step would grow without end)
@@ -263,7 +263,8 @@ class Pipeline(Sink):
             find_trainer_python=find_trainer_python))
         if cfg.hardware_interval > 0:
             # imported here: with sampling off, its NVML and psutil code is never loaded
-            from sidecar.sources.telemetry.hardware import HardwareSampler, choose_gpus
+            from sidecar.sources.telemetry.gpus import choose_gpus
+            from sidecar.sources.telemetry.sampler import HardwareSampler
 
             disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
                           *(Path(p) for p in cfg.tensorboard)]

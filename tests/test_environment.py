@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from sidecar.node import Node, node_count, resolve_node
-from sidecar.sources.telemetry import environment, nvml
+from sidecar.sources.telemetry import environment
 from sidecar.sources.telemetry.environment import (
     environment_snapshot,
     find_python,
@@ -25,6 +25,7 @@ from sidecar.sources.telemetry.environment import (
     python_info,
     read_packages,
 )
+from sidecar.sources.telemetry.nvml import bindings
 
 
 def dist_info(site: Path, name: str, version: str, metadata: bool = True) -> None:
@@ -75,10 +76,10 @@ def test_host_facts_do_not_load_psutil() -> None:
 
 
 def test_the_snapshot_tries_the_library_nvml_loads_and_waits_as_long() -> None:
-    """The snapshot tries NVML's library itself, so that nvml.py loads only where it is there:
+    """The snapshot tries NVML's library itself, so that nvml/ loads only where it is there:
     both must name the same library and the same timeout."""
     assert (environment.NVML_LIBRARY, environment.NVML_TIMEOUT_S) == (
-        nvml.LIBRARY, nvml.NVML_TIMEOUT_S)
+        bindings.LIBRARY, bindings.NVML_TIMEOUT_S)
 
 
 def test_packages_read_from_dist_info_first_on_path_wins(tmp_path: Path) -> None:

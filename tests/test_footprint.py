@@ -35,11 +35,12 @@ DAEMON_IMPORTS = """
 import json, sys
 from sidecar import cli, daemon, pipeline
 from sidecar.observe import endpoint as status
-from sidecar.sources.telemetry import environment, hardware, nvml
+from sidecar.sources.telemetry import environment, sampler
+from sidecar.sources.telemetry.nvml import bindings
 cli.build_parser()
 try:
-    nvml.init()
-except nvml.NvmlError as exc:
+    bindings.init()
+except bindings.NvmlError as exc:
     reason = exc.reason()
 else:
     reason = ""
@@ -157,7 +158,7 @@ def test_a_default_watch_generates_no_dataclass_methods(
     default interval, with GPUs (the sampler's, NVML's and the XID watcher's records)."""
     loaded = _watch_loaded(ingest, tmp_path, SIDECAR_STATUS_ADDR="127.0.0.1:0",
                            **_nvml_stub(tmp_path, stub_dir))
-    assert {"sidecar.observe.endpoint", "sidecar.sources.telemetry.hardware",
+    assert {"sidecar.observe.endpoint", "sidecar.sources.telemetry.sampler",
             "sidecar.sources.telemetry.nvml"} <= set(loaded["modules"])
     made = loaded["dataclasses"]
     assert made == [], f"dataclasses on a watch's start path: {made}"
@@ -208,7 +209,7 @@ def test_watch_without_a_status_endpoint_loads_no_http_server(ingest: RunningIng
                 "sidecar.sources.console.signatures", "sidecar.diagnose",
                 "sidecar.sources.telemetry.cgroup"} & loaded
     # --hardware-interval 0: no sampler code
-    assert "sidecar.sources.telemetry.hardware" not in loaded
+    assert "sidecar.sources.telemetry.sampler" not in loaded
     # argparse's terminal width, `run`'s trainer-python search, a typo's suggestion, a test's
     # injected fault: each is had without a module that costs a start-up more than it answers
     unasked = {"shutil", "difflib", "random"} & loaded

@@ -22,20 +22,14 @@ import psutil
 import pytest
 
 from sidecar.log import log
-from sidecar.sources.telemetry.hardware import (
-    CpuTimes,
-    HardwareSampler,
-    HostCollector,
-    HostProbe,
-    InfinibandCollector,
-    ParentTable,
-    ProcessReading,
-    Rates,
-    choose_gpus,
-    counter_rate,
-    gpu_filter_from_env,
-)
-from sidecar.sources.telemetry.nvml import _field_value
+from sidecar.sources.telemetry.collectors.host import HostCollector
+from sidecar.sources.telemetry.collectors.infiniband import InfinibandCollector
+from sidecar.sources.telemetry.collectors.probe import CpuTimes, HostProbe
+from sidecar.sources.telemetry.collectors.processes import ParentTable, ProcessReading
+from sidecar.sources.telemetry.gpus import choose_gpus, gpu_filter_from_env
+from sidecar.sources.telemetry.nvml.fields import field_value
+from sidecar.sources.telemetry.readings import Rates, counter_rate
+from sidecar.sources.telemetry.sampler import HardwareSampler
 from tests.conftest import RUN_ID, Sidecar, clean_environ, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest, wait_until
 from tests.nvml_stub.build import BuildError, build, gcc
@@ -341,7 +335,7 @@ def test_a_field_value_reads_as_its_type_says() -> None:
 
     cases = [(0, "=d", 2.5), (1, "=I", 4_000_000_000), (2, "=Q", 2**50 + 5),
              (3, "=Q", 12), (4, "=q", -3), (5, "=i", -2), (6, "=H", 65_000)]
-    assert [_field_value(kind, raw(fmt, value)) for kind, fmt, value in cases] == [
+    assert [field_value(kind, raw(fmt, value)) for kind, fmt, value in cases] == [
         value for _, _, value in cases]
 
 

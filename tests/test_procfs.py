@@ -13,7 +13,7 @@ import pytest
 from psutil._common import _WrapNumbers  # psutil's own nowrap: the oracle for NoWrap
 
 from sidecar.sources.telemetry import procfs
-from sidecar.sources.telemetry.hardware import HostProbe, _cpu_times, _psutil_net_io
+from sidecar.sources.telemetry.collectors.probe import HostProbe, _cpu_times, _psutil_net_io
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux's /proc only")
 
@@ -186,7 +186,7 @@ def test_disk_usage_and_load_average_are_psutils() -> None:
 
 SAMPLE_THE_HOST = """
 import os, sys
-from sidecar.sources.telemetry.hardware import HostProbe
+from sidecar.sources.telemetry.collectors.probe import HostProbe
 probe = HostProbe()
 probe.cpu_times(); probe.load_average(); probe.memory(); probe.swap(); probe.disk_io()
 probe.net_io(); probe.disk_usage("/"); probe.process_tree(os.getpid())

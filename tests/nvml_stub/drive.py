@@ -39,11 +39,8 @@ from typing import Any
 from sidecar import log as sidecar_log
 from sidecar.node import Node
 from sidecar.sources.telemetry.environment import environment_snapshot
-from sidecar.sources.telemetry.hardware import (
-    HardwareSampler,
-    SamplerStats,
-    choose_gpus,
-)
+from sidecar.sources.telemetry.gpus import choose_gpus
+from sidecar.sources.telemetry.sampler import HardwareSampler, SamplerStats
 
 TICK_S = 0.01
 RUN_TIMEOUT_S = 30.0

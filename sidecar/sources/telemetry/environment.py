@@ -43,9 +43,9 @@ Emit = Callable[[str, dict[str, Any]], None]
 
 PYTHON_PROBE_TIMEOUT_S = 10.0  # a trainer image's interpreter starting cold, .pth files and all
 READ_TIMEOUT_S = 20.0  # host facts and package metadata, read on a thread
-NVML_LIBRARY = "libnvidia-ml.so.1"  # nvml.LIBRARY, tried first: nvml.py loads only where it does
+NVML_LIBRARY = "libnvidia-ml.so.1"  # bindings.LIBRARY, tried first: nvml/ loads only where it does
 IPV6_SCOPE_LINK = 0x20  # /proc/net/if_inet6's scope of a link-local address
-NVML_TIMEOUT_S = 5.0  # nvml.NVML_TIMEOUT_S: the driver's description, as long as one GPU's read
+NVML_TIMEOUT_S = 5.0  # bindings.NVML_TIMEOUT_S: the driver's description, as long as one GPU's read
 MAX_HEADER_LINES = 200  # Name and Version come first in METADATA; never read a long description
 _PROBE = ("import sys, json, platform; print(json.dumps({'path': sys.path, "
           "'version': platform.python_version(), "
@@ -122,16 +122,16 @@ async def _off_loop(fn: Callable[[], Any], what: str,
 
 def _nvidia_info() -> dict[str, Any] | None:
     """The driver and its GPUs as NVML describes them; None on a node whose NVML library does
-    not load, found without loading nvml.py (a thousand lines a node without GPUs never runs)."""
+    not load, found without loading nvml/ (a thousand lines a node without GPUs never runs)."""
     try:
         ctypes.CDLL(NVML_LIBRARY)
     except OSError:
         return None
-    from sidecar.sources.telemetry import nvml
+    from sidecar.sources.telemetry.nvml import bindings, info
 
     try:
-        return nvml.nvidia_info()
-    except nvml.NvmlError as exc:  # the sampler says so at INFO; once is enough
+        return info.nvidia_info()
+    except bindings.NvmlError as exc:  # the sampler says so at INFO; once is enough
         log.debug("environment snapshot: no NVIDIA driver information: %s", exc.reason())
         return None
 
