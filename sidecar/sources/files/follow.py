@@ -35,7 +35,6 @@ import re
 import resource
 import stat
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,6 +46,7 @@ from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.files import discover
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 from sidecar.sources.files.offsets import FINGERPRINT_BYTES, Mark, Offsets, fingerprint
+from sidecar.sources.files.tail import Tail
 from sidecar.supervise import fault_point
 
 READ_BYTES = LOG_BLOCK
@@ -69,7 +69,7 @@ MAX_OPEN_FILES = 1024
 MIN_OPEN_FILES = 4
 NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING
 
-_Id = tuple[int, int]  # device, inode
+FileId = tuple[int, int]  # device, inode
 _ROTATION_SUFFIX = re.compile(r"(?:[.\-_]\d+|\.(?:gz|bz2|xz|zst))+$")  # what logrotate appends
 
 
@@ -153,46 +153,6 @@ class Sink:
         return None
 
 
-class _Tail:
-    """One file being followed."""
-
-    def __init__(self, spec: SourceSpec, path: Path, dev: int, ino: int, head: bytes,
-                 parser: Parser, read_offset: int, committed: int, state: dict[str, Any],
-                 fd: int = -1, size: int = 0, end: bytes = b"") -> None:
-        self.spec = spec
-        self.path = path
-        self.dev = dev
-        self.ino = ino
-        # the file's first bytes (up to FINGERPRINT_BYTES; grows with a short file)
-        self.head = head
-        self.parser = parser
-        self.read_offset = read_offset
-        self.committed = committed
-        self.state = state  # the parser's, at `committed`
-        self.fd = fd  # -1 while closed: idle, or no descriptor to spare
-        self.size = size  # as last seen
-        self.end = end  # the last END_CHECK_BYTES read
-        self.buffer = b""
-        self.pending: deque[list[Any]] = deque()  # [end offset, done, state]
-        self.copies: list[Mark] = []  # copies whose offsets to save once committed past
-        self.last_data = time.monotonic()
-        self.last_read: float | None = None
-        self.retired = False
-        self.closed = False
-
-    @property
-    def id(self) -> _Id:
-        return self.dev, self.ino
-
-    @property
-    def consumed(self) -> int:
-        return self.read_offset - len(self.buffer)
-
-    def mark(self, offset: int, state: dict[str, Any]) -> Mark:
-        return Mark(str(self.path), self.dev, self.ino, fingerprint(self.head), offset, state,
-                    len(self.head))
-
-
 class Follower:
     """Follows the files of every spec and hands what they hold to `sink`."""
 
@@ -204,14 +164,14 @@ class Follower:
         self.mode = mode  # auto (events + safety poll), poll
         self.budget = descriptor_budget()  # files open at once, at most
         self.stats = {spec.kind: SourceStats() for spec in specs}
-        self._tails: dict[str, _Tail] = {}  # active, by path
-        self._ids: dict[_Id, _Tail] = {}  # active and retired, by identity
-        self._retired: list[_Tail] = []
-        self._copies: dict[_Id, _Tail] = {}  # files holding a tail's content
-        self._caught_up: dict[_Tail, None] = {}  # open, read to the end: LRU
+        self._tails: dict[str, Tail] = {}  # active, by path
+        self._ids: dict[FileId, Tail] = {}  # active and retired, by identity
+        self._retired: list[Tail] = []
+        self._copies: dict[FileId, Tail] = {}  # files holding a tail's content
+        self._caught_up: dict[Tail, None] = {}  # open, read to the end: LRU
         self._open = 0
         self._waiting: list[tuple[SourceSpec, str]] = []  # new, no descriptor
-        self._by_folder: dict[str, list[_Tail]] = {}  # live tails, this look
+        self._by_folder: dict[str, list[Tail]] = {}  # live tails, this look
         self._matches: dict[str, MatchState] = {}
         self._warned: set[str] = set()
         self._started = time.monotonic()
@@ -429,7 +389,7 @@ class Follower:
             log.warning("%s: still nothing to read after %.0f s (%s)", source,
                         NOTHING_MATCHED_WARN_S, note)
 
-    def _place(self, spec: SourceSpec, name: str, st: os.stat_result) -> list[_Tail]:
+    def _place(self, spec: SourceSpec, name: str, st: os.stat_result) -> list[Tail]:
         """Follow the file now at `name`; returns the tails that lost their name to it."""
         key = _id(st)
         here = self._tails.get(name)
@@ -491,14 +451,14 @@ class Follower:
         if mark is not None and mark.matches(head) and mark.offset <= st.st_size:
             offset, state = mark.offset, mark.state
         log.debug("following %s (%d:%d) from offset %d", name, *key, offset)
-        tail = _Tail(spec, Path(name), *key, head, spec.make_parser(Path(name), state), offset,
+        tail = Tail(spec, Path(name), *key, head, spec.make_parser(Path(name), state), offset,
                      offset, state, fd=fd, size=st.st_size,
                      end=_pread(fd, min(offset, END_CHECK_BYTES), offset - END_CHECK_BYTES))
         self._tails[name] = self._ids[key] = tail
         self._by_folder.setdefault(os.path.dirname(name), []).append(tail)
         self.stats[spec.kind].files += 1
 
-    def _original_of(self, name: str, head: bytes, fd: int, size: int) -> _Tail | None:
+    def _original_of(self, name: str, head: bytes, fd: int, size: int) -> Tail | None:
         """The followed file whose content the file at `name` (open as `fd`, `size` bytes
         long, beginning `head`) holds: the same start, and the same bytes just before where
         the shorter of the two was read to. When that cannot be checked it is not a copy: better
@@ -513,14 +473,14 @@ class Follower:
                 return tail
         return None
 
-    def _same_start(self, tail: _Tail) -> bool:
+    def _same_start(self, tail: Tail) -> bool:
         """Whether the file still begins with the bytes it began with (copytruncate, reuse)."""
         head = _pread(tail.fd, FINGERPRINT_BYTES, 0)
         if len(head) > len(tail.head) and head.startswith(tail.head):
             tail.head = head
         return head.startswith(tail.head) and bool(head or not tail.head)
 
-    def _truncated(self, tail: _Tail) -> None:
+    def _truncated(self, tail: Tail) -> None:
         """Truncated (copytruncate, or by hand): read what we missed from a copy of its content
         if one holds it, then follow the file again from its start."""
         self.stats[tail.spec.kind].truncations += 1
@@ -550,7 +510,7 @@ class Follower:
             tail.size = tail.read_offset  # nothing more is read of this generation
         self._open_new(tail.spec, name, fd if fd >= 0 else None)
 
-    def _copy_holding(self, tail: _Tail) -> Path | None:
+    def _copy_holding(self, tail: Tail) -> Path | None:
         """A file in the same folder with the tail's content, holding all that was read of it
         (copytruncate's rotated copy)."""
         with contextlib.suppress(OSError):
@@ -568,7 +528,7 @@ class Follower:
                         return Path(entry.path)
         return None
 
-    def _retire(self, tail: _Tail, why: str) -> None:
+    def _retire(self, tail: Tail, why: str) -> None:
         """Stop looking the file up by name; read it to its end, then close it."""
         log.info("%s: %s; reading the old file to its end", tail.path, why)
         tail.retired = True
@@ -619,7 +579,7 @@ class Follower:
         with contextlib.suppress(OSError):
             os.close(fd)
 
-    def _release(self, tail: _Tail) -> None:
+    def _release(self, tail: Tail) -> None:
         """Close the tail's descriptor; it is reopened when the file changes."""
         self._caught_up.pop(tail, None)
         if tail.fd >= 0:
@@ -627,7 +587,7 @@ class Follower:
             tail.fd = -1
             self._open_paths_cache = None
 
-    def _reopen(self, tail: _Tail) -> bool:
+    def _reopen(self, tail: Tail) -> bool:
         """Reopen a tail closed while idle, if its name still holds the same file."""
         fd = self._open_fd(str(tail.path))
         if fd is None:
@@ -647,7 +607,7 @@ class Follower:
 
     # -- reading -------------------------------------------------------------------------------
 
-    async def _read(self, tail: _Tail, final: bool = False) -> None:
+    async def _read(self, tail: Tail, final: bool = False) -> None:
         """Read what is new in `tail` while the sink has room; hand it to the parser."""
         if tail.fd < 0 and tail.size > tail.read_offset and not tail.closed \
                 and self.sink.has_room() and not self._reopen(tail):
@@ -686,7 +646,7 @@ class Follower:
         if (tail.buffer or final) and quiet and self.sink.has_room():
             self._parse(tail, tail.parser.quiet(tail.buffer, time.time(), final))
 
-    def _parse_buffer(self, tail: _Tail, whole: bool) -> None:
+    def _parse_buffer(self, tail: Tail, whole: bool) -> None:
         """Parse the buffer a slice at a time (a slice too short for one record: all of it).
         While more of the file is waiting (not `whole`), a slice shorter than parse_bytes waits
         for the next read: parsed alone it would make a payload of a few lines, and a request
@@ -700,7 +660,7 @@ class Follower:
                 return
             self._parse(tail, parsed)
 
-    def _parse(self, tail: _Tail, parsed: Parsed) -> None:
+    def _parse(self, tail: Tail, parsed: Parsed) -> None:
         if not (parsed.consumed or parsed.skipped or parsed.unusable or parsed.text):
             return
         tail.buffer = tail.buffer[parsed.consumed:]
@@ -720,7 +680,7 @@ class Follower:
         self.sink.deliver(parsed, ticket, tail.spec.kind)
         ticket.seal()
 
-    def _commit(self, tail: _Tail) -> None:
+    def _commit(self, tail: Tail) -> None:
         """Advance the saved offset over the acknowledged prefix of what was read, and over the
         copies of what was read. A retired file keeps no saved offset: its name now belongs to
         another file, or to none."""
@@ -734,7 +694,7 @@ class Follower:
                 self.offsets.set(copy)
 
 
-def _id(st: os.stat_result) -> _Id:
+def _id(st: os.stat_result) -> FileId:
     return st.st_dev, st.st_ino
 
 
@@ -756,7 +716,7 @@ def _unrotated(name: str) -> str:
     return _ROTATION_SUFFIX.sub("", name) or name
 
 
-def _same_content(tail: _Tail, path: str, head: bytes) -> bool:
+def _same_content(tail: Tail, path: str, head: bytes) -> bool:
     """Whether a file at `path` beginning with `head` holds the tail's content: a related name,
     and first bytes of which the shorter is the start of the longer (a file shorter than the
     fingerprint may have grown since it was copied, or since it was read)."""
