@@ -31,7 +31,6 @@ import contextlib
 import fnmatch
 import logging
 import os
-import re
 import resource
 import stat
 import time
@@ -44,13 +43,21 @@ from sidecar.log import log
 from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.files import discover
+from sidecar.sources.files.identity import (
+    END_CHECK_BYTES,
+    FileId,
+    copy_holding,
+    file_id,
+    last_bytes,
+    original_of,
+    same_start,
+)
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 from sidecar.sources.files.offsets import FINGERPRINT_BYTES, Mark, Offsets, fingerprint
 from sidecar.sources.files.tail import Tail
 from sidecar.supervise import fault_point
 
 READ_BYTES = LOG_BLOCK
-END_CHECK_BYTES = 64  # a copy taken for a file's content must hold its last bytes read
 POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
 INLINE_READ_BYTES = 64 << 10  # event mode (a local filesystem): a read this small of what was
@@ -69,8 +76,6 @@ MAX_OPEN_FILES = 1024
 MIN_OPEN_FILES = 4
 NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING
 
-FileId = tuple[int, int]  # device, inode
-_ROTATION_SUFFIX = re.compile(r"(?:[.\-_]\d+|\.(?:gz|bz2|xz|zst))+$")  # what logrotate appends
 
 
 def descriptor_budget() -> int:
@@ -362,7 +367,7 @@ class Follower:
         # Files followed already are placed first: a copy is known for one only once its
         # original is in place.
         for name, (spec, st) in sorted(found.items(),
-                                       key=lambda item: _id(item[1][1]) not in self._ids):
+                                       key=lambda item: file_id(item[1][1]) not in self._ids):
             detached += self._place(spec, name, st)
         for key in [key for key in self._copies if key not in ids]:
             self.offsets.forget(*key)
@@ -391,7 +396,7 @@ class Follower:
 
     def _place(self, spec: SourceSpec, name: str, st: os.stat_result) -> list[Tail]:
         """Follow the file now at `name`; returns the tails that lost their name to it."""
-        key = _id(st)
+        key = file_id(st)
         here = self._tails.get(name)
         tail = here if here is not None and here.id == key else self._ids.get(key)
         detached = []
@@ -414,7 +419,7 @@ class Follower:
             if tail.committed:  # the place of a copy it moved to is saved from now on
                 self.offsets.set(tail.mark(tail.committed, tail.state))
         tail.size = st.st_size
-        if st.st_size < tail.read_offset or (tail.fd >= 0 and not self._same_start(tail)):
+        if st.st_size < tail.read_offset or (tail.fd >= 0 and not same_start(tail)):
             self._truncated(tail)
         return detached
 
@@ -432,11 +437,12 @@ class Follower:
         except OSError:
             self._close_fd(fd)
             return
-        key = _id(st)
+        key = file_id(st)
         if key in self._ids or not head:  # an empty file may be a copy about to be written:
             self._close_fd(fd)            # the next look tells
             return
-        original = self._original_of(name, head, fd, st.st_size)
+        original = original_of(self._by_folder.get(os.path.dirname(name), ()), name, head, fd,
+                               st.st_size)
         if original is not None:
             log.info("%s holds the content of %s: read only past what was read of it", name,
                      original.path)
@@ -452,33 +458,10 @@ class Follower:
             offset, state = mark.offset, mark.state
         log.debug("following %s (%d:%d) from offset %d", name, *key, offset)
         tail = Tail(spec, Path(name), *key, head, spec.make_parser(Path(name), state), offset,
-                     offset, state, fd=fd, size=st.st_size,
-                     end=_pread(fd, min(offset, END_CHECK_BYTES), offset - END_CHECK_BYTES))
+                    offset, state, fd=fd, size=st.st_size, end=last_bytes(fd, offset))
         self._tails[name] = self._ids[key] = tail
         self._by_folder.setdefault(os.path.dirname(name), []).append(tail)
         self.stats[spec.kind].files += 1
-
-    def _original_of(self, name: str, head: bytes, fd: int, size: int) -> Tail | None:
-        """The followed file whose content the file at `name` (open as `fd`, `size` bytes
-        long, beginning `head`) holds: the same start, and the same bytes just before where
-        the shorter of the two was read to. When that cannot be checked it is not a copy: better
-        a repeat than a loss."""
-        for tail in self._by_folder.get(os.path.dirname(name), ()):
-            if not _same_content(tail, name, head):
-                continue
-            upto = min(size, tail.read_offset)
-            expected = tail.end if upto == tail.read_offset else \
-                _pread(tail.fd, END_CHECK_BYTES, upto - END_CHECK_BYTES) if tail.fd >= 0 else b""
-            if expected and _pread(fd, len(expected), upto - len(expected)) == expected:
-                return tail
-        return None
-
-    def _same_start(self, tail: Tail) -> bool:
-        """Whether the file still begins with the bytes it began with (copytruncate, reuse)."""
-        head = _pread(tail.fd, FINGERPRINT_BYTES, 0)
-        if len(head) > len(tail.head) and head.startswith(tail.head):
-            tail.head = head
-        return head.startswith(tail.head) and bool(head or not tail.head)
 
     def _truncated(self, tail: Tail) -> None:
         """Truncated (copytruncate, or by hand): read what we missed from a copy of its content
@@ -492,7 +475,7 @@ class Follower:
         self._open_paths_cache = None
         if fd >= 0:
             self._caught_up.pop(tail, None)
-        copy = self._copy_holding(tail)
+        copy = copy_holding(tail)
         tail.retired = True
         self._retired.append(tail)
         if copy is not None:
@@ -510,24 +493,6 @@ class Follower:
             tail.size = tail.read_offset  # nothing more is read of this generation
         self._open_new(tail.spec, name, fd if fd >= 0 else None)
 
-    def _copy_holding(self, tail: Tail) -> Path | None:
-        """A file in the same folder with the tail's content, holding all that was read of it
-        (copytruncate's rotated copy)."""
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(tail.path.parent):
-                if entry.path == str(tail.path) or not entry.is_file():
-                    continue
-                if entry.stat().st_size < tail.read_offset or not _related(str(tail.path),
-                                                                           entry.path):
-                    continue
-                with contextlib.suppress(OSError), open(entry.path, "rb") as fh:
-                    head = fh.read(FINGERPRINT_BYTES)
-                    fh.seek(tail.read_offset - len(tail.end))
-                    if _same_content(tail, entry.path, head) and \
-                            fh.read(len(tail.end)) == tail.end:
-                        return Path(entry.path)
-        return None
-
     def _retire(self, tail: Tail, why: str) -> None:
         """Stop looking the file up by name; read it to its end, then close it."""
         log.info("%s: %s; reading the old file to its end", tail.path, why)
@@ -539,7 +504,7 @@ class Follower:
             tail.size = tail.read_offset
             with contextlib.suppress(OSError):
                 for entry in os.scandir(tail.path.parent):
-                    if entry.is_file() and _id(entry.stat()) == tail.id:
+                    if entry.is_file() and file_id(entry.stat()) == tail.id:
                         tail.path, tail.size = Path(entry.path), entry.stat().st_size
                         break
 
@@ -593,14 +558,14 @@ class Follower:
         if fd is None:
             return False
         try:
-            same = _id(os.fstat(fd)) == tail.id
+            same = file_id(os.fstat(fd)) == tail.id
         except OSError:
             same = False
         if not same:  # another file has its name now: the next look sorts that out
             self._close_fd(fd)
             return False
         tail.fd = fd
-        if not self._same_start(tail):
+        if not same_start(tail):
             self._truncated(tail)
             return False
         return True
@@ -692,39 +657,6 @@ class Follower:
             tail.copies.remove(copy)
             if (copy.dev, copy.ino) in self._copies:
                 self.offsets.set(copy)
-
-
-def _id(st: os.stat_result) -> FileId:
-    return st.st_dev, st.st_ino
-
-
-def _pread(fd: int, size: int, offset: int) -> bytes:
-    try:
-        return os.pread(fd, size, max(offset, 0)) if size > 0 else b""
-    except OSError:
-        return b""
-
-
-def _related(one: str, other: str) -> bool:
-    """Whether one file may be a rotated copy of the other: the same folder, and the same name
-    but for rotation suffixes (app.log, app.log.1, app.log.2.gz, app.log-20261201)."""
-    (folder, name), (other_folder, other_name) = os.path.split(one), os.path.split(other)
-    return folder == other_folder and _unrotated(name) == _unrotated(other_name)
-
-
-def _unrotated(name: str) -> str:
-    return _ROTATION_SUFFIX.sub("", name) or name
-
-
-def _same_content(tail: Tail, path: str, head: bytes) -> bool:
-    """Whether a file at `path` beginning with `head` holds the tail's content: a related name,
-    and first bytes of which the shorter is the start of the longer (a file shorter than the
-    fingerprint may have grown since it was copied, or since it was read)."""
-    own = str(tail.path)
-    if not head or not tail.head or own == path or not _related(own, path):
-        return False
-    return head.startswith(tail.head) if len(head) >= len(tail.head) else \
-        tail.head.startswith(head)
 
 
 def _roots(spec: SourceSpec) -> set[str]:

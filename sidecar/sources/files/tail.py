@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sidecar.sources.base import Parser
+from sidecar.sources.files.identity import FileId
 from sidecar.sources.files.offsets import Mark, fingerprint
 
 if TYPE_CHECKING:
-    from sidecar.sources.files.follow import FileId, SourceSpec
+    from sidecar.sources.files.follow import SourceSpec
 
 
 class Tail:
