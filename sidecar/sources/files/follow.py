@@ -31,7 +31,6 @@ import contextlib
 import fnmatch
 import logging
 import os
-import resource
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from sidecar.log import log
 from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.files import discover
+from sidecar.sources.files.descriptors import Descriptors
 from sidecar.sources.files.identity import (
     END_CHECK_BYTES,
     FileId,
@@ -70,20 +70,8 @@ COALESCE_S = 0.1  # a look that found new data and read everything: the next wai
 #   them (batcher.PACE_S: about one a second), so a trickle is read about twice a second
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
-IDLE_CLOSE_S = 10.0  # a file read to its end and quiet this long gives its descriptor back
-DESCRIPTOR_SHARE = 4  # files may hold 1/4 of RLIMIT_NOFILE: sockets, spool and pipes need theirs
-MAX_OPEN_FILES = 1024
-MIN_OPEN_FILES = 4
 NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING
 
-
-
-def descriptor_budget() -> int:
-    """How many files may be open at once, from the soft RLIMIT_NOFILE."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_OPEN_FILES
-    return max(MIN_OPEN_FILES, min(MAX_OPEN_FILES, soft // DESCRIPTOR_SHARE))
 
 
 class SourceSpec(NamedTuple):
@@ -167,14 +155,12 @@ class Follower:
         self.sink = sink
         self.offsets = offsets
         self.mode = mode  # auto (events + safety poll), poll
-        self.budget = descriptor_budget()  # files open at once, at most
         self.stats = {spec.kind: SourceStats() for spec in specs}
         self._tails: dict[str, Tail] = {}  # active, by path
         self._ids: dict[FileId, Tail] = {}  # active and retired, by identity
         self._retired: list[Tail] = []
         self._copies: dict[FileId, Tail] = {}  # files holding a tail's content
-        self._caught_up: dict[Tail, None] = {}  # open, read to the end: LRU
-        self._open = 0
+        self.descriptors = Descriptors(self._open_paths_changed)
         self._waiting: list[tuple[SourceSpec, str]] = []  # new, no descriptor
         self._by_folder: dict[str, list[Tail]] = {}  # live tails, this look
         self._matches: dict[str, MatchState] = {}
@@ -287,6 +273,9 @@ class Follower:
             self._fits[path] = fits
         return fits
 
+    def _open_paths_changed(self) -> None:
+        self._open_paths_cache = None
+
     def _open_paths(self) -> set[str]:
         """The absolute paths of the files open for reading (kept until a look or a close)."""
         if self._open_paths_cache is None:
@@ -307,7 +296,7 @@ class Follower:
         self._discover()
         while True:
             await self._read_followed()
-            if not (self._waiting and self._caught_up):
+            if not (self._waiting and self.descriptors.any_idle()):
                 break
             waiting, self._waiting = self._waiting, []
             for spec, name in waiting:
@@ -330,7 +319,7 @@ class Follower:
 
     def close(self) -> None:
         for tail in [*self._tails.values(), *self._retired]:
-            self._release(tail)
+            self.descriptors.release(tail)
 
     def files(self) -> list[FileState]:
         """Every file followed now, for the status endpoint."""
@@ -427,7 +416,7 @@ class Follower:
         """Start following the file at `name`: from its saved offset, past what was read of the
         content it is a copy of (then only its offset is kept), or from its start."""
         if fd is None:
-            fd = self._open_fd(name)
+            fd = self.descriptors.open(name)
             if fd is None:
                 self._waiting.append((spec, name))
                 return
@@ -435,11 +424,12 @@ class Follower:
             st = os.fstat(fd)
             head = os.pread(fd, FINGERPRINT_BYTES, 0)
         except OSError:
-            self._close_fd(fd)
+            self.descriptors.close(fd)
             return
         key = file_id(st)
-        if key in self._ids or not head:  # an empty file may be a copy about to be written:
-            self._close_fd(fd)            # the next look tells
+        # an empty file may be a copy about to be written: the next look tells
+        if key in self._ids or not head:
+            self.descriptors.close(fd)
             return
         original = original_of(self._by_folder.get(os.path.dirname(name), ()), name, head, fd,
                                st.st_size)
@@ -450,7 +440,7 @@ class Follower:
             original.copies.append(Mark(name, *key, fingerprint(head), st.st_size, {},
                                         len(head)))
             self._commit(original)
-            self._close_fd(fd)
+            self.descriptors.close(fd)
             return
         mark = self.offsets.find(*key)
         offset, state = 0, {}
@@ -474,13 +464,13 @@ class Follower:
         fd, tail.fd = tail.fd, -1
         self._open_paths_cache = None
         if fd >= 0:
-            self._caught_up.pop(tail, None)
+            self.descriptors.busy(tail)
         copy = copy_holding(tail)
         tail.retired = True
         self._retired.append(tail)
         if copy is not None:
             log.info("%s was truncated; reading its end from the rotated copy %s", name, copy)
-            fd_of_copy = self._open_fd(str(copy))
+            fd_of_copy = self.descriptors.open(str(copy))
             tail.fd, tail.path = -1 if fd_of_copy is None else fd_of_copy, copy
             with contextlib.suppress(OSError):
                 st = os.fstat(tail.fd)
@@ -498,7 +488,7 @@ class Follower:
         log.info("%s: %s; reading the old file to its end", tail.path, why)
         tail.retired = True
         tail.last_data = time.monotonic()
-        self._caught_up.pop(tail, None)
+        self.descriptors.busy(tail)
         self._retired.append(tail)
         if tail.fd < 0:  # closed while idle: found again by identity if it was only renamed
             tail.size = tail.read_offset
@@ -513,48 +503,16 @@ class Follower:
         for tail in list(self._retired):
             if not tail.buffer and not tail.pending and now - tail.last_data > RETIRED_GRACE_S:
                 self._retired.remove(tail)
-                self._release(tail)
+                self.descriptors.release(tail)
                 tail.closed = True
                 if self._ids.get(tail.id) is tail:
                     del self._ids[tail.id]
                     self.offsets.forget(*tail.id)
-        for tail in list(self._caught_up):
-            if now - tail.last_data > IDLE_CLOSE_S:
-                self._release(tail)
-
-    # -- descriptors ---------------------------------------------------------------------------
-
-    def _open_fd(self, name: str) -> int | None:
-        """A descriptor for `name` within the budget (an idle file gives its own back), or None
-        (the file waits for the next look)."""
-        while self._open >= self.budget and self._caught_up:
-            self._release(next(iter(self._caught_up)))
-        if self._open >= self.budget:
-            return None
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            log.warning("cannot open %s: %s", name, exc.strerror)
-            return None
-        self._open += 1
-        return fd
-
-    def _close_fd(self, fd: int) -> None:
-        self._open -= 1
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-    def _release(self, tail: Tail) -> None:
-        """Close the tail's descriptor; it is reopened when the file changes."""
-        self._caught_up.pop(tail, None)
-        if tail.fd >= 0:
-            self._close_fd(tail.fd)
-            tail.fd = -1
-            self._open_paths_cache = None
+        self.descriptors.release_idle(now)
 
     def _reopen(self, tail: Tail) -> bool:
         """Reopen a tail closed while idle, if its name still holds the same file."""
-        fd = self._open_fd(str(tail.path))
+        fd = self.descriptors.open(str(tail.path))
         if fd is None:
             return False
         try:
@@ -562,7 +520,7 @@ class Follower:
         except OSError:
             same = False
         if not same:  # another file has its name now: the next look sorts that out
-            self._close_fd(fd)
+            self.descriptors.close(fd)
             return False
         tail.fd = fd
         if not same_start(tail):
@@ -596,7 +554,7 @@ class Follower:
                 data = await asyncio.to_thread(os.pread, tail.fd, want, tail.read_offset)
             if not data:
                 break
-            self._caught_up.pop(tail, None)
+            self.descriptors.busy(tail)
             tail.read_offset += len(data)
             tail.end = (tail.end + data[-END_CHECK_BYTES:])[-END_CHECK_BYTES:]
             tail.last_data, tail.last_read = time.monotonic(), time.time()
@@ -606,7 +564,7 @@ class Follower:
         if self.sink.has_room():
             self._parse_buffer(tail, whole=True)
         if tail.fd >= 0 and not tail.retired and tail.read_offset >= tail.size:
-            self._caught_up[tail] = None
+            self.descriptors.caught_up(tail)
         quiet = final or tail.retired or time.monotonic() - tail.last_data >= QUIET_S
         if (tail.buffer or final) and quiet and self.sink.has_room():
             self._parse(tail, tail.parser.quiet(tail.buffer, time.time(), final))
