@@ -26,7 +26,7 @@ import pytest
 from sidecar.aio import cancel
 from sidecar.records import Ticket
 from sidecar.sources.base import Parsed
-from sidecar.sources.files import descriptors, follow
+from sidecar.sources.files import descriptors, follow, scan
 from sidecar.sources.files.discover import EVENT_FILES
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
 from sidecar.sources.files.jsonl import JsonlParser
@@ -352,7 +352,7 @@ class _Collect(Sink):
 
 async def test_a_source_matching_nothing_warns_once(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(follow, "NOTHING_MATCHED_WARN_S", 0.0)
+    monkeypatch.setattr(scan, "NOTHING_MATCHED_WARN_S", 0.0)
     pattern = str(tmp_path / "out" / "*.jsonl")
     spec = SourceSpec("jsonl", (pattern,), lambda path, state: JsonlParser.resume(state),
                       option="--jsonl")

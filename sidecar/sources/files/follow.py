@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
-import logging
 import os
-import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,6 +51,7 @@ from sidecar.sources.files.identity import (
 )
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 from sidecar.sources.files.offsets import FINGERPRINT_BYTES, Mark, Offsets, fingerprint
+from sidecar.sources.files.scan import MatchState, Scan
 from sidecar.sources.files.tail import Tail
 from sidecar.supervise import fault_point
 
@@ -64,14 +62,11 @@ INLINE_READ_BYTES = 64 << 10  # event mode (a local filesystem): a read this sma
 #   just written comes from the page cache and is read on the loop, not in a thread
 READ_LEAD_S = 0.05  # a trickle is read this long before the sink's next request starts
 MAX_GATHER_S = 1.0  # and never waits longer than this for it
-MAX_FITS_CACHED = 4096  # paths remembered as fitting a pattern or not
 COALESCE_S = 0.1  # a look that found new data and read everything: the next waits this long
 #   from its start for company, and until just before the sink's next request when it paces
 #   them (batcher.PACE_S: about one a second), so a trickle is read about twice a second
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
-NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING
-
 
 
 class SourceSpec(NamedTuple):
@@ -123,14 +118,6 @@ class FileState(NamedTuple):
         return max(self.size - self.offset, 0)
 
 
-class MatchState(NamedTuple):
-    """What one pattern of one source names, for the status endpoint."""
-
-    source: str  # the option and the pattern: "--jsonl out/*.jsonl"
-    files: int
-    note: str  # why there are none ("the folder out does not exist yet"), or ""
-
-
 class Sink:
     """Where parsed output goes; implemented by the daemon's pipeline."""
 
@@ -163,15 +150,12 @@ class Follower:
         self.descriptors = Descriptors(self._open_paths_changed)
         self._waiting: list[tuple[SourceSpec, str]] = []  # new, no descriptor
         self._by_folder: dict[str, list[Tail]] = {}  # live tails, this look
-        self._matches: dict[str, MatchState] = {}
-        self._warned: set[str] = set()
-        self._started = time.monotonic()
+        self._scan = Scan(specs)
         self._wake = asyncio.Event()
         self._look = True  # a file changed since the last look (or none was taken yet)
         self._looked_at = float("-inf")  # when the last look ended: the next is due `interval` on
         self._events: Inotify | None = None
         self._open_paths_cache: set[str] | None = None
-        self._fits: dict[str, bool] = {}  # path -> whether it fits a pattern (_may_follow)
 
     async def run(self) -> None:
         """Follow until cancelled."""
@@ -184,8 +168,10 @@ class Follower:
                 began, before = time.monotonic(), self._bytes_read()
                 if self._look or began - self._looked_at >= interval:
                     self._look = False
-                    if self._events is not None:  # before the look: what appears after the
-                        self._events.watch(_watch_folders(self.specs))  # watch sends an event
+                    # watched before the look: a file that appears later sends an event, and
+                    # none falls between the two
+                    if self._events is not None:
+                        self._events.watch(self._scan.watch_folders())
                     await self.step()
                     self._looked_at = time.monotonic()
                 else:  # only room in the sink: the files followed are read on, none looked for
@@ -229,7 +215,7 @@ class Follower:
 
     def _start_events(self) -> Inotify | None:
         """inotify, unless a followed folder is on a filesystem where it sees nothing."""
-        for root in sorted(set().union(*(_roots(spec) for spec in self.specs))):
+        for root in sorted(self._scan.roots()):
             fstype = filesystem_of(Path(root))
             if is_remote(fstype):
                 log.info("%s is on %s, where file events do not arrive: polling every %.2f s",
@@ -253,25 +239,9 @@ class Follower:
         (globs, stats, watches)."""
         assert self._events is not None
         structural, modified = self._events.take_changes()
-        if structural or any(self._may_follow(path) for path in modified - self._open_paths()):
+        if structural or any(self._scan.may_follow(path) for path in modified - self._open_paths()):
             self._look = True
         self._wake.set()
-
-    def _may_follow(self, path: str) -> bool:
-        """Whether a file at `path` (absolute) may be one to follow: its name fits a pattern
-        (fnmatch's `*` crosses folders, so this errs towards a look, never away from one).
-        A trainer's other files in a followed folder then cost no look when they grow."""
-        fits = self._fits.get(path)
-        if fits is None:
-            name = os.path.basename(path)
-            fits = any(
-                fnmatch.fnmatch(name, spec.tree) if spec.tree else
-                fnmatch.fnmatch(path, os.path.abspath(pattern))
-                for spec in self.specs for pattern in spec.patterns)
-            if len(self._fits) >= MAX_FITS_CACHED:
-                self._fits.clear()
-            self._fits[path] = fits
-        return fits
 
     def _open_paths_changed(self) -> None:
         self._open_paths_cache = None
@@ -328,26 +298,13 @@ class Follower:
 
     def matches(self) -> list[MatchState]:
         """What each pattern of each source names, for the status endpoint."""
-        return list(self._matches.values())
+        return self._scan.matches()
 
     # -- discovery and rotation --------------------------------------------------------------
 
     def _discover(self) -> None:
-        found: dict[str, tuple[SourceSpec, os.stat_result]] = {}
-        for spec in self.specs:
-            for pattern in spec.patterns:
-                names, note = discover.match(pattern, spec.option, spec.kind, spec.tree)
-                files = 0
-                for name in names:
-                    try:
-                        st = os.stat(name)
-                    except OSError:
-                        continue
-                    if stat.S_ISREG(st.st_mode):
-                        files += 1
-                        found.setdefault(name, (spec, st))
-                self._report(spec, pattern, files, note)
-        ids = {(st.st_dev, st.st_ino) for _, st in found.values()}
+        found = self._scan.look()
+        ids = {file_id(st) for _, st in found.values()}
         self._waiting.clear()
         self._by_folder.clear()
         for tail in [*self._tails.values(), *self._retired]:
@@ -364,24 +321,6 @@ class Follower:
         for tail in detached:
             if self._tails.get(str(tail.path)) is not tail and not tail.retired:
                 self._retire(tail, "it was renamed, replaced or deleted")
-
-    def _report(self, spec: SourceSpec, pattern: str, files: int, note: str) -> None:
-        """Say what a pattern names when that changes; WARNING once if it still names nothing
-        a while after the start."""
-        source = f"{spec.option} {pattern}".strip()
-        now = MatchState(source, files, note)
-        if self._matches.get(source) != now:
-            self._matches[source] = now
-            if files:
-                log.info("%s: %d file%s", source, files, "" if files == 1 else "s")
-            else:
-                level = logging.WARNING if note.startswith("is a") else logging.INFO
-                log.log(level, "%s: %s", source, note)
-        waited = time.monotonic() - self._started
-        if not files and source not in self._warned and waited >= NOTHING_MATCHED_WARN_S:
-            self._warned.add(source)
-            log.warning("%s: still nothing to read after %.0f s (%s)", source,
-                        NOTHING_MATCHED_WARN_S, note)
 
     def _place(self, spec: SourceSpec, name: str, st: os.stat_result) -> list[Tail]:
         """Follow the file now at `name`; returns the tails that lost their name to it."""
@@ -615,30 +554,3 @@ class Follower:
             tail.copies.remove(copy)
             if (copy.dev, copy.ino) in self._copies:
                 self.offsets.set(copy)
-
-
-def _roots(spec: SourceSpec) -> set[str]:
-    if spec.tree:
-        return discover.watch_roots(str(Path(folder) / spec.tree) for folder in spec.patterns)
-    return discover.watch_roots(spec.patterns)
-
-
-def _watch_folders(specs: Sequence[SourceSpec]) -> list[str]:
-    """The folders to watch: each pattern's roots, and every folder below a root whose pattern
-    recurses (`**`, TensorBoard run folders), so new files anywhere in them are noticed."""
-    folders: list[str] = []
-    for spec in specs:
-        recursive = bool(spec.tree) or any("**" in pattern for pattern in spec.patterns)
-        for root in sorted(_roots(spec)):
-            # A parent watched until the pattern's folder appears is watched alone, never the
-            # tree below it: a recursive watch of a large tree costs more than polling.
-            if recursive and root in _fixed_folders(spec):
-                folders.extend(str(folder) for folder in discover.folders(Path(root)))
-            else:
-                folders.append(root)
-    return folders
-
-
-def _fixed_folders(spec: SourceSpec) -> set[str]:
-    patterns = [str(Path(p) / spec.tree) for p in spec.patterns] if spec.tree else spec.patterns
-    return {str(discover.fixed_folder(pattern)) for pattern in patterns}
