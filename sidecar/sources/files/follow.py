@@ -1,27 +1,23 @@
-"""Following files as they grow: discovery, content identity, rotation, truncation, offsets
-(issue: file sources).
+"""Following files as they grow (issue: file sources): the loop that looks for the files the
+sources name (scan.py), follows each one (tail.py) through rename, rotation and truncation, and
+hands what it holds to the sink.
 
-A followed file is known by device and inode, and by its content: a fingerprint of its first
-bytes (offsets.fingerprint). A file that holds the same content as one followed in the same
-folder under a related name (copytruncate's rotated copy, a move across filesystems) is the same
-content, so it is read only past what was already read of its original, never again from its
-start; its offset is committed like any file's, so a restart does not read it again either.
 A renamed file that still matches a pattern stays followed under its new name; one renamed out of
-every pattern, or deleted, is read to its end through its open descriptor. Saved offsets advance
-only once everything before them was acknowledged by the ingest.
+every pattern, or deleted, is read to its end through its open descriptor. A truncated file is
+read to its old end from a rotated copy when one holds it, then followed again from its start.
+A file that holds the content of one followed (identity.py says when) is read only past what was
+already read of its original, never again from its start; its offset is committed like any
+file's, so a restart does not read it again either. Saved offsets (offsets.py) advance only once
+everything before them was acknowledged by the ingest. Open files stay within a budget of
+descriptors (descriptors.py).
 
-Descriptors are bounded (`descriptor_budget`: a share of RLIMIT_NOFILE, the rest left to the
-ingest client, the spool and the child's pipes): a file read to its end gives its descriptor back
-after a quiet while, or at once when another file needs one, and is reopened when it changes,
-after checking that it is still the same file (device, inode and fingerprint).
-
-Changes are noticed through inotify read by the event loop (no thread, nothing spent while idle),
-with a slow safety poll. A change of content only of files open for reading reads them on
-without looking for files; while they keep growing, the next read waits COALESCE_S from the
-start of the one before, or until just before the sink's next request when it paces them (a
-write each 10 ms is read about twice a second, not a hundred times); the first change after a
-quiet spell is read at once. Folders on NFS, SMB, FUSE and the like, where
-events never arrive, are polled instead, as is everything in `poll` mode.
+Changes are noticed through inotify (inotify.py) read by the event loop (no thread, nothing
+spent while idle), with a slow safety poll. A change of content only of files open for reading
+reads them on without looking for files; while they keep growing, the next read waits COALESCE_S
+from the start of the one before, or until just before the sink's next request when it paces
+them (a write each 10 ms is read about twice a second, not a hundred times); the first change
+after a quiet spell is read at once. Folders on NFS, SMB, FUSE and the like, where events never
+arrive, are polled instead, as is everything in `poll` mode.
 """
 
 from __future__ import annotations
