@@ -39,7 +39,8 @@ def last_bytes(fd: int, offset: int) -> bytes:
 
 
 def same_start(tail: Tail) -> bool:
-    """Whether the file still begins with the bytes it began with (copytruncate, reuse)."""
+    """Whether the file still begins with the bytes it began with (copytruncate, reuse); the
+    tail's first bytes grow with a file still shorter than the fingerprint."""
     head = _pread(tail.fd, FINGERPRINT_BYTES, 0)
     if len(head) > len(tail.head) and head.startswith(tail.head):
         tail.head = head
