@@ -26,7 +26,7 @@ import pytest
 from sidecar.aio import cancel
 from sidecar.records import Ticket
 from sidecar.sources.base import Parsed
-from sidecar.sources.files import follow
+from sidecar.sources.files import descriptors, follow, scan
 from sidecar.sources.files.discover import EVENT_FILES
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
 from sidecar.sources.files.jsonl import JsonlParser
@@ -352,7 +352,7 @@ class _Collect(Sink):
 
 async def test_a_source_matching_nothing_warns_once(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(follow, "NOTHING_MATCHED_WARN_S", 0.0)
+    monkeypatch.setattr(scan, "NOTHING_MATCHED_WARN_S", 0.0)
     pattern = str(tmp_path / "out" / "*.jsonl")
     spec = SourceSpec("jsonl", (pattern,), lambda path, state: JsonlParser.resume(state),
                       option="--jsonl")
@@ -521,7 +521,7 @@ def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
 
 async def test_a_file_closed_while_idle_and_renamed_away_is_read_to_its_end(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(follow, "IDLE_CLOSE_S", 0.0)
+    monkeypatch.setattr(descriptors, "IDLE_CLOSE_S", 0.0)
     log = tmp_path / "app.log"
     log.write_text("first\n")
     spec = SourceSpec("log", (str(log),), lambda path, state: LogFileParser.resume(
@@ -530,7 +530,7 @@ async def test_a_file_closed_while_idle_and_renamed_away_is_read_to_its_end(
     follower = Follower([spec], sink, Offsets(tmp_path / "offsets.json"), mode="poll")
     await follower.step()
     await follower.step()  # read to its end and idle: its descriptor is given back
-    assert not follower._caught_up and follower._open == 0
+    assert not follower.descriptors.any_idle() and follower.descriptors.open_count == 0
     log.rename(tmp_path / "app.log.1")  # --log app.log does not match the rotated name
     log.write_text("new file\n")
     (tmp_path / "app.log.1").write_text("first\nlate\n")  # the writer has not reopened yet

@@ -1,5 +1,7 @@
-"""Files followed as they grow: which files the patterns name (discover.py), change events
-(inotify.py), the follower that reads them through rotation and truncation (follow.py), one
+"""Files followed as they grow: which files the patterns name (discover.py, and scan.py for a
+look over every source), change events (inotify.py), the follower that reads them through
+rotation and truncation (follow.py) with one followed file's state (tail.py), what makes a file
+the same file (identity.py) and the descriptors files may hold (descriptors.py), one
 parser per kind (logfile.py, jsonl.py, tensorboard.py with tensorboard_schema.py, and hparams.py
 for `--hparams`), and the per-file read offsets in `offsets.json` (offsets.py), committed only
 once the ingest acknowledged every payload made from the bytes before them. The pipeline

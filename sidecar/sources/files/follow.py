@@ -1,41 +1,31 @@
-"""Following files as they grow: discovery, content identity, rotation, truncation, offsets
-(issue: file sources).
+"""Following files as they grow (issue: file sources): the loop that looks for the files the
+sources name (scan.py), follows each one (tail.py) through rename, rotation and truncation, and
+hands what it holds to the sink.
 
-A followed file is known by device and inode, and by its content: a fingerprint of its first
-bytes (offsets.fingerprint). A file that holds the same content as one followed in the same
-folder under a related name (copytruncate's rotated copy, a move across filesystems) is the same
-content, so it is read only past what was already read of its original, never again from its
-start; its offset is committed like any file's, so a restart does not read it again either.
 A renamed file that still matches a pattern stays followed under its new name; one renamed out of
-every pattern, or deleted, is read to its end through its open descriptor. Saved offsets advance
-only once everything before them was acknowledged by the ingest.
+every pattern, or deleted, is read to its end through its open descriptor. A truncated file is
+read to its old end from a rotated copy when one holds it, then followed again from its start.
+A file that holds the content of one followed (identity.py says when) is read only past what was
+already read of its original, never again from its start; its offset is committed like any
+file's, so a restart does not read it again either. Saved offsets (offsets.py) advance only once
+everything before them was acknowledged by the ingest. Open files stay within a budget of
+descriptors (descriptors.py).
 
-Descriptors are bounded (`descriptor_budget`: a share of RLIMIT_NOFILE, the rest left to the
-ingest client, the spool and the child's pipes): a file read to its end gives its descriptor back
-after a quiet while, or at once when another file needs one, and is reopened when it changes,
-after checking that it is still the same file (device, inode and fingerprint).
-
-Changes are noticed through inotify read by the event loop (no thread, nothing spent while idle),
-with a slow safety poll. A change of content only of files open for reading reads them on
-without looking for files; while they keep growing, the next read waits COALESCE_S from the
-start of the one before, or until just before the sink's next request when it paces them (a
-write each 10 ms is read about twice a second, not a hundred times); the first change after a
-quiet spell is read at once. Folders on NFS, SMB, FUSE and the like, where
-events never arrive, are polled instead, as is everything in `poll` mode.
+Changes are noticed through inotify (inotify.py) read by the event loop (no thread, nothing
+spent while idle), with a slow safety poll. A change of content only of files open for reading
+reads them on without looking for files; while they keep growing, the next read waits COALESCE_S
+from the start of the one before, or until just before the sink's next request when it paces
+them (a write each 10 ms is read about twice a second, not a hundred times); the first change
+after a quiet spell is read at once. Folders on NFS, SMB, FUSE and the like, where events never
+arrive, are polled instead, as is everything in `poll` mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
-import logging
 import os
-import re
-import resource
-import stat
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,40 +35,34 @@ from sidecar.log import log
 from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.files import discover
+from sidecar.sources.files.descriptors import Descriptors
+from sidecar.sources.files.identity import (
+    END_CHECK_BYTES,
+    FileId,
+    copy_holding,
+    file_id,
+    last_bytes,
+    original_of,
+    same_start,
+)
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 from sidecar.sources.files.offsets import FINGERPRINT_BYTES, Mark, Offsets, fingerprint
+from sidecar.sources.files.scan import MatchState, Scan
+from sidecar.sources.files.tail import Tail
 from sidecar.supervise import fault_point
 
 READ_BYTES = LOG_BLOCK
-END_CHECK_BYTES = 64  # a copy taken for a file's content must hold its last bytes read
 POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
 INLINE_READ_BYTES = 64 << 10  # event mode (a local filesystem): a read this small of what was
 #   just written comes from the page cache and is read on the loop, not in a thread
 READ_LEAD_S = 0.05  # a trickle is read this long before the sink's next request starts
 MAX_GATHER_S = 1.0  # and never waits longer than this for it
-MAX_FITS_CACHED = 4096  # paths remembered as fitting a pattern or not
 COALESCE_S = 0.1  # a look that found new data and read everything: the next waits this long
 #   from its start for company, and until just before the sink's next request when it paces
 #   them (batcher.PACE_S: about one a second), so a trickle is read about twice a second
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
-IDLE_CLOSE_S = 10.0  # a file read to its end and quiet this long gives its descriptor back
-DESCRIPTOR_SHARE = 4  # files may hold 1/4 of RLIMIT_NOFILE: sockets, spool and pipes need theirs
-MAX_OPEN_FILES = 1024
-MIN_OPEN_FILES = 4
-NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING
-
-_Id = tuple[int, int]  # device, inode
-_ROTATION_SUFFIX = re.compile(r"(?:[.\-_]\d+|\.(?:gz|bz2|xz|zst))+$")  # what logrotate appends
-
-
-def descriptor_budget() -> int:
-    """How many files may be open at once, from the soft RLIMIT_NOFILE."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_OPEN_FILES
-    return max(MIN_OPEN_FILES, min(MAX_OPEN_FILES, soft // DESCRIPTOR_SHARE))
 
 
 class SourceSpec(NamedTuple):
@@ -130,14 +114,6 @@ class FileState(NamedTuple):
         return max(self.size - self.offset, 0)
 
 
-class MatchState(NamedTuple):
-    """What one pattern of one source names, for the status endpoint."""
-
-    source: str  # the option and the pattern: "--jsonl out/*.jsonl"
-    files: int
-    note: str  # why there are none ("the folder out does not exist yet"), or ""
-
-
 class Sink:
     """Where parsed output goes; implemented by the daemon's pipeline."""
 
@@ -153,46 +129,6 @@ class Sink:
         return None
 
 
-class _Tail:
-    """One file being followed."""
-
-    def __init__(self, spec: SourceSpec, path: Path, dev: int, ino: int, head: bytes,
-                 parser: Parser, read_offset: int, committed: int, state: dict[str, Any],
-                 fd: int = -1, size: int = 0, end: bytes = b"") -> None:
-        self.spec = spec
-        self.path = path
-        self.dev = dev
-        self.ino = ino
-        # the file's first bytes (up to FINGERPRINT_BYTES; grows with a short file)
-        self.head = head
-        self.parser = parser
-        self.read_offset = read_offset
-        self.committed = committed
-        self.state = state  # the parser's, at `committed`
-        self.fd = fd  # -1 while closed: idle, or no descriptor to spare
-        self.size = size  # as last seen
-        self.end = end  # the last END_CHECK_BYTES read
-        self.buffer = b""
-        self.pending: deque[list[Any]] = deque()  # [end offset, done, state]
-        self.copies: list[Mark] = []  # copies whose offsets to save once committed past
-        self.last_data = time.monotonic()
-        self.last_read: float | None = None
-        self.retired = False
-        self.closed = False
-
-    @property
-    def id(self) -> _Id:
-        return self.dev, self.ino
-
-    @property
-    def consumed(self) -> int:
-        return self.read_offset - len(self.buffer)
-
-    def mark(self, offset: int, state: dict[str, Any]) -> Mark:
-        return Mark(str(self.path), self.dev, self.ino, fingerprint(self.head), offset, state,
-                    len(self.head))
-
-
 class Follower:
     """Follows the files of every spec and hands what they hold to `sink`."""
 
@@ -202,25 +138,20 @@ class Follower:
         self.sink = sink
         self.offsets = offsets
         self.mode = mode  # auto (events + safety poll), poll
-        self.budget = descriptor_budget()  # files open at once, at most
         self.stats = {spec.kind: SourceStats() for spec in specs}
-        self._tails: dict[str, _Tail] = {}  # active, by path
-        self._ids: dict[_Id, _Tail] = {}  # active and retired, by identity
-        self._retired: list[_Tail] = []
-        self._copies: dict[_Id, _Tail] = {}  # files holding a tail's content
-        self._caught_up: dict[_Tail, None] = {}  # open, read to the end: LRU
-        self._open = 0
+        self._tails: dict[str, Tail] = {}  # active, by path
+        self._ids: dict[FileId, Tail] = {}  # active and retired, by identity
+        self._retired: list[Tail] = []
+        self._copies: dict[FileId, Tail] = {}  # files holding a tail's content
+        self.descriptors = Descriptors(self._open_paths_changed)
         self._waiting: list[tuple[SourceSpec, str]] = []  # new, no descriptor
-        self._by_folder: dict[str, list[_Tail]] = {}  # live tails, this look
-        self._matches: dict[str, MatchState] = {}
-        self._warned: set[str] = set()
-        self._started = time.monotonic()
+        self._by_folder: dict[str, list[Tail]] = {}  # live tails, this look
+        self._scan = Scan(specs)
         self._wake = asyncio.Event()
         self._look = True  # a file changed since the last look (or none was taken yet)
         self._looked_at = float("-inf")  # when the last look ended: the next is due `interval` on
         self._events: Inotify | None = None
         self._open_paths_cache: set[str] | None = None
-        self._fits: dict[str, bool] = {}  # path -> whether it fits a pattern (_may_follow)
 
     async def run(self) -> None:
         """Follow until cancelled."""
@@ -233,8 +164,10 @@ class Follower:
                 began, before = time.monotonic(), self._bytes_read()
                 if self._look or began - self._looked_at >= interval:
                     self._look = False
-                    if self._events is not None:  # before the look: what appears after the
-                        self._events.watch(_watch_folders(self.specs))  # watch sends an event
+                    # watched before the look: a file that appears later sends an event, and
+                    # none falls between the two
+                    if self._events is not None:
+                        self._events.watch(self._scan.watch_folders())
                     await self.step()
                     self._looked_at = time.monotonic()
                 else:  # only room in the sink: the files followed are read on, none looked for
@@ -278,7 +211,7 @@ class Follower:
 
     def _start_events(self) -> Inotify | None:
         """inotify, unless a followed folder is on a filesystem where it sees nothing."""
-        for root in sorted(set().union(*(_roots(spec) for spec in self.specs))):
+        for root in sorted(self._scan.roots()):
             fstype = filesystem_of(Path(root))
             if is_remote(fstype):
                 log.info("%s is on %s, where file events do not arrive: polling every %.2f s",
@@ -302,25 +235,12 @@ class Follower:
         (globs, stats, watches)."""
         assert self._events is not None
         structural, modified = self._events.take_changes()
-        if structural or any(self._may_follow(path) for path in modified - self._open_paths()):
+        if structural or any(self._scan.may_follow(path) for path in modified - self._open_paths()):
             self._look = True
         self._wake.set()
 
-    def _may_follow(self, path: str) -> bool:
-        """Whether a file at `path` (absolute) may be one to follow: its name fits a pattern
-        (fnmatch's `*` crosses folders, so this errs towards a look, never away from one).
-        A trainer's other files in a followed folder then cost no look when they grow."""
-        fits = self._fits.get(path)
-        if fits is None:
-            name = os.path.basename(path)
-            fits = any(
-                fnmatch.fnmatch(name, spec.tree) if spec.tree else
-                fnmatch.fnmatch(path, os.path.abspath(pattern))
-                for spec in self.specs for pattern in spec.patterns)
-            if len(self._fits) >= MAX_FITS_CACHED:
-                self._fits.clear()
-            self._fits[path] = fits
-        return fits
+    def _open_paths_changed(self) -> None:
+        self._open_paths_cache = None
 
     def _open_paths(self) -> set[str]:
         """The absolute paths of the files open for reading (kept until a look or a close)."""
@@ -342,7 +262,7 @@ class Follower:
         self._discover()
         while True:
             await self._read_followed()
-            if not (self._waiting and self._caught_up):
+            if not (self._waiting and self.descriptors.any_idle()):
                 break
             waiting, self._waiting = self._waiting, []
             for spec, name in waiting:
@@ -365,7 +285,7 @@ class Follower:
 
     def close(self) -> None:
         for tail in [*self._tails.values(), *self._retired]:
-            self._release(tail)
+            self.descriptors.release(tail)
 
     def files(self) -> list[FileState]:
         """Every file followed now, for the status endpoint."""
@@ -374,26 +294,13 @@ class Follower:
 
     def matches(self) -> list[MatchState]:
         """What each pattern of each source names, for the status endpoint."""
-        return list(self._matches.values())
+        return self._scan.matches()
 
     # -- discovery and rotation --------------------------------------------------------------
 
     def _discover(self) -> None:
-        found: dict[str, tuple[SourceSpec, os.stat_result]] = {}
-        for spec in self.specs:
-            for pattern in spec.patterns:
-                names, note = discover.match(pattern, spec.option, spec.kind, spec.tree)
-                files = 0
-                for name in names:
-                    try:
-                        st = os.stat(name)
-                    except OSError:
-                        continue
-                    if stat.S_ISREG(st.st_mode):
-                        files += 1
-                        found.setdefault(name, (spec, st))
-                self._report(spec, pattern, files, note)
-        ids = {(st.st_dev, st.st_ino) for _, st in found.values()}
+        found = self._scan.look()
+        ids = {file_id(st) for _, st in found.values()}
         self._waiting.clear()
         self._by_folder.clear()
         for tail in [*self._tails.values(), *self._retired]:
@@ -402,7 +309,7 @@ class Follower:
         # Files followed already are placed first: a copy is known for one only once its
         # original is in place.
         for name, (spec, st) in sorted(found.items(),
-                                       key=lambda item: _id(item[1][1]) not in self._ids):
+                                       key=lambda item: file_id(item[1][1]) not in self._ids):
             detached += self._place(spec, name, st)
         for key in [key for key in self._copies if key not in ids]:
             self.offsets.forget(*key)
@@ -411,27 +318,9 @@ class Follower:
             if self._tails.get(str(tail.path)) is not tail and not tail.retired:
                 self._retire(tail, "it was renamed, replaced or deleted")
 
-    def _report(self, spec: SourceSpec, pattern: str, files: int, note: str) -> None:
-        """Say what a pattern names when that changes; WARNING once if it still names nothing
-        a while after the start."""
-        source = f"{spec.option} {pattern}".strip()
-        now = MatchState(source, files, note)
-        if self._matches.get(source) != now:
-            self._matches[source] = now
-            if files:
-                log.info("%s: %d file%s", source, files, "" if files == 1 else "s")
-            else:
-                level = logging.WARNING if note.startswith("is a") else logging.INFO
-                log.log(level, "%s: %s", source, note)
-        waited = time.monotonic() - self._started
-        if not files and source not in self._warned and waited >= NOTHING_MATCHED_WARN_S:
-            self._warned.add(source)
-            log.warning("%s: still nothing to read after %.0f s (%s)", source,
-                        NOTHING_MATCHED_WARN_S, note)
-
-    def _place(self, spec: SourceSpec, name: str, st: os.stat_result) -> list[_Tail]:
+    def _place(self, spec: SourceSpec, name: str, st: os.stat_result) -> list[Tail]:
         """Follow the file now at `name`; returns the tails that lost their name to it."""
-        key = _id(st)
+        key = file_id(st)
         here = self._tails.get(name)
         tail = here if here is not None and here.id == key else self._ids.get(key)
         detached = []
@@ -454,7 +343,7 @@ class Follower:
             if tail.committed:  # the place of a copy it moved to is saved from now on
                 self.offsets.set(tail.mark(tail.committed, tail.state))
         tail.size = st.st_size
-        if st.st_size < tail.read_offset or (tail.fd >= 0 and not self._same_start(tail)):
+        if st.st_size < tail.read_offset or (tail.fd >= 0 and not same_start(tail)):
             self._truncated(tail)
         return detached
 
@@ -462,7 +351,7 @@ class Follower:
         """Start following the file at `name`: from its saved offset, past what was read of the
         content it is a copy of (then only its offset is kept), or from its start."""
         if fd is None:
-            fd = self._open_fd(name)
+            fd = self.descriptors.open(name)
             if fd is None:
                 self._waiting.append((spec, name))
                 return
@@ -470,13 +359,15 @@ class Follower:
             st = os.fstat(fd)
             head = os.pread(fd, FINGERPRINT_BYTES, 0)
         except OSError:
-            self._close_fd(fd)
+            self.descriptors.close(fd)
             return
-        key = _id(st)
-        if key in self._ids or not head:  # an empty file may be a copy about to be written:
-            self._close_fd(fd)            # the next look tells
+        key = file_id(st)
+        # an empty file may be a copy about to be written: the next look tells
+        if key in self._ids or not head:
+            self.descriptors.close(fd)
             return
-        original = self._original_of(name, head, fd, st.st_size)
+        original = original_of(self._by_folder.get(os.path.dirname(name), ()), name, head, fd,
+                               st.st_size)
         if original is not None:
             log.info("%s holds the content of %s: read only past what was read of it", name,
                      original.path)
@@ -484,43 +375,20 @@ class Follower:
             original.copies.append(Mark(name, *key, fingerprint(head), st.st_size, {},
                                         len(head)))
             self._commit(original)
-            self._close_fd(fd)
+            self.descriptors.close(fd)
             return
         mark = self.offsets.find(*key)
         offset, state = 0, {}
         if mark is not None and mark.matches(head) and mark.offset <= st.st_size:
             offset, state = mark.offset, mark.state
         log.debug("following %s (%d:%d) from offset %d", name, *key, offset)
-        tail = _Tail(spec, Path(name), *key, head, spec.make_parser(Path(name), state), offset,
-                     offset, state, fd=fd, size=st.st_size,
-                     end=_pread(fd, min(offset, END_CHECK_BYTES), offset - END_CHECK_BYTES))
+        tail = Tail(spec, Path(name), *key, head, spec.make_parser(Path(name), state), offset,
+                    offset, state, fd=fd, size=st.st_size, end=last_bytes(fd, offset))
         self._tails[name] = self._ids[key] = tail
         self._by_folder.setdefault(os.path.dirname(name), []).append(tail)
         self.stats[spec.kind].files += 1
 
-    def _original_of(self, name: str, head: bytes, fd: int, size: int) -> _Tail | None:
-        """The followed file whose content the file at `name` (open as `fd`, `size` bytes
-        long, beginning `head`) holds: the same start, and the same bytes just before where
-        the shorter of the two was read to. When that cannot be checked it is not a copy: better
-        a repeat than a loss."""
-        for tail in self._by_folder.get(os.path.dirname(name), ()):
-            if not _same_content(tail, name, head):
-                continue
-            upto = min(size, tail.read_offset)
-            expected = tail.end if upto == tail.read_offset else \
-                _pread(tail.fd, END_CHECK_BYTES, upto - END_CHECK_BYTES) if tail.fd >= 0 else b""
-            if expected and _pread(fd, len(expected), upto - len(expected)) == expected:
-                return tail
-        return None
-
-    def _same_start(self, tail: _Tail) -> bool:
-        """Whether the file still begins with the bytes it began with (copytruncate, reuse)."""
-        head = _pread(tail.fd, FINGERPRINT_BYTES, 0)
-        if len(head) > len(tail.head) and head.startswith(tail.head):
-            tail.head = head
-        return head.startswith(tail.head) and bool(head or not tail.head)
-
-    def _truncated(self, tail: _Tail) -> None:
+    def _truncated(self, tail: Tail) -> None:
         """Truncated (copytruncate, or by hand): read what we missed from a copy of its content
         if one holds it, then follow the file again from its start."""
         self.stats[tail.spec.kind].truncations += 1
@@ -531,13 +399,13 @@ class Follower:
         fd, tail.fd = tail.fd, -1
         self._open_paths_cache = None
         if fd >= 0:
-            self._caught_up.pop(tail, None)
-        copy = self._copy_holding(tail)
+            self.descriptors.busy(tail)
+        copy = copy_holding(tail)
         tail.retired = True
         self._retired.append(tail)
         if copy is not None:
             log.info("%s was truncated; reading its end from the rotated copy %s", name, copy)
-            fd_of_copy = self._open_fd(str(copy))
+            fd_of_copy = self.descriptors.open(str(copy))
             tail.fd, tail.path = -1 if fd_of_copy is None else fd_of_copy, copy
             with contextlib.suppress(OSError):
                 st = os.fstat(tail.fd)
@@ -550,36 +418,18 @@ class Follower:
             tail.size = tail.read_offset  # nothing more is read of this generation
         self._open_new(tail.spec, name, fd if fd >= 0 else None)
 
-    def _copy_holding(self, tail: _Tail) -> Path | None:
-        """A file in the same folder with the tail's content, holding all that was read of it
-        (copytruncate's rotated copy)."""
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(tail.path.parent):
-                if entry.path == str(tail.path) or not entry.is_file():
-                    continue
-                if entry.stat().st_size < tail.read_offset or not _related(str(tail.path),
-                                                                           entry.path):
-                    continue
-                with contextlib.suppress(OSError), open(entry.path, "rb") as fh:
-                    head = fh.read(FINGERPRINT_BYTES)
-                    fh.seek(tail.read_offset - len(tail.end))
-                    if _same_content(tail, entry.path, head) and \
-                            fh.read(len(tail.end)) == tail.end:
-                        return Path(entry.path)
-        return None
-
-    def _retire(self, tail: _Tail, why: str) -> None:
+    def _retire(self, tail: Tail, why: str) -> None:
         """Stop looking the file up by name; read it to its end, then close it."""
         log.info("%s: %s; reading the old file to its end", tail.path, why)
         tail.retired = True
         tail.last_data = time.monotonic()
-        self._caught_up.pop(tail, None)
+        self.descriptors.busy(tail)
         self._retired.append(tail)
         if tail.fd < 0:  # closed while idle: found again by identity if it was only renamed
             tail.size = tail.read_offset
             with contextlib.suppress(OSError):
                 for entry in os.scandir(tail.path.parent):
-                    if entry.is_file() and _id(entry.stat()) == tail.id:
+                    if entry.is_file() and file_id(entry.stat()) == tail.id:
                         tail.path, tail.size = Path(entry.path), entry.stat().st_size
                         break
 
@@ -588,66 +438,34 @@ class Follower:
         for tail in list(self._retired):
             if not tail.buffer and not tail.pending and now - tail.last_data > RETIRED_GRACE_S:
                 self._retired.remove(tail)
-                self._release(tail)
+                self.descriptors.release(tail)
                 tail.closed = True
                 if self._ids.get(tail.id) is tail:
                     del self._ids[tail.id]
                     self.offsets.forget(*tail.id)
-        for tail in list(self._caught_up):
-            if now - tail.last_data > IDLE_CLOSE_S:
-                self._release(tail)
+        self.descriptors.release_idle(now)
 
-    # -- descriptors ---------------------------------------------------------------------------
-
-    def _open_fd(self, name: str) -> int | None:
-        """A descriptor for `name` within the budget (an idle file gives its own back), or None
-        (the file waits for the next look)."""
-        while self._open >= self.budget and self._caught_up:
-            self._release(next(iter(self._caught_up)))
-        if self._open >= self.budget:
-            return None
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            log.warning("cannot open %s: %s", name, exc.strerror)
-            return None
-        self._open += 1
-        return fd
-
-    def _close_fd(self, fd: int) -> None:
-        self._open -= 1
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-    def _release(self, tail: _Tail) -> None:
-        """Close the tail's descriptor; it is reopened when the file changes."""
-        self._caught_up.pop(tail, None)
-        if tail.fd >= 0:
-            self._close_fd(tail.fd)
-            tail.fd = -1
-            self._open_paths_cache = None
-
-    def _reopen(self, tail: _Tail) -> bool:
+    def _reopen(self, tail: Tail) -> bool:
         """Reopen a tail closed while idle, if its name still holds the same file."""
-        fd = self._open_fd(str(tail.path))
+        fd = self.descriptors.open(str(tail.path))
         if fd is None:
             return False
         try:
-            same = _id(os.fstat(fd)) == tail.id
+            same = file_id(os.fstat(fd)) == tail.id
         except OSError:
             same = False
         if not same:  # another file has its name now: the next look sorts that out
-            self._close_fd(fd)
+            self.descriptors.close(fd)
             return False
         tail.fd = fd
-        if not self._same_start(tail):
+        if not same_start(tail):
             self._truncated(tail)
             return False
         return True
 
     # -- reading -------------------------------------------------------------------------------
 
-    async def _read(self, tail: _Tail, final: bool = False) -> None:
+    async def _read(self, tail: Tail, final: bool = False) -> None:
         """Read what is new in `tail` while the sink has room; hand it to the parser."""
         if tail.fd < 0 and tail.size > tail.read_offset and not tail.closed \
                 and self.sink.has_room() and not self._reopen(tail):
@@ -671,7 +489,7 @@ class Follower:
                 data = await asyncio.to_thread(os.pread, tail.fd, want, tail.read_offset)
             if not data:
                 break
-            self._caught_up.pop(tail, None)
+            self.descriptors.busy(tail)
             tail.read_offset += len(data)
             tail.end = (tail.end + data[-END_CHECK_BYTES:])[-END_CHECK_BYTES:]
             tail.last_data, tail.last_read = time.monotonic(), time.time()
@@ -681,12 +499,12 @@ class Follower:
         if self.sink.has_room():
             self._parse_buffer(tail, whole=True)
         if tail.fd >= 0 and not tail.retired and tail.read_offset >= tail.size:
-            self._caught_up[tail] = None
+            self.descriptors.caught_up(tail)
         quiet = final or tail.retired or time.monotonic() - tail.last_data >= QUIET_S
         if (tail.buffer or final) and quiet and self.sink.has_room():
             self._parse(tail, tail.parser.quiet(tail.buffer, time.time(), final))
 
-    def _parse_buffer(self, tail: _Tail, whole: bool) -> None:
+    def _parse_buffer(self, tail: Tail, whole: bool) -> None:
         """Parse the buffer a slice at a time (a slice too short for one record: all of it).
         While more of the file is waiting (not `whole`), a slice shorter than parse_bytes waits
         for the next read: parsed alone it would make a payload of a few lines, and a request
@@ -700,7 +518,7 @@ class Follower:
                 return
             self._parse(tail, parsed)
 
-    def _parse(self, tail: _Tail, parsed: Parsed) -> None:
+    def _parse(self, tail: Tail, parsed: Parsed) -> None:
         if not (parsed.consumed or parsed.skipped or parsed.unusable or parsed.text):
             return
         tail.buffer = tail.buffer[parsed.consumed:]
@@ -720,7 +538,7 @@ class Follower:
         self.sink.deliver(parsed, ticket, tail.spec.kind)
         ticket.seal()
 
-    def _commit(self, tail: _Tail) -> None:
+    def _commit(self, tail: Tail) -> None:
         """Advance the saved offset over the acknowledged prefix of what was read, and over the
         copies of what was read. A retired file keeps no saved offset: its name now belongs to
         another file, or to none."""
@@ -732,63 +550,3 @@ class Follower:
             tail.copies.remove(copy)
             if (copy.dev, copy.ino) in self._copies:
                 self.offsets.set(copy)
-
-
-def _id(st: os.stat_result) -> _Id:
-    return st.st_dev, st.st_ino
-
-
-def _pread(fd: int, size: int, offset: int) -> bytes:
-    try:
-        return os.pread(fd, size, max(offset, 0)) if size > 0 else b""
-    except OSError:
-        return b""
-
-
-def _related(one: str, other: str) -> bool:
-    """Whether one file may be a rotated copy of the other: the same folder, and the same name
-    but for rotation suffixes (app.log, app.log.1, app.log.2.gz, app.log-20261201)."""
-    (folder, name), (other_folder, other_name) = os.path.split(one), os.path.split(other)
-    return folder == other_folder and _unrotated(name) == _unrotated(other_name)
-
-
-def _unrotated(name: str) -> str:
-    return _ROTATION_SUFFIX.sub("", name) or name
-
-
-def _same_content(tail: _Tail, path: str, head: bytes) -> bool:
-    """Whether a file at `path` beginning with `head` holds the tail's content: a related name,
-    and first bytes of which the shorter is the start of the longer (a file shorter than the
-    fingerprint may have grown since it was copied, or since it was read)."""
-    own = str(tail.path)
-    if not head or not tail.head or own == path or not _related(own, path):
-        return False
-    return head.startswith(tail.head) if len(head) >= len(tail.head) else \
-        tail.head.startswith(head)
-
-
-def _roots(spec: SourceSpec) -> set[str]:
-    if spec.tree:
-        return discover.watch_roots(str(Path(folder) / spec.tree) for folder in spec.patterns)
-    return discover.watch_roots(spec.patterns)
-
-
-def _watch_folders(specs: Sequence[SourceSpec]) -> list[str]:
-    """The folders to watch: each pattern's roots, and every folder below a root whose pattern
-    recurses (`**`, TensorBoard run folders), so new files anywhere in them are noticed."""
-    folders: list[str] = []
-    for spec in specs:
-        recursive = bool(spec.tree) or any("**" in pattern for pattern in spec.patterns)
-        for root in sorted(_roots(spec)):
-            # A parent watched until the pattern's folder appears is watched alone, never the
-            # tree below it: a recursive watch of a large tree costs more than polling.
-            if recursive and root in _fixed_folders(spec):
-                folders.extend(str(folder) for folder in discover.folders(Path(root)))
-            else:
-                folders.append(root)
-    return folders
-
-
-def _fixed_folders(spec: SourceSpec) -> set[str]:
-    patterns = [str(Path(p) / spec.tree) for p in spec.patterns] if spec.tree else spec.patterns
-    return {str(discover.fixed_folder(pattern)) for pattern in patterns}
