@@ -33,7 +33,8 @@ from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_ta
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
-from sidecar.log import format_duration, log, mask, secrets
+from sidecar.log import format_duration, log
+from sidecar.masking import mask, secrets
 from sidecar.node import resolve_node
 from sidecar.sources.console.child import (
     FORWARDED_SIGNALS,

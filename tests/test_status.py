@@ -32,7 +32,8 @@ from sidecar.commands.receive import Fault
 from sidecar.commands.status import HOME, LEAVE_SCREEN
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import IngestClient
-from sidecar.log import add_secret, log
+from sidecar.log import log
+from sidecar.masking import add_secret
 from sidecar.observe.endpoint import (
     CheckpointSnapshot,
     FileSnapshot,
