@@ -7,8 +7,9 @@ from collections.abc import Iterable
 from typing import Any
 
 MASK = "***"
-MIN_SECRET_CHARS = 4  # a shorter token is refused at start (config.check_token): masking it would
-#                       blank pieces of ordinary words
+# A shorter token is refused at start (config.check_token): masking it would blank pieces of
+# ordinary words.
+MIN_SECRET_CHARS = 4
 
 
 class Secrets:
