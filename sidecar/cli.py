@@ -161,7 +161,6 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
         _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
         _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
              metavar="PATH")
-        receive.add_argument("--faults", action="store_true", help=argparse.SUPPRESS)  # tests only
         receive.add_argument("--quiet", action="store_true", help="no live summary")
 
     if wanted("demo"):
@@ -512,7 +511,7 @@ def _receive(args: argparse.Namespace) -> int:
     from sidecar.commands.receive import serve
 
     return serve(args.dir, host=args.host, port=args.port, token=args.token,
-                 run_id=args.run_id, faults_enabled=args.faults, summary=not args.quiet,
+                 run_id=args.run_id, summary=not args.quiet,
                  ready_file=args.ready_file)
 
 
