@@ -32,7 +32,8 @@ from sidecar.config import (
     unknown_variables,
 )
 from sidecar.delivery.lifecycle import EVENTS, Lifecycle
-from sidecar.log import add_secret, log, setup
+from sidecar.log import log, setup
+from sidecar.masking import add_secret
 
 EXIT_CONFIG = 2
 CHECK_TIMEOUT_S = 10.0  # how long each step of `sidecar check` may take
@@ -160,7 +161,6 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
         _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
         _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
              metavar="PATH")
-        receive.add_argument("--faults", action="store_true", help=argparse.SUPPRESS)  # tests only
         receive.add_argument("--quiet", action="store_true", help="no live summary")
 
     if wanted("demo"):
@@ -511,7 +511,7 @@ def _receive(args: argparse.Namespace) -> int:
     from sidecar.commands.receive import serve
 
     return serve(args.dir, host=args.host, port=args.port, token=args.token,
-                 run_id=args.run_id, faults_enabled=args.faults, summary=not args.quiet,
+                 run_id=args.run_id, summary=not args.quiet,
                  ready_file=args.ready_file)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import SplitResult, urlsplit
 
-from sidecar.log import MIN_SECRET_CHARS, add_secret, mask
+from sidecar.masking import MIN_SECRET_CHARS, add_secret, mask
 
 
 class ConfigError(Exception):

@@ -30,7 +30,8 @@ from sidecar.delivery.client import IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
-from sidecar.log import log, mask, secrets, state_write_failed
+from sidecar.log import log, state_write_failed
+from sidecar.masking import mask, secrets
 from sidecar.node import Node
 from sidecar.records import Ticket, iso_ts
 from sidecar.sources.base import Parsed, Parser

@@ -33,7 +33,8 @@ from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_ta
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
-from sidecar.log import format_duration, log, mask, secrets
+from sidecar.log import format_duration, log
+from sidecar.masking import mask, secrets
 from sidecar.node import resolve_node
 from sidecar.sources.console.child import (
     FORWARDED_SIGNALS,
@@ -231,137 +232,226 @@ def _say(streams: Sequence[_Stream], line: str) -> None:
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """`sidecar run`: report the command's lifecycle and output; returns its exit status."""
     sys.setswitchinterval(GIL_SWITCH_S)
-    node = resolve_node(cfg.node_name, environ, cfg.nodes)
-    client = make_client(cfg)
-    held = claim_run_dir(cfg) if client is not None else None
-    if client is None:
-        log.info("reporting is off (ENABLED=0): the command's output is passed through, "
-                 "nothing is posted")
-    lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id,
-                          client if node.reports_lifecycle else None)
-    crash_tail = CrashTail(cfg.run_dir, cfg.platform.run_id, client) if client else None
-    earlier_tail = await crash_tail.open() if crash_tail is not None else 0
-    await lifecycle.open()  # its sender waits for the client, started after the spawn
-    lifecycle.say_earlier_start()  # a restarted container, a killed wrapper: go on from there
-    tail_sender = _send_earlier_tail(crash_tail, lifecycle) if earlier_tail else None
-    await lifecycle.record("starting")
-
-    address = handoff.new_address()
-    exited = asyncio.Event()  # from then on no hand-off is taken
-    marker = await handoff.serve(address, _marker_acceptor(lifecycle, cfg.running_when, exited))
-    child_env = dict(environ)
-    child_env.setdefault("PYTHONUNBUFFERED", "1")
-    child_env[handoff.ENV_VAR] = address
-
-    prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
-    budget = _Budget(cfg.log_rate * 1e6)
-    shipper = (LogShipper(client, cfg.platform.run_id, prefix=prefix)  # it holds the first
-               if client is not None else None)  # output until the pipeline, imported after
-    #                                        the spawn, is up
-    scanner = Scanner()
-    report = Report(scanner)
-    streams: list[_Stream] = []
-    stall = stall_watch(cfg, report, lambda line: _say(streams, line))  # through the streams'
-    #                                                                     line assemblers
-    keep_sgr = cfg.log_ansi == "keep"
-    names = ("terminal",) if cfg.tty else ("stdout", "stderr")  # --tty: both share one
-    streams.extend(_Stream(name, LineAssembler(secrets, prefix, keep_sgr=keep_sgr,
-                                               screen_slice_chars=SCREEN_SLICE_CHARS),
-                           shipper, budget, scanner, tail, stall)
-                   for name, tail in zip(names, new_tails(len(names)), strict=True))
-    for stream in streams:
-        stream.others = [other for other in streams if other is not stream]
-    child = Child(argv, child_env, tty=cfg.tty)
-    cgroups = own_memory_cgroups()  # before the spawn, so that a kill at once still shows; a
-    oom_before = oom_kill_counts(cgroups)  # few small reads, nothing else waits on the loop yet
-    running_at = time.time()  # stamped before the spawn, journaled right after it: the fsync
-    try:  #                      need not delay the command
-        fds = child.spawn()
+    run = _Run(cfg, argv, environ)
+    await run.open_journals()
+    await run.offer_marker()
+    run.make_streams()
+    try:
+        fds = run.spawn()
     except SpawnError as exc:
+        return await run.cannot_start(exc)
+    await run.pump(fds)
+    await run.start_reporting()
+    exit_status = await run.wait()
+    await run.record_end(exit_status)
+    await run.finish_output(exit_status)
+    await run.drain()
+    await run.close()
+    return exit_status
+
+
+class _Run:
+    """One `sidecar run`, phase by phase, in the order run_wrapped calls them: the command is
+    spawned as early as can be, and what posts is set up once it runs."""
+
+    def __init__(self, cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> None:
+        """What is settled before anything is journaled: the node, the client (None when
+        reporting is off) and the claim on the run's state folder."""
+        self.cfg, self.argv, self.environ = cfg, argv, environ
+        self.node = resolve_node(cfg.node_name, environ, cfg.nodes)
+        self.client = make_client(cfg)
+        self.held = claim_run_dir(cfg) if self.client is not None else None
+        if self.client is None:
+            log.info("reporting is off (ENABLED=0): the command's output is passed through, "
+                     "nothing is posted")
+        self.lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id,
+                                   self.client if self.node.reports_lifecycle else None)
+        self.crash_tail = (CrashTail(cfg.run_dir, cfg.platform.run_id, self.client)
+                           if self.client else None)
+        self.tail_sender: asyncio.Task[None] | None = None
+        self.pipeline: Pipeline | None = None
+        self.status: StatusServer | None = None
+        self.interrupted = asyncio.Event()
+
+    async def open_journals(self) -> None:
+        """The crash tail's and the lifecycle's journals: what an earlier start left goes
+        first, then `starting`."""
+        earlier_tail = await self.crash_tail.open() if self.crash_tail is not None else 0
+        # Its sender waits for the client, started after the spawn.
+        await self.lifecycle.open()
+        # A restarted container, a killed wrapper: go on from there.
+        self.lifecycle.say_earlier_start()
+        if earlier_tail:
+            self.tail_sender = _send_earlier_tail(self.crash_tail, self.lifecycle)
+        await self.lifecycle.record("starting")
+
+    async def offer_marker(self) -> None:
+        """The hand-off `sidecar lifecycle running` reaches from inside the command, and the
+        command's environment that names it."""
+        address = handoff.new_address()
+        # From then on no hand-off is taken.
+        self.exited = asyncio.Event()
+        self.marker = await handoff.serve(
+            address, _marker_acceptor(self.lifecycle, self.cfg.running_when, self.exited))
+        self.child_env = dict(self.environ)
+        self.child_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.child_env[handoff.ENV_VAR] = address
+
+    def make_streams(self) -> None:
+        """One stream of output a pipe of the command's (one with --tty), each with its line
+        assembler, its share of --log-rate and its tail for the crash tail."""
+        cfg = self.cfg
+        self.prefix = cfg.log_prefix.format(node=self.node.name, rank=self.node.rank)
+        budget = _Budget(cfg.log_rate * 1e6)
+        # It holds the first output until the pipeline, imported after the spawn, is up.
+        self.shipper = (LogShipper(self.client, cfg.platform.run_id, prefix=self.prefix)
+                        if self.client is not None else None)
+        self.scanner = Scanner()
+        self.report = Report(self.scanner)
+        self.streams: list[_Stream] = []
+        # Its lines go through the streams' line assemblers.
+        self.stall = stall_watch(cfg, self.report, lambda line: _say(self.streams, line))
+        keep_sgr = cfg.log_ansi == "keep"
+        # --tty: both share one.
+        names = ("terminal",) if cfg.tty else ("stdout", "stderr")
+        self.streams.extend(
+            _Stream(name, LineAssembler(secrets, self.prefix, keep_sgr=keep_sgr,
+                                        screen_slice_chars=SCREEN_SLICE_CHARS),
+                    self.shipper, budget, self.scanner, tail, self.stall)
+            for name, tail in zip(names, new_tails(len(names)), strict=True))
+        for stream in self.streams:
+            stream.others = [other for other in self.streams if other is not stream]
+
+    def spawn(self) -> tuple[int, ...]:
+        """Start the command; its output's descriptors. SpawnError when it cannot start."""
+        self.child = Child(self.argv, self.child_env, tty=self.cfg.tty)
+        # Before the spawn, so that a kill at once still shows; a few small reads, nothing else
+        # waits on the loop yet.
+        self.cgroups = own_memory_cgroups()
+        self.oom_before = oom_kill_counts(self.cgroups)
+        # Stamped before the spawn, journaled right after it: the fsync need not delay the
+        # command.
+        self.running_at = time.time()
+        fds = self.child.spawn()
+        self.spawned_at = time.monotonic()
+        return fds
+
+    async def cannot_start(self, exc: SpawnError) -> int:
+        """The command could not start: `failed`, with the one line that says why."""
         log.error("%s", exc)
-        await cancel(tail_sender)  # what it did not deliver goes first in the drain
-        await lifecycle.record("failed")
-        if client is not None:
-            await client.start()
-        if crash_tail is not None:  # the one line that says why, before the end event
+        # What it did not deliver goes first in the drain.
+        await cancel(self.tail_sender)
+        await self.lifecycle.record("failed")
+        if self.client is not None:
+            await self.client.start()
+        # The one line that says why, before the end event.
+        if self.crash_tail is not None:
+            node = self.node
             failure = Failure(EXIT_CANNOT_START, 0.0, str(exc), "cannot_start", node=node.name,
                               rank=node.rank, multi_node=node.multi_node)
-            await crash_tail.add([mask(prefix + failure.line() + "\n")])
-        await _drain(cfg, lifecycle, None, crash_tail=crash_tail)
-        await _close(client, lifecycle, None, marker, None)
-        release(held)
+            await self.crash_tail.add([mask(self.prefix + failure.line() + "\n")])
+        await _drain(self.cfg, self.lifecycle, None, crash_tail=self.crash_tail)
+        await self.close()
         return EXIT_CANNOT_START
-    spawned_at = time.monotonic()
 
-    loop = asyncio.get_running_loop()
-    interrupted = asyncio.Event()
-    for signum in FORWARDED_SIGNALS:
-        loop.add_signal_handler(signum, _on_signal, child, signum, interrupted)
-    order = ReadOrder()
-    for fd, sink, stream in zip(fds, (1, 2)[:len(fds)], streams, strict=True):
-        Pump(stream.name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set,
-             loop, order).start()
-    if cfg.running_when == "spawn":
-        await lifecycle.record("running", running_at)
+    async def pump(self, fds: Sequence[int]) -> None:
+        """Forward our signals to the command, and its output to ours and to the streams."""
+        self.loop = asyncio.get_running_loop()
+        for signum in FORWARDED_SIGNALS:
+            self.loop.add_signal_handler(signum, _on_signal, self.child, signum, self.interrupted)
+        order = ReadOrder()
+        for fd, sink, stream in zip(fds, (1, 2)[:len(fds)], self.streams, strict=True):
+            Pump(stream.name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set,
+                 self.loop, order).start()
+        if self.cfg.running_when == "spawn":
+            await self.lifecycle.record("running", self.running_at)
 
-    # The command runs: now what posts (imports, connections, threads) is set up.
-    pipeline = None
-    if client is not None:
-        from sidecar.pipeline import Pipeline
+    async def start_reporting(self) -> None:
+        """The command runs: now what posts (imports, connections, threads) is set up."""
+        client = self.client
+        if client is not None:
+            from sidecar.pipeline import Pipeline
 
-        pipeline = Pipeline(cfg, client, node, cfg.hparams, shipper)
-        await client.start()
-        pipeline.start()
-        pipeline.start_telemetry(child_env, environ, argv, lambda: child.pid or None,
-                                 find_trainer_python=True)
-        pipeline.on_activity = stall.activity
-        report.gpus = pipeline
-    status = await serve_status(cfg, node, "run", client, pipeline, lifecycle, report)
-    ticker = supervise("ticker", lambda: _tick(streams, stall))
+            pipeline = Pipeline(self.cfg, client, self.node, self.cfg.hparams, self.shipper)
+            await client.start()
+            pipeline.start()
+            pipeline.start_telemetry(self.child_env, self.environ, self.argv,
+                                     lambda: self.child.pid or None, find_trainer_python=True)
+            pipeline.on_activity = self.stall.activity
+            self.report.gpus = pipeline
+            self.pipeline = pipeline
+        self.status = await serve_status(self.cfg, self.node, "run", client, self.pipeline,
+                                         self.lifecycle, self.report)
+        self.ticker = supervise("ticker", lambda: _tick(self.streams, self.stall))
 
-    exit_status = await child.wait()
-    ended_at = child.exited_at or time.time()  # when it exited, not when the loop saw it
-    exited.set()
-    exited_at = child.exited_monotonic or time.monotonic()  # the drain's deadlines count from here
-    duration_s = max(exited_at - spawned_at, 0.0)
-    if client is not None:
-        client.hurry()  # a backoff of the request in flight ends now
-    if cfg.running_when == "marker" and "running" not in lifecycle.recorded:
-        log.warning("the command exited (status %d) and never ran `sidecar lifecycle running`, "
-                    "the marker --running-when marker waits for: `running` was never posted; "
-                    "run it in the command just before training starts, or drop the option",
-                    exit_status)
-    await cancel(tail_sender)  # what it did not deliver goes first in the drain
-    lifecycle.release.clear()  # the end event waits for the output before it (the platform
-    await lifecycle.record("succeeded" if exit_status == 0 else "failed", ended_at)  # closes logs
-    output_deadline = exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
-    await _until(_all_closed(streams), exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
-                 * HOLDERS_SHARE, interrupted)
-    ticker.cancel()
-    holding = not all(stream.closed.is_set() for stream in streams)
-    for stream in streams:
-        await stream.drawn()
-        stream.finish()
-    if holding:
-        _say_holders(streams, await asyncio.to_thread(child.output_holders),
-                     time.monotonic() - exited_at)
-    if exit_status != 0:
-        report.failure = diagnose(
-            exit_status, duration_s, scanner, node,
-            await asyncio.to_thread(oom_kills_since, oom_before, cgroups),
-            tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
-        log.error("%s", mask(report.failure.line().removeprefix("[sidecar] ")))
-        _say(streams, report.failure.line())  # the crash tail's last line
-    if pipeline is not None and crash_tail is not None:
-        now = time.monotonic()
-        await _journal_tail(pipeline.shipper, crash_tail, streams,
-                            now + max(output_deadline - now, 0.0) * (1 - TAIL_DRAIN_SHARE))
-    await _drain(cfg, lifecycle, pipeline, interrupted, crash_tail, exited_at)
-    for signum in FORWARDED_SIGNALS:
-        loop.remove_signal_handler(signum)
-    await _close(client, lifecycle, pipeline, marker, status)
-    release(held)
-    return exit_status
+    async def wait(self) -> int:
+        """The command's exit status, once it exited."""
+        exit_status = await self.child.wait()
+        # When it exited, not when the loop saw it.
+        self.ended_at = self.child.exited_at or time.time()
+        self.exited.set()
+        # The drain's deadlines count from here.
+        self.exited_at = self.child.exited_monotonic or time.monotonic()
+        if self.client is not None:
+            # A backoff of the request in flight ends now.
+            self.client.hurry()
+        if self.cfg.running_when == "marker" and "running" not in self.lifecycle.recorded:
+            log.warning("the command exited (status %d) and never ran `sidecar lifecycle "
+                        "running`, the marker --running-when marker waits for: `running` was "
+                        "never posted; run it in the command just before training starts, or "
+                        "drop the option", exit_status)
+        return exit_status
+
+    async def record_end(self, exit_status: int) -> None:
+        """The end event, journaled; it is sent after the output before it."""
+        # What it did not deliver goes first in the drain.
+        await cancel(self.tail_sender)
+        # The end event waits for the output before it: the platform closes the logs at it.
+        self.lifecycle.release.clear()
+        await self.lifecycle.record("succeeded" if exit_status == 0 else "failed",
+                                    self.ended_at)
+
+    async def finish_output(self, exit_status: int) -> None:
+        """The command's output to its end (or the holders' wait), the failure summary last,
+        and what /logs did not acknowledge of it into the crash tail's journal."""
+        cfg, streams, exited_at = self.cfg, self.streams, self.exited_at
+        output_deadline = exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
+        await _until(_all_closed(streams), exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
+                     * HOLDERS_SHARE, self.interrupted)
+        self.ticker.cancel()
+        holding = not all(stream.closed.is_set() for stream in streams)
+        for stream in streams:
+            await stream.drawn()
+            stream.finish()
+        if holding:
+            _say_holders(streams, await asyncio.to_thread(self.child.output_holders),
+                         time.monotonic() - exited_at)
+        pipeline = self.pipeline
+        if exit_status != 0:
+            duration_s = max(exited_at - self.spawned_at, 0.0)
+            self.report.failure = diagnose(
+                exit_status, duration_s, self.scanner, self.node,
+                await asyncio.to_thread(oom_kills_since, self.oom_before, self.cgroups),
+                tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
+            log.error("%s", mask(self.report.failure.line().removeprefix("[sidecar] ")))
+            # The crash tail's last line.
+            _say(streams, self.report.failure.line())
+        if pipeline is not None and self.crash_tail is not None:
+            now = time.monotonic()
+            await _journal_tail(pipeline.shipper, self.crash_tail, streams,
+                                now + max(output_deadline - now, 0.0) * (1 - TAIL_DRAIN_SHARE))
+
+    async def drain(self) -> None:
+        """Deliver what is left within --drain-timeout; our signals are ours again after."""
+        await _drain(self.cfg, self.lifecycle, self.pipeline, self.interrupted, self.crash_tail,
+                     self.exited_at)
+        for signum in FORWARDED_SIGNALS:
+            self.loop.remove_signal_handler(signum)
+
+    async def close(self) -> None:
+        """Close what the run opened and release the claim on its state folder."""
+        await _close(self.client, self.lifecycle, self.pipeline, self.marker, self.status)
+        release(self.held)
 
 
 def _marker_acceptor(lifecycle: Lifecycle, running_when: str,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from sidecar.log import secrets as log_secrets
+from sidecar import masking
 from tests.ingest_server import RunningIngest, running_ingest
 
 # The suite shares two cores with the sidecars it starts: no timing-based health checks.
@@ -34,10 +34,10 @@ def _secrets_of_this_test_only() -> Iterator[None]:
     """The process's secrets as they were before the test, after it: a token one test used
     was masked in a later test's output (its tmp_path `test_wrong_token_…` became
     `test_***_token_…`), so a test passed or failed by the order the suite ran in."""
-    kept = dict(vars(log_secrets))
+    kept = dict(vars(masking.secrets))
     yield
-    vars(log_secrets).clear()
-    vars(log_secrets).update(kept)
+    vars(masking.secrets).clear()
+    vars(masking.secrets).update(kept)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Run sidecar.commands.receive.IngestServer in a background thread, for sync and async tests alike.
+"""Run sidecar.commands.receive.IngestServer, its faults armable (tests/faulty_ingest.py), in a
+background thread, for sync and async tests alike.
 
     with running_ingest(tmp_path, token="tok", run_id="run-1", faults=True) as ingest:
         ...  # point the code under test at ingest.base_url
@@ -19,7 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sidecar.commands.receive import DEFAULT_PREFIX, Fault, IngestServer, IngestStats
+from sidecar.commands.receive import DEFAULT_PREFIX, IngestServer, IngestStats
+from tests.faulty_ingest import Fault, Faults
 
 T = TypeVar("T")
 
@@ -46,9 +48,11 @@ class LoopHandle:
 class RunningIngest(LoopHandle):
     """Thread-safe handle on an IngestServer running in a background thread."""
 
-    def __init__(self, server: IngestServer, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, server: IngestServer, faults: Faults,
+                 loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
         self._server = server
+        self._faults = faults
 
     @property
     def base_url(self) -> str:
@@ -70,11 +74,11 @@ class RunningIngest(LoopHandle):
 
     def add_fault(self, fault: Fault) -> None:
         """Arm a fault on the server."""
-        self._call(lambda: self._server.add_fault(fault))
+        self._call(lambda: self._faults.add(fault))
 
     def clear_faults(self) -> None:
         """Disarm every fault."""
-        self._call(self._server.clear_faults)
+        self._call(self._faults.clear)
 
     def stop_listening(self) -> None:
         """Close the port and every connection: clients see connection refused."""
@@ -143,12 +147,12 @@ def running_ingest(
     faults: bool = False,
     prefix: str = DEFAULT_PREFIX,
 ) -> Iterator[RunningIngest]:
-    """An IngestServer listening on an ephemeral loopback port for the block's duration."""
+    """An IngestServer listening on an ephemeral loopback port for the block's duration, its
+    faults armed through the handle; with `faults`, also over HTTP (faulty_ingest.CONTROL_PATH)."""
     with background_loop("ingest-server") as loop:
-        server = IngestServer(
-            store_dir, token=token, run_id=run_id, faults_enabled=faults, prefix=prefix
-        )
-        handle = RunningIngest(server, loop)
+        layer = Faults(control=faults)
+        server = IngestServer(store_dir, token=token, run_id=run_id, hooks=layer, prefix=prefix)
+        handle = RunningIngest(server, layer, loop)
         handle._run(server.start())
         try:
             yield handle

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from tests.conftest import RUN_ID, SIDECAR, Finished, Sidecar, platform_env
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 BUCKET = "s3://bucket/run/ckpt"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.crashtail import JOURNAL_NAME
 from sidecar.delivery.journal import Journal
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 TRACEBACK = """Traceback (most recent call last):

@@ -9,12 +9,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST, Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.logs import LogShipper
 from sidecar.records import Ticket
 from tests.conftest import RUN_ID, TOKEN
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest
 
 TS = "2026-11-30T10:00:00+00:00"

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from sidecar.diagnose import diagnose
 from sidecar.node import Node
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.telemetry.cgroup import OomKill, own_memory_cgroups
 from sidecar.sources.telemetry.nvml.xid import XidEvent
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 from tests.test_hardware import TWO_GPUS, stub_dir  # noqa: F401 (stub_dir: a fixture)
 

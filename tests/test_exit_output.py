@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from tests.conftest import Sidecar, platform_env, python_child, sidecar
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest
 
 # 213-byte lines written in one go just before the exit: most of them are still queued (or in

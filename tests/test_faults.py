@@ -7,7 +7,7 @@ at a fixed pace (20 ticks a second), prints a 10 kB log line a tick (enough to f
 pipe in 5 s were the sidecar to stop reading it), and stamps its own timing: how
 long its work took and its slowest tick, compared with a run without faults (`baseline`). FILE
 starts with a backlog of points, so that the first requests carry full batches of 2,048. A
-fault sits either in the ingest (`sidecar.commands.receive.Fault`) or in the connection
+fault sits either in the ingest (`tests.faulty_ingest.Fault`) or in the connection
 (tests/tcp_proxy.py). Every case checks, through `check`:
 
 - the set of points at the ingest equals the set written; repeats are counted, printed and
@@ -52,10 +52,10 @@ from typing import Any
 import psutil
 import pytest
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST
 from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest, wait_until
 from tests.tcp_proxy import RunningProxy, running_proxy
 

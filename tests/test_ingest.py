@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.client import (
     ROUTES,
     Guarantee,
@@ -22,6 +21,7 @@ from sidecar.delivery.client import (
 )
 from sidecar.log import log
 from tests.conftest import RUN_ID, TOKEN
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest
 
 

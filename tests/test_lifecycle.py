@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.journal import frame
 from sidecar.delivery.lifecycle import refusal
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 

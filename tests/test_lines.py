@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.log import Secrets
+from sidecar.masking import Secrets
 from sidecar.sources.console.lines import (
     MAX_LINE_CHARS,
     PROGRESS_INTERVAL_S,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from sidecar import log as sidecar_log
-from sidecar.log import add_secret, log, setup
+from sidecar.log import log, setup
+from sidecar.masking import add_secret, mask
 from tests.conftest import SIDECAR, platform_env, python_child
 from tests.ingest_server import RunningIngest
 
@@ -43,7 +44,7 @@ def test_one_line_an_event_with_the_token_masked(capsys: pytest.CaptureFixture[s
 
 def test_short_strings_are_never_treated_as_secrets() -> None:
     add_secret("t")
-    assert sidecar_log.mask("start a thing") == "start a thing"
+    assert mask("start a thing") == "start a thing"
 
 
 def test_repeated_errors_are_held_back_and_counted(capsys: pytest.CaptureFixture[str],

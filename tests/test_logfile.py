@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.log import Secrets
+from sidecar.masking import Secrets
 from sidecar.sources.console.lines import MAX_LINE_CHARS
 from sidecar.sources.files.logfile import FIND_LINE_BYTES, LogFileParser, count_lines
 

@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.crashtail import TAIL_BYTES, new_tails, take_tail
 from sidecar.delivery.logs import FLUSH_STALL_S, LINGER_BELOW_CHARS, LINGER_S, LogShipper
 from sidecar.records import Ticket
 from tests.conftest import RUN_ID, TOKEN
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest
 from tests.test_delivery import wait_until
 

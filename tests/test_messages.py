@@ -10,11 +10,11 @@ import signal
 import time
 from pathlib import Path
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.logs import LogShipper
 from sidecar.log import log
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child, sidecar
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 

@@ -21,7 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.commands.receive import Fault, IngestServer, IngestStats, serve
+from sidecar.commands.receive import IngestServer, IngestStats, serve
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -702,7 +703,7 @@ def _post_sync(url: str, payload: dict[str, Any], token: str) -> int:
 SERVE = (
     "import sys; from pathlib import Path; from sidecar.commands.receive import serve; "
     "sys.exit(serve(Path(sys.argv[1]), host='127.0.0.1', port=0, token=sys.argv[2], "
-    "run_id='run-4f2a91', faults_enabled=False, ready_file=Path(sys.argv[3])))"
+    "run_id='run-4f2a91', ready_file=Path(sys.argv[3])))"
 )
 
 
@@ -740,6 +741,40 @@ def test_serve_announces_itself_writes_the_ready_file_and_stops_cleanly(
     assert [json.loads(line) for line in stored] == [GOOD["lifecycle"]]
 
 
+def _control_sync(url: str, method: str, fault: dict[str, Any] | None = None) -> int:
+    request = urllib.request.Request(url, data=json.dumps(fault).encode() if fault else None,
+                                     method=method)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return int(response.status)
+
+
+def test_the_faulty_ingest_runs_the_receiver_with_faults_armed_over_http(tmp_path: Path) -> None:
+    store, ready = tmp_path / "store", tmp_path / "url"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "tests.faulty_ingest", "--port", "0", "--dir", str(store),
+               "--token", TOKEN, "--ready-file", str(ready), "--quiet"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=REPO) as process:
+        try:
+            wait_until(lambda: ready.exists() or process.poll() is not None, 20, "ready file")
+            assert process.poll() is None, process.communicate()
+            url = ready.read_text().strip()
+            control = url.removesuffix("/api/ingest") + "/_control/faults"
+            armed = _control_sync(control, "POST", {"route": "lifecycle", "status": 503})
+            faulted = _post_sync(url + "/lifecycle", GOOD["lifecycle"], TOKEN)
+            cleared = _control_sync(control, "DELETE")
+            healed = _post_sync(url + "/lifecycle", GOOD["lifecycle"], TOKEN)
+            process.send_signal(signal.SIGTERM)
+            _, err = process.communicate(timeout=20)
+        finally:
+            process.kill()
+
+    assert (armed, faulted, cleared, healed) == (200, 503, 200, 200)
+    assert process.returncode == 0, err
+    stored = (store / "lifecycle.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in stored] == [GOOD["lifecycle"]]
+
+
 def test_serve_on_a_busy_port_says_so_and_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -747,10 +782,7 @@ def test_serve_on_a_busy_port_says_so_and_fails(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        status = serve(
-            tmp_path / "store", host="127.0.0.1", port=port, token=TOKEN, run_id=None,
-            faults_enabled=False
-        )
+        status = serve(tmp_path / "store", host="127.0.0.1", port=port, token=TOKEN, run_id=None)
 
     captured = capsys.readouterr()
     assert status == 1
@@ -765,8 +797,7 @@ def test_serve_with_a_dir_it_cannot_create_names_it_and_fails(
 ) -> None:
     (tmp_path / "file").write_text("")
     store = tmp_path / "file" / "store"
-    status = serve(store, host="127.0.0.1", port=0, token=TOKEN, run_id=None,
-                   faults_enabled=False)
+    status = serve(store, host="127.0.0.1", port=0, token=TOKEN, run_id=None)
 
     assert status == 1
     assert f"cannot store in --dir {store}: Not a directory" in capsys.readouterr().err

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from tests.conftest import (
     RUN_ID,
     SIDECAR,
@@ -23,6 +22,7 @@ from tests.conftest import (
     python_child,
     sidecar,
 )
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest, wait_until
 
 # A child that stamps its first and last line with its own clock, so the test can check that

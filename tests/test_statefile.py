@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.journal import frame
 from sidecar.sources.files import offsets as offsets_module
 from sidecar.sources.files.offsets import parse_offsets
 from sidecar.statefile import Malformed, load_checked
 from tests.conftest import RUN_ID, platform_env, python_child, sidecar
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest
 
 POINTS = 50

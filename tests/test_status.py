@@ -28,11 +28,11 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.commands.receive import Fault
 from sidecar.commands.status import HOME, LEAVE_SCREEN
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import IngestClient
-from sidecar.log import add_secret, log
+from sidecar.log import log
+from sidecar.masking import add_secret
 from sidecar.observe.endpoint import (
     CheckpointSnapshot,
     FileSnapshot,
@@ -52,6 +52,7 @@ from tests.conftest import (
     platform_env,
     python_child,
 )
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 # Until the CLI has `sidecar status`, the real process is started through this one-liner; the

@@ -14,7 +14,8 @@ import pexpect
 import pytest
 
 from tests.conftest import SIDECAR, Sidecar, platform_env, python_child, sidecar
-from tests.ingest_server import Fault, RunningIngest
+from tests.faulty_ingest import Fault
+from tests.ingest_server import RunningIngest
 from tests.test_terminal import arrived, assert_in_order, screen_lines
 
 REPORT_TERMINAL = """

@@ -18,10 +18,10 @@ from typing import IO
 
 import pytest
 
-from sidecar.commands.receive import Fault
 from sidecar.delivery.batcher import PACE_S
 from sidecar.delivery.logs import MAX_REQUEST_CHARS
 from tests.conftest import RUN_ID, Finished, Sidecar, platform_env
+from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 

@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 from sidecar.commands import say
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve, unknown_variables
 from sidecar.delivery.client import Answer, Verdict
-from sidecar.log import add_secret, log, mask
+from sidecar.log import log
+from sidecar.masking import add_secret, mask
 from sidecar.sources.files.discover import EVENT_FILES, match
 
 EXIT_OK = 0

@@ -14,7 +14,7 @@ from typing import Any
 
 from sidecar.commands import say
 from sidecar.config import Config, ConfigError, options_of, resolve, unknown_variables
-from sidecar.log import MASK, add_secret, mask
+from sidecar.masking import MASK, add_secret, mask
 
 EXIT_OK = 0
 EXIT_CONFIG = 2  # as every command's configuration error (cli.EXIT_CONFIG)

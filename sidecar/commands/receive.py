@@ -3,8 +3,9 @@
 It is `sidecar receive` on a machine without the platform, and the server every integration
 test talks to over loopback HTTP: it validates each route's body as strictly as the platform
 would, appends what it accepts to `<store_dir>/<route>.jsonl` and what it refuses, with the
-route, status and reason, to `<store_dir>/rejected.jsonl`, counts everything, and (for tests
-only) misbehaves on request through injected faults.
+route, status and reason, to `<store_dir>/rejected.jsonl`, and counts everything. A caller may
+add a layer that acts on each request (`Hooks`): the tests inject faults through it
+(tests/faulty_ingest.py); `sidecar receive` runs with none.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import socket
 import struct
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,10 @@ from typing import Any
 from aiohttp import ClientError as aiohttp_ClientError
 from aiohttp import web
 
-__all__ = ["DEFAULT_PREFIX", "Fault", "IngestServer", "IngestStats", "RouteStats", "serve"]
+__all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStats", "Rejected",
+           "Reset", "RouteStats", "serve"]
 
 DEFAULT_PREFIX = "/api/ingest"
-CONTROL_PATH = "/_control/faults"
 LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
 ARTIFACT_KINDS = ("checkpoint", "hf_export", "eval_report", "merged_model")
 MAX_POINTS_PER_REQUEST = 2048  # docs/ingest.md, Routes and bodies
@@ -45,7 +46,7 @@ REJECTED_STORE = "rejected.jsonl"  # no route's store name: a route's has no "re
 _MAX_KEPT_BODY_CHARS = 64 * 1024  # of a rejected body, in the rejected store
 
 
-class _Rejected(Exception):
+class Rejected(Exception):
     """A request answered with an error status and a reason, and counted as rejected."""
 
     def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
@@ -55,12 +56,12 @@ class _Rejected(Exception):
         self.headers = headers or {}
 
 
-class _Reset(Exception):
+class Reset(Exception):
     """A request whose connection is aborted without an answer."""
 
 
 # ---------------------------------------------------------------------------------------------
-# Field checks: each returns the field's value or raises _Rejected(400) naming the field.
+# Field checks: each returns the field's value or raises Rejected(400) naming the field.
 
 
 def _shown(value: Any) -> str:
@@ -72,13 +73,13 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _MAX_SHOWN_CHARS else text[: _MAX_SHOWN_CHARS - 3] + "..."
 
 
-def _invalid(path: str, expected: str, value: Any) -> _Rejected:
-    return _Rejected(400, f"{path} must be {expected}, got {_shown(value)}")
+def _invalid(path: str, expected: str, value: Any) -> Rejected:
+    return Rejected(400, f"{path} must be {expected}, got {_shown(value)}")
 
 
 def _field(obj: dict[str, Any], name: str, where: str) -> Any:
     if name not in obj:
-        raise _Rejected(400, f"{where}{name} is required")
+        raise Rejected(400, f"{where}{name} is required")
     return obj[name]
 
 
@@ -118,7 +119,7 @@ def _timestamp(obj: dict[str, Any], name: str, where: str = "") -> str:
     except ValueError:
         raise _invalid(where + name, expected, value) from None
     if parsed.utcoffset() is None:
-        raise _Rejected(400, f"{where}{name} has no timezone: {_shown(value)}")
+        raise Rejected(400, f"{where}{name} has no timezone: {_shown(value)}")
     return value
 
 
@@ -134,7 +135,7 @@ def _array(obj: dict[str, Any], name: str, *, non_empty: bool = False) -> list[A
     if not isinstance(value, list):
         raise _invalid(name, "an array", value)
     if non_empty and not value:
-        raise _Rejected(400, f"{name} must not be empty")
+        raise Rejected(400, f"{name} must not be empty")
     return value
 
 
@@ -160,7 +161,7 @@ def _check_logs(body: dict[str, Any]) -> None:
             raise _invalid(f"chunks[{index}]", "a string", chunk)
     eof = _field(body, "eof", "")
     if eof is True:
-        raise _Rejected(400, "eof is set by the platform; send false")
+        raise Rejected(400, "eof is set by the platform; send false")
     if eof is not False:
         raise _invalid("eof", "false", eof)
 
@@ -168,7 +169,7 @@ def _check_logs(body: dict[str, Any]) -> None:
 def _check_metrics(body: dict[str, Any]) -> None:
     points = _objects(_array(body, "points", non_empty=True), "points")
     if len(points) > MAX_POINTS_PER_REQUEST:
-        raise _Rejected(
+        raise Rejected(
             400, f"points has {len(points)} items, at most {MAX_POINTS_PER_REQUEST} per request"
         )
     for index, point in enumerate(points):
@@ -237,6 +238,7 @@ _ROUTES: dict[str, _Route] = {
     "artifact": _Route(_check_artifact),
     "benchmark": _Route(_check_nothing),
 }
+ROUTE_NAMES = tuple(_ROUTES)
 
 
 def _item_count(route: str, body: dict[str, Any]) -> int:
@@ -268,7 +270,7 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
-        raise _Rejected(400, f"body is not valid JSON: {exc}") from None
+        raise Rejected(400, f"body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise _invalid("body", "a JSON object", body)
     return body
@@ -290,92 +292,32 @@ def _answer(
 
 
 # ---------------------------------------------------------------------------------------------
-# Faults (tests only).
+# Hooks.
 
 
-@dataclass(frozen=True)
-class Fault:
-    """One injected misbehaviour of the ingest, for tests; exactly one kind field is set."""
+class Hooks:
+    """A layer of the caller's that acts on each request to a route, at four moments of its
+    handling, in this order. Each may raise Rejected (the request is answered with its status,
+    counted and kept as a refusal) or Reset (its connection is cut, unanswered), and `stopping`
+    is set once the server stops. The tests inject faults through it (tests/faulty_ingest.py);
+    `sidecar receive` runs with these, which do nothing."""
 
-    route: str = "*"  # a route such as "metrics" or "environment/nodes", or "*" for all
-    times: int | None = None  # fire only for the next N matching requests; None: until cleared
-    status: int | None = None  # answer this status without storing
-    retry_after: str | None = None  # with status: the Retry-After header ("2" or an HTTP date)
-    too_large_above: int | None = None  # answer 413 when the batch has more items than this
-    too_large_over_bytes: int | None = None  # answer 413 when the body is longer (a proxy's limit)
-    latency_s: float | None = None  # wait this long before handling (a hang when large)
-    slow_answer_s: float | None = None  # store, then wait this long before answering (a slow
-    #   ingest, not a down one: what the client gives up on was stored all the same)
-    redirect: str | None = None  # answer 307 with this Location
-    reset: bool = False  # abort the connection without an answer
-    reject_if_contains: str | None = None  # answer 400 when the raw body contains this
+    def routes(self) -> list[web.RouteDef]:
+        """Routes of the layer's own, served beside the ingest's."""
+        return []
 
-    def __post_init__(self) -> None:
-        """Refuse a fault that is malformed or has no kind or several."""
-        kinds = [
-            self.status is not None,
-            self.too_large_above is not None,
-            self.too_large_over_bytes is not None,
-            self.latency_s is not None,
-            self.slow_answer_s is not None,
-            self.redirect is not None,
-            self.reset is True,
-            self.reject_if_contains is not None,
-        ]
-        if sum(kinds) != 1:
-            raise ValueError(
-                "a fault needs exactly one of status, too_large_above, too_large_over_bytes, "
-                "latency_s, slow_answer_s, redirect, reset, reject_if_contains"
-            )
-        problems = {
-            "route": self.route != "*" and self.route not in _ROUTES,
-            "times": self.times is not None and not _whole(self.times, minimum=1),
-            "status": self.status is not None
-            and not (_whole(self.status, minimum=200) and self.status <= 599),
-            "retry_after": self.retry_after is not None
-            and (self.status is None or not isinstance(self.retry_after, str)),
-            "too_large_above": self.too_large_above is not None
-            and not _whole(self.too_large_above, minimum=0),
-            "too_large_over_bytes": self.too_large_over_bytes is not None
-            and not _whole(self.too_large_over_bytes, minimum=0),
-            "latency_s": self.latency_s is not None
-            and not (_is_number(self.latency_s) and 0 <= self.latency_s < math.inf),
-            "slow_answer_s": self.slow_answer_s is not None
-            and not (_is_number(self.slow_answer_s) and 0 <= self.slow_answer_s < math.inf),
-            "redirect": self.redirect is not None
-            and not (isinstance(self.redirect, str) and self.redirect),
-            "reset": not isinstance(self.reset, bool),
-            "reject_if_contains": self.reject_if_contains is not None
-            and not (isinstance(self.reject_if_contains, str) and self.reject_if_contains),
-        }
-        bad = [name for name, wrong in problems.items() if wrong]
-        if bad:
-            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
-            raise ValueError(f"invalid fault: {shown}")
+    async def arrived(self, route: str, stopping: asyncio.Event) -> None:
+        """Before the token is checked (where a proxy or an overloaded platform answers)."""
 
-    @classmethod
-    def from_json(cls, data: Any) -> Fault:
-        """Build a fault from the control route's JSON body; ValueError says what is wrong."""
-        if not isinstance(data, dict):
-            raise ValueError("a fault is a JSON object")
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
-        return cls(**data)
+    def read(self, route: str, raw: bytes) -> None:
+        """The body as read, before it is parsed."""
 
-    def matches(self, route: str) -> bool:
-        """Whether this fault applies to a request on this route."""
-        return self.route in ("*", route)
+    def parsed(self, route: str, items: int) -> None:
+        """The body parsed, its run_id checked and its `items` counted, before its route's
+        checks."""
 
-
-def _whole(value: Any, *, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-@dataclass
-class _ArmedFault:
-    fault: Fault
-    remaining: int | None
+    async def stored(self, route: str, stopping: asyncio.Event) -> None:
+        """The body stored, before it is acknowledged."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +330,7 @@ class RouteStats:
 
     accepted: int = 0
     rejected: dict[int, int] = field(default_factory=dict)  # status -> requests
-    aborted: int = 0  # connections reset by a fault
+    aborted: int = 0  # connections a hook reset
     items: int = 0  # accepted points, chunks or nodes
     log_bytes: int = 0  # accepted log text, UTF-8 bytes
 
@@ -477,7 +419,7 @@ class IngestServer:
         *,
         token: str | None = None,
         run_id: str | None = None,
-        faults_enabled: bool = False,
+        hooks: Hooks | None = None,
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
         """Configure the server; nothing listens until start()."""
@@ -489,13 +431,13 @@ class IngestServer:
         self._run_id = run_id
         self._prefix = prefix.rstrip("/")
         self._paths = {f"{self._prefix}/{route}": route for route in _ROUTES}
-        self._faults: list[_ArmedFault] = []
+        self._hooks = hooks or Hooks()
         self._stopping = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._host = "127.0.0.1"
         self._port = 0
-        self._app = self._make_app(faults_enabled)
+        self._app = self._make_app()
 
     @property
     def base_url(self) -> str:
@@ -555,14 +497,6 @@ class IngestServer:
         self._site = site
         self._port = self._runner.addresses[0][1]
 
-    def add_fault(self, fault: Fault) -> None:
-        """Arm a fault; faults fire in the order they were added."""
-        self._faults.append(_ArmedFault(fault, fault.times))
-
-    def clear_faults(self) -> None:
-        """Disarm every fault."""
-        self._faults.clear()
-
     def records(self, route: str) -> list[dict[str, Any]]:
         """The bodies this route's store file holds, in arrival order."""
         if route not in _ROUTES:
@@ -575,7 +509,7 @@ class IngestServer:
 
     # -- request handling ---------------------------------------------------------------------
 
-    def _make_app(self, faults_enabled: bool) -> web.Application:
+    def _make_app(self) -> web.Application:
         @web.middleware
         async def count_requests(
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -584,22 +518,9 @@ class IngestServer:
             return await handler(request)
 
         app = web.Application(middlewares=[count_requests], client_max_size=_MAX_BODY_BYTES)
-        if faults_enabled:
-            app.router.add_post(CONTROL_PATH, self._handle_add_fault)
-            app.router.add_delete(CONTROL_PATH, self._handle_clear_faults)
+        app.router.add_routes(self._hooks.routes())
         app.router.add_route("*", "/{path:.*}", self._handle_ingest)
         return app
-
-    async def _handle_add_fault(self, request: web.Request) -> web.Response:
-        try:
-            self.add_fault(Fault.from_json(json.loads(await request.read())))
-        except (ValueError, TypeError) as exc:
-            return _answer(400, {"ok": False, "error": str(exc)})
-        return _answer(200, {"ok": True})
-
-    async def _handle_clear_faults(self, request: web.Request) -> web.Response:
-        self.clear_faults()
-        return _answer(200, {"ok": True})
 
     async def _handle_ingest(self, request: web.Request) -> web.StreamResponse:
         route = self._paths.get(request.path)
@@ -611,11 +532,11 @@ class IngestServer:
         counts = self.stats.routes[route]
         try:
             payload = await self._ingest(route, request)
-        except _Rejected as exc:
+        except Rejected as exc:
             counts.rejected[exc.status] = counts.rejected.get(exc.status, 0) + 1
             await self._keep_rejected(request, route, exc.status, exc.reason)
             return _answer(exc.status, {"ok": False, "error": exc.reason}, exc.headers)
-        except _Reset:
+        except Reset:
             counts.aborted += 1
             _abort(request)
             return web.Response(status=500)  # never written: the transport is gone
@@ -623,90 +544,43 @@ class IngestServer:
 
     async def _ingest(self, route: str, request: web.Request) -> dict[str, Any]:
         if request.method != "POST":
-            raise _Rejected(405, f"{request.method} is not allowed; use POST", {"Allow": "POST"})
-        await self._apply_transport_faults(route)
+            raise Rejected(405, f"{request.method} is not allowed; use POST", {"Allow": "POST"})
+        await self._hooks.arrived(route, self._stopping)
         self._check_auth(request)
         raw = await self._read(request)
-        limit = self._take_fault(
-            route,
-            lambda f: f.too_large_over_bytes is not None and len(raw) > f.too_large_over_bytes,
-        )
-        if limit is not None:
-            raise _Rejected(413, f"a body of {len(raw)} bytes, at most "
-                            f"{limit.too_large_over_bytes} accepted")
-        if self._take_fault(
-            route,
-            lambda f: f.reject_if_contains is not None and f.reject_if_contains.encode() in raw,
-        ):
-            raise _Rejected(400, "injected fault: poison payload")
+        self._hooks.read(route, raw)
         body = _parse_body(raw)
         self._check_run_id(body)
         items = _item_count(route, body)
-        too_large = self._take_fault(
-            route, lambda f: f.too_large_above is not None and items > f.too_large_above
-        )
-        if too_large is not None:
-            raise _Rejected(413, f"{items} items, at most {too_large.too_large_above} accepted")
+        self._hooks.parsed(route, items)
         _ROUTES[route].check(body)
         self._store(route, body, items)
-        slow = self._take_fault(route, lambda f: f.slow_answer_s is not None)
-        if slow is not None and slow.slow_answer_s:
-            with contextlib.suppress(TimeoutError):  # the client may leave: it was stored
-                await asyncio.wait_for(self._stopping.wait(), slow.slow_answer_s)
+        await self._hooks.stored(route, self._stopping)
         return {"ok": True, "inserted": items} if route == "metrics" else {"ok": True}
-
-    async def _apply_transport_faults(self, route: str) -> None:
-        """Faults that act before auth, as a proxy or an overloaded platform would."""
-        delay = self._take_fault(route, lambda f: f.latency_s is not None)
-        if delay is not None and delay.latency_s:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), delay.latency_s)
-            if self._stopping.is_set():
-                raise _Reset  # a hung request ends with the server, unanswered
-        if self._take_fault(route, lambda f: f.reset):
-            raise _Reset
-        redirect = self._take_fault(route, lambda f: f.redirect is not None)
-        if redirect is not None and redirect.redirect is not None:
-            raise _Rejected(307, "injected fault: redirect", {"Location": redirect.redirect})
-        status = self._take_fault(route, lambda f: f.status is not None)
-        if status is not None and status.status is not None:
-            headers = {"Retry-After": status.retry_after} if status.retry_after else {}
-            raise _Rejected(status.status, f"injected fault: status {status.status}", headers)
-
-    def _take_fault(self, route: str, fires: Callable[[Fault], bool]) -> Fault | None:
-        """The first armed fault for this route that fires, spending one of its times."""
-        for armed in self._faults:
-            if armed.fault.matches(route) and fires(armed.fault):
-                if armed.remaining is not None:
-                    armed.remaining -= 1
-                    if armed.remaining == 0:
-                        self._faults.remove(armed)
-                return armed.fault
-        return None
 
     def _check_auth(self, request: web.Request) -> None:
         bearer = _bearer(request.headers.get("Authorization", ""))
         if not bearer:
-            raise _Rejected(401, "missing Authorization: Bearer <token>")
+            raise Rejected(401, "missing Authorization: Bearer <token>")
         if self._token is not None and not _same(bearer, self._token):
-            raise _Rejected(401, "bearer token rejected")
+            raise Rejected(401, "bearer token rejected")
         expected = self._token if self._token is not None else bearer
         for header in FAMILY_TOKEN_HEADERS:
             value = request.headers.get(header)
             if value is not None and not _same(value, expected):
-                raise _Rejected(401, f"{header} rejected")
+                raise Rejected(401, f"{header} rejected")
 
     @staticmethod
     async def _read(request: web.Request) -> bytes:
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise _Rejected(413, f"body larger than {_MAX_BODY_BYTES} bytes") from None
+            raise Rejected(413, f"body larger than {_MAX_BODY_BYTES} bytes") from None
 
     def _check_run_id(self, body: dict[str, Any]) -> None:
         run_id = _text(body, "run_id")
         if self._run_id is not None and run_id != self._run_id:
-            raise _Rejected(
+            raise Rejected(
                 400, f"run_id mismatch: expected {self._run_id!r}, got {_shown(run_id)}"
             )
 
@@ -767,12 +641,13 @@ def serve(
     port: int,
     token: str | None,
     run_id: str | None,
-    faults_enabled: bool,
     summary: bool = True,
     ready_file: Path | None = None,
+    hooks: Hooks | None = None,
 ) -> int:
-    """Receive until SIGTERM or SIGINT, printing a live summary; 0 on a clean stop."""
-    server = IngestServer(store_dir, token=token, run_id=run_id, faults_enabled=faults_enabled)
+    """Receive until SIGTERM or SIGINT, printing a live summary; 0 on a clean stop. `hooks`:
+    a layer that acts on each request (none for `sidecar receive`)."""
+    server = IngestServer(store_dir, token=token, run_id=run_id, hooks=hooks)
     return asyncio.run(_serve(server, host, port, summary, ready_file))
 
 

@@ -24,7 +24,8 @@ import orjson
 
 from sidecar.aio import wait_set
 from sidecar.delivery.transport import Transport, TransportError
-from sidecar.log import Throttle, add_secret, format_duration, log
+from sidecar.log import Throttle, format_duration, log
+from sidecar.masking import add_secret
 
 MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
 

@@ -33,7 +33,8 @@ from sidecar import __version__
 from sidecar.config import DEFAULT_STATUS_ADDR, parse_host_port
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import RouteStats
-from sidecar.log import log, mask
+from sidecar.log import log
+from sidecar.masking import mask
 from sidecar.statefile import read_state
 from sidecar.supervise import SUPERVISOR
 

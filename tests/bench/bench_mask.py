@@ -2,7 +2,7 @@
 
     python tests/bench/bench_mask.py [--quick]
 
-sidecar.log.Secrets.mask_raw (how the command's output and followed log files are masked) on
+sidecar.masking.Secrets.mask_raw (how the command's output and followed log files are masked) on
 1 MiB blocks of each text below, with each token below as the secret; GB/s of the block, the
 best of a few rounds (the machine is shared), after one call that lets the search settle on the
 text (as a stream's first block does).
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from _harness import Row, bench_arguments, finish, info_row, limit_row, parse
 from bench_throughput import TOKENS
 
-from sidecar.log import Secrets
+from sidecar.masking import Secrets
 
 BENCH = "masking"
 BLOCK_BYTES = 1 << 20

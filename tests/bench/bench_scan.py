@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from sidecar.delivery.client import json_body
 from sidecar.delivery.crashtail import new_tails
-from sidecar.log import secrets
+from sidecar.masking import secrets
 from sidecar.sources.console.lines import LineAssembler
 from sidecar.sources.console.signatures import Scanner
 from sidecar.stall import StallWatch

@@ -34,7 +34,7 @@ _SGR = re.compile(r"\x1b\[[0-9;:]*m")
 
 
 class Masker(Protocol):
-    """The secrets to mask (sidecar.log.Secrets)."""
+    """The secrets to mask (sidecar.masking.Secrets)."""
 
     longest: int  # characters of the longest secret
 
