@@ -32,8 +32,8 @@ from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
 from sidecar.log import log, mask, secrets, state_write_failed
 from sidecar.node import Node
-from sidecar.records import Ticket, iso_ts
-from sidecar.sources.base import Parsed, Parser
+from sidecar.records import Ticket
+from sidecar.sources.base import Parsed
 from sidecar.sources.files.discover import EVENT_FILES
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
 from sidecar.sources.files.hparams import HparamsFile
@@ -105,8 +105,11 @@ def source_specs(cfg: Config, node: Node,
         specs.append(SourceSpec("jsonl", cfg.jsonl,
                                 lambda path, state: JsonlParser.resume(state, str(path)),
                                 parse_bytes=JSONL_PARSE_BYTES, option="--jsonl"))
+    if cfg.tensorboard:
+        # here, not above: the decoder's protobuf and CRC32C code load only for event files
+        from sidecar.sources.files.tensorboard import folder_parsers
     for folder in cfg.tensorboard:
-        specs.append(SourceSpec("tensorboard", (folder,), _tensorboard_parser(Path(folder)),
+        specs.append(SourceSpec("tensorboard", (folder,), folder_parsers(Path(folder)),
                                 parse_bytes=TENSORBOARD_PARSE_BYTES, option="--tensorboard",
                                 tree=EVENT_FILES))
     return specs
@@ -132,38 +135,6 @@ def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts) -> Checkp
                           container_signal(os.environ))
     return CheckpointWatcher(cfg.checkpoints, register, artifacts.known, paths,
                              not_registering, mode=cfg.file_watch)
-
-
-def _tensorboard_parser(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
-    def make(path: Path, state: dict[str, Any]) -> Parser:
-        relative = path.parent.relative_to(folder)
-        prefix = "" if str(relative) == "." else f"{relative.as_posix()}/"
-        return _EventFile(prefix, state)
-
-    return make
-
-
-class _EventFile:
-    """The TensorBoard event-file decoder seen as a file parser: scalars become points."""
-
-    def __init__(self, key_prefix: str, state: dict[str, Any]) -> None:
-        from sidecar.sources.files.tensorboard import EventFileParser
-
-        self._decoder = EventFileParser(key_prefix, state)
-
-    def parse(self, data: bytes, now: float) -> Parsed:
-        decoded = self._decoder.parse(data)
-        points = [{"key": key, "step": step, "value": value, "ts": iso_ts(wall_time)}
-                  for key, step, value, wall_time in decoded.points]
-        return Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
-                      records=len(points), skipped=decoded.corrupt_records,
-                      invalid=decoded.invalid_values)
-
-    def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
-        return Parsed(consumed=0)  # a record still being written is waited for
-
-    def state(self) -> dict[str, Any]:
-        return self._decoder.state()
 
 
 class Pipeline(Sink):

@@ -505,13 +505,13 @@ async def test_a_trickle_is_read_just_before_the_sink_sends(tmp_path: Path) -> N
 def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
         tmp_path: Path) -> None:
     from sidecar.commands.replay import _unread
-    from sidecar.pipeline import _tensorboard_parser
+    from sidecar.sources.files.tensorboard import folder_parsers
 
     event_file = tmp_path / "tb" / "train" / "events.out.tfevents.1.node"
     event_file.parent.mkdir(parents=True)
     event_file.write_bytes(b"x" * 100)
     st = event_file.stat()
-    spec = SourceSpec("tensorboard", (str(tmp_path / "tb"),), _tensorboard_parser(tmp_path / "tb"),
+    spec = SourceSpec("tensorboard", (str(tmp_path / "tb"),), folder_parsers(tmp_path / "tb"),
                       option="--tensorboard", tree=EVENT_FILES)
     marks = {"m": Mark(str(event_file), st.st_dev, st.st_ino, fingerprint(b"x" * 100), 10)}
     pipeline = SimpleNamespace(follower=SimpleNamespace(specs=[spec]),
