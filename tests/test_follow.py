@@ -27,9 +27,9 @@ from sidecar.aio import cancel
 from sidecar.records import Ticket
 from sidecar.sources.base import Parsed
 from sidecar.sources.files import follow
-from sidecar.sources.files.discover import EVENT_FILES
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
 from sidecar.sources.files.jsonl import JsonlParser
+from sidecar.sources.files.kinds import BY_NAME
 from sidecar.sources.files.logfile import LogFileParser
 from sidecar.sources.files.offsets import Mark, Offsets, fingerprint
 from tests.conftest import RUN_ID, SIDECAR
@@ -512,7 +512,7 @@ def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
     event_file.write_bytes(b"x" * 100)
     st = event_file.stat()
     spec = SourceSpec("tensorboard", (str(tmp_path / "tb"),), folder_parsers(tmp_path / "tb"),
-                      option="--tensorboard", tree=EVENT_FILES)
+                      option="--tensorboard", tree=BY_NAME["tensorboard"].tree)
     marks = {"m": Mark(str(event_file), st.st_dev, st.st_ino, fingerprint(b"x" * 100), 10)}
     pipeline = SimpleNamespace(follower=SimpleNamespace(specs=[spec]),
                                offsets=SimpleNamespace(marks=marks))
