@@ -358,11 +358,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     cfg = _configured(args, "watch")
-    if not (cfg.log or cfg.jsonl or cfg.tensorboard or cfg.hparams or cfg.hardware_interval
-            or cfg.checkpoints):
-        raise ConfigError("nothing to watch: give at least one of --log, --jsonl, "
-                          "--tensorboard, --hparams or --checkpoints, or leave --hardware-interval "
-                          "above 0")
+    if not (any(cfg.files.values()) or cfg.hparams or cfg.hardware_interval or cfg.checkpoints):
+        from sidecar.sources.files.kinds import FILE_KINDS
+
+        files = ", ".join(kind.flag for kind in FILE_KINDS)
+        raise ConfigError(f"nothing to watch: give at least one of {files}, --hparams or "
+                          "--checkpoints, or leave --hardware-interval above 0")
     from sidecar.daemon import run_watch
 
     return asyncio.run(run_watch(cfg, os.environ))

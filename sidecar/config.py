@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from urllib.parse import SplitResult, urlsplit
 
 from sidecar.masking import MIN_SECRET_CHARS, add_secret, mask
+from sidecar.sources.files.kinds import FILE_KINDS
 
 
 class ConfigError(Exception):
@@ -65,10 +66,7 @@ DEFAULT_STATUS_ADDR = "127.0.0.1:9620"
 STATUS_ADDR_FILE = "status-addr"  # in the run's state folder: the status address actually bound
 
 OPTIONS: tuple[Option, ...] = (
-    Option("log", "list", (), "plain-text log file forwarded to /logs (repeatable, globs allowed)"),
-    Option("jsonl", "list", (), "JSONL metric log forwarded to /metrics (repeatable, globs)"),
-    Option("tensorboard", "list", (), "TensorBoard log directory, searched recursively "
-           "(repeatable)", metavar="DIR"),
+    *(Option(kind.name, "list", (), kind.help, metavar=kind.metavar) for kind in FILE_KINDS),
     Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams",
            metavar="FILE"),
     Option("checkpoints", "list", (), "folder whose model checkpoints, written anywhere under "
@@ -172,9 +170,8 @@ class Config(NamedTuple):
 
     platform: Platform
     token: str = ""  # never in repr() (below)
-    log: tuple[str, ...] = ()
-    jsonl: tuple[str, ...] = ()
-    tensorboard: tuple[str, ...] = ()
+    # the patterns of each file-source kind given, by its name (sources/files/kinds.py)
+    files: Mapping[str, tuple[str, ...]] = {}
     hparams: Path | None = None
     checkpoints: tuple[str, ...] = ()
     artifact_uri: tuple[str, ...] = ()
@@ -289,7 +286,8 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
 
             node = resolve_node(values.get("node_name"), environ, values.get("nodes"))
             values["node_folder"] = _safe_name(node.name)
-    return Config(platform=platform, token=token, **values)
+    files = {kind.name: values.pop(option(kind.name).attr) for kind in FILE_KINDS}
+    return Config(platform=platform, token=token, files=files, **values)
 
 
 def resolve_platform(environ: Mapping[str, str]) -> Platform:

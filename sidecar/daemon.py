@@ -2,8 +2,9 @@
 (wrapper.py) shares with it: the client, the run's state folder, the stall clock, the status
 endpoint.
 
-`sidecar watch` in one picture: the files named by --log, --jsonl and --tensorboard, the
-hardware sampler and the environment snapshot --> Pipeline (pipeline.py) --> IngestClient;
+`sidecar watch` in one picture: the files named by each file-source kind's option
+(sources/files/kinds.py), the hardware sampler and the environment snapshot --> Pipeline
+(pipeline.py) --> IngestClient;
 SIGTERM or SIGINT --> every file read to its end, delivered within --drain-timeout.
 """
 
@@ -21,6 +22,7 @@ from sidecar.config import Config, ConfigError
 from sidecar.delivery.client import IngestClient
 from sidecar.log import log
 from sidecar.node import Node, resolve_node
+from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
 from sidecar.supervise import fault_point, restarts, supervise
@@ -114,8 +116,8 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await serve_status(cfg, node, "watch", client, pipeline, None, report)
-    log.info("watching %d log, %d jsonl, %d tensorboard source(s), %d checkpoint folder(s)",
-             len(cfg.log), len(cfg.jsonl), len(cfg.tensorboard), len(cfg.checkpoints))
+    files = ", ".join(f"{len(cfg.files.get(kind.name, ()))} {kind.name}" for kind in FILE_KINDS)
+    log.info("watching %s source(s), %d checkpoint folder(s)", files, len(cfg.checkpoints))
     await stop.wait()
     await cancel(stall_ticker)
     refused = client.never_accepted

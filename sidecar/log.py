@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from sidecar.masking import mask
+from sidecar.sources.files.kinds import FILE_KINDS
 
 log = logging.getLogger("sidecar")
 
@@ -31,7 +32,7 @@ class _TextFormatter(logging.Formatter):
 _ROUTE_AT_START = re.compile(r"/([a-z]+(?:/[a-z]+)?): ")
 _OPTION_AT_START = re.compile(r"(--[a-z][a-z-]*)[ =](\S+?):? ")
 _VARIABLE_AT_START = re.compile(r"([A-Z][A-Z0-9]*_[A-Z0-9_]+)\b")
-SOURCE_OPTIONS = frozenset({"--log", "--jsonl", "--tensorboard", "--hparams", "--checkpoints"})
+SOURCE_OPTIONS = frozenset({*(kind.flag for kind in FILE_KINDS), "--hparams", "--checkpoints"})
 EXTRA_FIELDS = ("command", "route", "source", "path", "option", "variable")  # given with `extra=`
 
 

@@ -31,15 +31,13 @@ from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
 from sidecar.log import log, state_write_failed
-from sidecar.masking import mask, secrets
+from sidecar.masking import mask
 from sidecar.node import Node
-from sidecar.records import Ticket, iso_ts
-from sidecar.sources.base import Parsed, Parser
-from sidecar.sources.files.discover import EVENT_FILES
+from sidecar.records import Ticket
+from sidecar.sources.base import Parsed
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
 from sidecar.sources.files.hparams import HparamsFile
-from sidecar.sources.files.jsonl import JsonlParser
-from sidecar.sources.files.logfile import LogFileParser
+from sidecar.sources.files.kinds import FILE_KINDS, FileKind, Follow
 from sidecar.sources.files.offsets import Offsets
 from sidecar.sources.telemetry.environment import post_environment
 from sidecar.statefile import Malformed, load_checked, write_atomic
@@ -47,6 +45,7 @@ from sidecar.supervise import supervise
 
 if TYPE_CHECKING:
     from sidecar.sources.files.checkpoints import CheckpointWatcher, Found
+    from sidecar.sources.files.logfile import LogFileParser
     from sidecar.sources.telemetry.sampler import HardwareSampler
 
 MAX_NAMED_INVALID_KEYS = 100  # keys whose NaN/inf values are counted and said by name; the
@@ -56,24 +55,23 @@ MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the dis
 HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
 MAX_HPARAMS_PER_REQUEST = 1000
 DRAIN_READ_STEP_S = 0.05
-JSONL_PARSE_BYTES = 64 << 10  # about one /metrics request of points: what a crash may repeat
-TENSORBOARD_PARSE_BYTES = 256 << 10
 ENVIRONMENT_DRAIN_SHARE = 0.25  # of --drain-timeout a snapshot still being taken may have
 
 
 SOURCES_FILE = "sources.json"  # in the run's folder: the file sources it follows, for replay
-SOURCE_KINDS = ("log", "jsonl", "tensorboard")
 
 
 def recorded_sources(run_dir: Path) -> dict[str, tuple[str, ...]] | None:
-    """The file sources a run recorded in its folder (`Pipeline.start`), or None."""
+    """The file sources a run recorded in its folder (`Pipeline.start`), or None. A kind the
+    file does not name has none: the run that wrote it predates the kind."""
     def parse(data: bytes) -> dict[str, tuple[str, ...]]:
         doc = json.loads(data)
         if not isinstance(doc, dict) or not all(
-                isinstance(doc.get(kind), list) and all(isinstance(p, str) for p in doc[kind])
-                for kind in SOURCE_KINDS):
+                isinstance(doc.get(kind.name, []), list)
+                and all(isinstance(p, str) for p in doc.get(kind.name, []))
+                for kind in FILE_KINDS):
             raise Malformed("not lists of paths by source kind")
-        return {kind: tuple(doc[kind]) for kind in SOURCE_KINDS}
+        return {kind.name: tuple(doc.get(kind.name, ())) for kind in FILE_KINDS}
 
     return load_checked(run_dir / SOURCES_FILE, parse)
 
@@ -90,27 +88,22 @@ def source_specs(cfg: Config, node: Node,
                  made: Callable[[LogFileParser], None] | None = None) -> list[SourceSpec]:
     """The files `cfg` asks to follow, each kind with its parser (`made` is told of each log
     file's)."""
-    prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
+    follow = Follow(cfg, cfg.log_prefix.format(node=node.name, rank=node.rank), made)
     specs = []
-
-    def log_parser(path: Path, state: dict[str, Any]) -> LogFileParser:
-        parser = LogFileParser.resume(state, log_format=cfg.log_format, secrets=secrets,
-                                      prefix=prefix, keep_sgr=cfg.log_ansi == "keep")
-        if made is not None:
-            made(parser)
-        return parser
-
-    if cfg.log:
-        specs.append(SourceSpec("log", cfg.log, log_parser, option="--log"))
-    if cfg.jsonl:
-        specs.append(SourceSpec("jsonl", cfg.jsonl,
-                                lambda path, state: JsonlParser.resume(state, str(path)),
-                                parse_bytes=JSONL_PARSE_BYTES, option="--jsonl"))
-    for folder in cfg.tensorboard:
-        specs.append(SourceSpec("tensorboard", (folder,), _tensorboard_parser(Path(folder)),
-                                parse_bytes=TENSORBOARD_PARSE_BYTES, option="--tensorboard",
-                                tree=EVENT_FILES))
+    for kind in FILE_KINDS:
+        patterns = cfg.files.get(kind.name, ())
+        if kind.tree:
+            # a folder's parsers name keys from the path below it: one spec a folder
+            specs += [_spec(kind, (folder,), follow._replace(folder=Path(folder)))
+                      for folder in patterns]
+        elif patterns:
+            specs.append(_spec(kind, patterns, follow))
     return specs
+
+
+def _spec(kind: FileKind, patterns: tuple[str, ...], follow: Follow) -> SourceSpec:
+    return SourceSpec(kind.name, patterns, kind.parsers(follow), parse_bytes=kind.parse_bytes,
+                      option=kind.flag, tree=kind.tree)
 
 
 def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts) -> CheckpointWatcher:
@@ -133,38 +126,6 @@ def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts) -> Checkp
                           container_signal(os.environ))
     return CheckpointWatcher(cfg.checkpoints, register, artifacts.known, paths,
                              not_registering, mode=cfg.file_watch)
-
-
-def _tensorboard_parser(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
-    def make(path: Path, state: dict[str, Any]) -> Parser:
-        relative = path.parent.relative_to(folder)
-        prefix = "" if str(relative) == "." else f"{relative.as_posix()}/"
-        return _EventFile(prefix, state)
-
-    return make
-
-
-class _EventFile:
-    """The TensorBoard event-file decoder seen as a file parser: scalars become points."""
-
-    def __init__(self, key_prefix: str, state: dict[str, Any]) -> None:
-        from sidecar.sources.files.tensorboard import EventFileParser
-
-        self._decoder = EventFileParser(key_prefix, state)
-
-    def parse(self, data: bytes, now: float) -> Parsed:
-        decoded = self._decoder.parse(data)
-        points = [{"key": key, "step": step, "value": value, "ts": iso_ts(wall_time)}
-                  for key, step, value, wall_time in decoded.points]
-        return Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
-                      records=len(points), skipped=decoded.corrupt_records,
-                      invalid=decoded.invalid_values)
-
-    def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
-        return Parsed(consumed=0)  # a record still being written is waited for
-
-    def state(self) -> dict[str, Any]:
-        return self._decoder.state()
 
 
 class Pipeline(Sink):
@@ -247,7 +208,8 @@ class Pipeline(Sink):
         """Say in the run's folder which files it follows, so that `sidecar replay` can read
         what they hold past their committed offsets without being told again."""
         cfg = self.cfg
-        doc = {kind: [os.path.abspath(p) for p in getattr(cfg, kind)] for kind in SOURCE_KINDS}
+        doc = {kind.name: [os.path.abspath(p) for p in cfg.files.get(kind.name, ())]
+               for kind in FILE_KINDS}
         try:
             write_atomic(cfg.run_dir / SOURCES_FILE, json.dumps(doc).encode())
         except OSError as exc:
@@ -267,8 +229,10 @@ class Pipeline(Sink):
             from sidecar.sources.telemetry.gpus import choose_gpus
             from sidecar.sources.telemetry.sampler import HardwareSampler
 
-            disk_paths = [cfg.state_dir, *(Path(p).parent for p in (*cfg.log, *cfg.jsonl)),
-                          *(Path(p) for p in cfg.tensorboard)]
+            # a `tree` kind's pattern is the folder its files are written in
+            disk_paths = [cfg.state_dir, *(Path(p) if kind.tree else Path(p).parent
+                                           for kind in FILE_KINDS
+                                           for p in cfg.files.get(kind.name, ()))]
             gpus = choose_gpus(cfg.gpus, child_env, environ, watching=trainer_pid is None)
             self.sampler = HardwareSampler(
                 run_id=cfg.platform.run_id, node=self.node.name, interval_s=cfg.hardware_interval,

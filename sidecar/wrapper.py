@@ -46,6 +46,7 @@ from sidecar.sources.console.child import (
 )
 from sidecar.sources.console.lines import SCREEN_SLICE_CHARS, LineAssembler
 from sidecar.sources.console.signatures import Scanner
+from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.stall import StallWatch
 from sidecar.statefile import release
@@ -547,7 +548,7 @@ def _say_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
         kept.append("the command's last output")
     if pipeline is not None:
         pipeline.shipper.stop_reason = f"no answer of the ingest was accepted ({refused})"
-        if pipeline.cfg.jsonl or pipeline.cfg.tensorboard:
+        if any(pipeline.cfg.files.get(kind.name) for kind in FILE_KINDS if kind.metrics):
             kept.append("the metric points past the files' acknowledged offsets")
     fix = "once the token is accepted" if "token" in refused else "once the ingest is reachable"
     what = (f"; kept in {cfg.run_dir} for the next start or `sidecar replay` ({fix}): "

@@ -64,7 +64,7 @@ def test_defaults() -> None:
     c = cfg()
     assert c.drain_timeout == 20.0
     assert c.hardware_interval == 10.0
-    assert c.log == ()
+    assert c.files["log"] == ()
     assert c.status_addr == "127.0.0.1:9620"
     assert c.running_when == "spawn"
     assert c.log_format == "auto"
@@ -84,12 +84,12 @@ def test_float_precedence(toml: Path) -> None:
 def test_list_precedence_and_colon_separation(toml: Path) -> None:
     toml.write_text('log = ["file.log"]\njsonl = "one.jsonl"\n')
     c = cfg("--config", str(toml))
-    assert c.log == ("file.log",)
-    assert c.jsonl == ("one.jsonl",)
+    assert c.files["log"] == ("file.log",)
+    assert c.files["jsonl"] == ("one.jsonl",)
     c = cfg("--config", str(toml), SIDECAR_LOG="/var/log/a.log:/data/*.log::")
-    assert c.log == ("/var/log/a.log", "/data/*.log")
+    assert c.files["log"] == ("/var/log/a.log", "/data/*.log")
     c = cfg("--config", str(toml), "--log", "x.log", "--log", "y*.log", SIDECAR_LOG="a:b")
-    assert c.log == ("x.log", "y*.log")
+    assert c.files["log"] == ("x.log", "y*.log")
 
 
 def test_path_precedence_and_underscore_keys(toml: Path, tmp_path: Path) -> None:
@@ -482,8 +482,9 @@ def test_the_sample_file_holds_every_option_and_each_resolves(tmp_path: Path) ->
     assert keys == {opt.name for opt in OPTIONS}
     as_is = cfg("--config", str(SAMPLE))
     defaults = cfg()
+    assert as_is.files == defaults.files
     for opt in OPTIONS:
-        if opt.name != "state-dir":
+        if opt.name != "state-dir" and opt.name not in defaults.files:
             assert getattr(as_is, opt.attr) == getattr(defaults, opt.attr), opt.name
     every = tmp_path / "every.toml"
     every.write_text(_uncommented(text))

@@ -27,9 +27,9 @@ from sidecar.aio import cancel
 from sidecar.records import Ticket
 from sidecar.sources.base import Parsed
 from sidecar.sources.files import descriptors, follow, scan
-from sidecar.sources.files.discover import EVENT_FILES
 from sidecar.sources.files.follow import Follower, Sink, SourceSpec
 from sidecar.sources.files.jsonl import JsonlParser
+from sidecar.sources.files.kinds import BY_NAME
 from sidecar.sources.files.logfile import LogFileParser
 from sidecar.sources.files.offsets import Mark, Offsets, fingerprint
 from tests.conftest import RUN_ID, SIDECAR
@@ -505,14 +505,14 @@ async def test_a_trickle_is_read_just_before_the_sink_sends(tmp_path: Path) -> N
 def test_replay_counts_the_event_files_of_a_tensorboard_folder_as_followed(
         tmp_path: Path) -> None:
     from sidecar.commands.replay import _unread
-    from sidecar.pipeline import _tensorboard_parser
+    from sidecar.sources.files.tensorboard import folder_parsers
 
     event_file = tmp_path / "tb" / "train" / "events.out.tfevents.1.node"
     event_file.parent.mkdir(parents=True)
     event_file.write_bytes(b"x" * 100)
     st = event_file.stat()
-    spec = SourceSpec("tensorboard", (str(tmp_path / "tb"),), _tensorboard_parser(tmp_path / "tb"),
-                      option="--tensorboard", tree=EVENT_FILES)
+    spec = SourceSpec("tensorboard", (str(tmp_path / "tb"),), folder_parsers(tmp_path / "tb"),
+                      option="--tensorboard", tree=BY_NAME["tensorboard"].tree)
     marks = {"m": Mark(str(event_file), st.st_dev, st.st_ino, fingerprint(b"x" * 100), 10)}
     pipeline = SimpleNamespace(follower=SimpleNamespace(specs=[spec]),
                                offsets=SimpleNamespace(marks=marks))

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from sidecar.aio import cancel
-from sidecar.pipeline import _tensorboard_parser
 from sidecar.sources.files import follow
-from sidecar.sources.files.discover import EVENT_FILES, watch_roots
+from sidecar.sources.files.discover import watch_roots
 from sidecar.sources.files.follow import Follower, SourceSpec
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 from sidecar.sources.files.jsonl import JsonlParser
+from sidecar.sources.files.kinds import BY_NAME
 from sidecar.sources.files.offsets import Offsets
+from sidecar.sources.files.tensorboard import folder_parsers
 from tests.test_delivery import wait_until as async_wait_until
 from tests.test_follow import _Collect
 
@@ -106,8 +107,8 @@ async def test_a_folder_two_levels_deep_made_after_start_is_found_through_events
 async def test_a_tensorboard_run_folder_made_after_start_is_found_through_events(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runs = tmp_path / "runs" / "exp1"
-    spec = SourceSpec("tensorboard", (str(runs),), _tensorboard_parser(runs),
-                      option="--tensorboard", tree=EVENT_FILES)
+    spec = SourceSpec("tensorboard", (str(runs),), folder_parsers(runs),
+                      option="--tensorboard", tree=BY_NAME["tensorboard"].tree)
     async with following(monkeypatch, spec, tmp_path) as (follower, _):
         event_file = runs / "train" / "events.out.tfevents.1.node"
         event_file.parent.mkdir(parents=True)  # runs/, exp1/ and train/ in one go

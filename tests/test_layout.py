@@ -101,3 +101,65 @@ def test_kinds_of_source_import_each_other_only_where_named() -> None:
                                  if name != other)
     assert found == ACROSS_KINDS
 
+
+
+REGISTRY = "sidecar.sources.files.kinds"
+
+
+def _kind_names(tree: ast.AST, words: set[str]) -> list[tuple[int, str]]:
+    """Where a syntax tree spells one of `words` itself: a string constant that is the word
+    exactly (`"jsonl"`, `"--jsonl"`), an attribute read, a keyword argument or a declared field
+    of that name (`cfg.jsonl`, `_replace(jsonl=...)`, `jsonl: tuple[str, ...]`). A method
+    called is no field read: the logger's `log.log(level, ...)` is not `cfg.log`."""
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            spelled = node.value
+        elif isinstance(node, ast.Attribute) and id(node) not in called:
+            spelled = node.attr
+        elif isinstance(node, ast.keyword) and node.arg is not None:
+            spelled = node.arg
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            spelled = node.target.id
+        else:
+            continue
+        if spelled in words:
+            found.append((getattr(node, "lineno", 0), spelled))
+    return found
+
+
+def test_no_module_but_the_registry_and_the_parsers_names_a_file_source_kind() -> None:
+    """A new file-source kind is its parser module and one row of sources/files/kinds.py
+    (STYLE.md): every other module loops over the rows. So outside the registry and the parser
+    modules it imports, no code spells a registered kind by its name, its flag or its variable
+    (`"log"`, `"--log"`, `"SIDECAR_LOG"`), as a string constant that is exactly that, an
+    attribute read (`cfg.log`), a keyword argument (`log=`) or a field (`log: tuple[str,
+    ...]`). Exact, not a substring: "log" is a common word, and prose (docstrings, messages
+    naming several options, `--log-format`) is left alone, as are the logger `log` (a name, and
+    `log.log(...)` a method call) and the module `sidecar.log` (imported by name)."""
+    from sidecar.sources.files.kinds import FILE_KINDS
+
+    words = {word for kind in FILE_KINDS
+             for word in (kind.name, kind.flag, "SIDECAR_" + kind.name.upper().replace("-", "_"))}
+    parsers = {_module_of(name) for name in GRAPH[REGISTRY]
+               if _within(_module_of(name), "sidecar.sources.files")}
+    assert {"sidecar.sources.files.logfile", "sidecar.sources.files.jsonl",
+            "sidecar.sources.files.tensorboard"} <= parsers
+    named = {
+        f"{module}:{line} {word!r}"
+        for path in PACKAGE.rglob("*.py")
+        if (module := _module_name(path)) not in {REGISTRY, *parsers}
+        for line, word in _kind_names(ast.parse(path.read_text(), str(path)), words)
+    }
+    assert named == set()
+
+
+def test_the_kind_rule_finds_a_kind_where_one_is_named() -> None:
+    spelled = _kind_names(ast.parse(
+        'class Config(NamedTuple):\n    tensorboard: tuple[str, ...] = ()\n'
+        'if cfg.jsonl or cfg._replace(log=()) or option == "--tensorboard":\n'
+        '    log.log(20, "--log-format and --log files, a log")\n'), {"log", "--tensorboard",
+                                                                       "jsonl", "tensorboard"})
+    assert sorted(word for _, word in spelled) == ["--tensorboard", "jsonl", "log",
+                                                   "tensorboard"]

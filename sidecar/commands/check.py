@@ -19,7 +19,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,7 +30,8 @@ from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve, unkno
 from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import log
 from sidecar.masking import add_secret, mask
-from sidecar.sources.files.discover import EVENT_FILES, match
+from sidecar.sources.files.discover import match
+from sidecar.sources.files.kinds import FILE_KINDS, Head
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -54,7 +55,7 @@ _LOCAL_MEANING = {
 }
 SHOWN_FILES = 3  # files named in a source's line; --json lists up to MAX_LISTED_FILES
 MAX_LISTED_FILES = 100
-HEAD_BYTES = 64 << 10  # of each --jsonl file, parsed to tell whether it gives points
+HEAD_BYTES = 64 << 10  # of each file of a kind that probes heads, to tell whether it gives points
 _NETWORK_STEPS = frozenset({"dns", "tcp", "tls", "probe"})  # where a proxy may be the cause
 
 
@@ -195,32 +196,31 @@ def _variables(environ: Mapping[str, str], report: _Report) -> None:
                    unknown=[warning.split()[0] for warning in unknown])
 
 
-def _jsonl_heads(files: Sequence[str]) -> tuple[int, int, list[tuple[str, str]]]:
+def _heads(head: Callable[[bytes], Head],
+           files: Sequence[str]) -> tuple[int, int, list[tuple[str, str]]]:
     """What the head of each file gives, parsed as `watch` would: the points, the NaN or
     infinite values (never sent), and (file, first bad line) for each file holding one."""
-    from sidecar.sources.files.jsonl import JsonlParser
-
     points = not_finite = 0
     problems: list[tuple[str, str]] = []
     for name in files[:MAX_LISTED_FILES]:
         try:
             with open(name, "rb") as fh:
-                head = fh.read(HEAD_BYTES)
+                data = fh.read(HEAD_BYTES)
         except OSError as exc:
             problems.append((name, f"cannot be read ({exc.strerror})"))
             continue
-        parser = JsonlParser()
-        parsed = parser.parse(head, time.time())
-        points += len(parsed.points)
-        not_finite += sum(parsed.invalid.values())
-        if parser.problem:
-            problems.append((name, parser.problem))
+        found = head(data)
+        points += found.points
+        not_finite += found.not_finite
+        if found.problem:
+            problems.append((name, found.problem))
     return points, not_finite, problems
 
 
-def _jsonl_step(what: str, pattern: str, files: list[str], report: _Report) -> None:
-    """A --jsonl pattern's files read at their head: fail when they hold lines and no point."""
-    points, not_finite, problems = _jsonl_heads(files)
+def _head_step(step: str, head: Callable[[bytes], Head], what: str, pattern: str,
+               files: list[str], report: _Report) -> None:
+    """A pattern's files read at their head: fail when they hold lines and no point."""
+    points, not_finite, problems = _heads(head, files)
     listed = ", ".join(files[:SHOWN_FILES]) + (
         f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
     count = f"{len(files)} file{'s' if len(files) > 1 else ''} ({listed})"
@@ -230,43 +230,42 @@ def _jsonl_step(what: str, pattern: str, files: list[str], report: _Report) -> N
     said = "; ".join(f"{name} {problem}" for name, problem in problems[:SHOWN_FILES])
     their, them = ("its", "it") if len(files) == 1 else ("their", "them")
     if not points and problems:
-        report.add("jsonl", "fail", f"{what}: {count}, and no point in {their} first lines: "
+        report.add(step, "fail", f"{what}: {count}, and no point in {their} first lines: "
                    f"{said}", **details)
     elif not points and not_finite:
-        report.add("jsonl", "fail", f"{what}: {count}, and only NaN or infinite values in "
+        report.add(step, "fail", f"{what}: {count}, and only NaN or infinite values in "
                    f"{their} first lines, which are never sent", **details)
     elif problems:
-        report.add("jsonl", "warn", f"{what}: {count}, {points} points in {their} first lines, "
+        report.add(step, "warn", f"{what}: {count}, {points} points in {their} first lines, "
                    f"but {said}", **details)
     elif not points:
-        report.add("jsonl", "warn", f"{what}: {count}, no complete line in {them} yet; points "
+        report.add(step, "warn", f"{what}: {count}, no complete line in {them} yet; points "
                    "are sent as the trainer writes them", **details)
     else:
-        report.add("jsonl", "ok", f"{what}: {count}, {points} points in {their} first lines",
+        report.add(step, "ok", f"{what}: {count}, {points} points in {their} first lines",
                    **details)
 
 
 def _sources(cfg: Config, report: _Report) -> None:
     """What each source option matches now, as `watch` would expand it."""
-    for option, pattern in [*(("log", p) for p in cfg.log), *(("jsonl", p) for p in cfg.jsonl),
-                            *(("tensorboard", p) for p in cfg.tensorboard)]:
-        names, note = match(pattern, f"--{option}", option,
-                            EVENT_FILES if option == "tensorboard" else "")
+    given = [(kind, pattern) for kind in FILE_KINDS for pattern in cfg.files.get(kind.name, ())]
+    for kind, pattern in given:
+        names, note = match(pattern, kind.flag, kind.name, kind.tree)
         files = [p for p in names if os.path.isfile(p)]
-        what = f"--{option} {pattern}"
-        if files and option == "jsonl":
-            _jsonl_step(what, pattern, files, report)
+        what = f"{kind.flag} {pattern}"
+        if files and kind.head is not None:
+            _head_step(kind.name, kind.head, what, pattern, files, report)
             continue
         if files:
             more = f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
-            report.add(option, "ok", f"{what}: {len(files)} file{'s' if len(files) > 1 else ''} "
+            report.add(kind.name, "ok", f"{what}: {len(files)} file{'s' if len(files) > 1 else ''} "
                        f"({', '.join(files[:SHOWN_FILES])}{more})", pattern=pattern,
                        files=files[:MAX_LISTED_FILES], matched=len(files))
             continue
         hint = ("in a pod, check the volume's mountPath, the same in both containers"
                 if "does not exist" in note else "files that appear later are followed, but "
                 "check the name (and quote a pattern, so that the shell leaves it to the sidecar)")
-        report.add(option, "warn", f"{what}: {note or 'nothing matches yet'}; {hint}",
+        report.add(kind.name, "warn", f"{what}: {note or 'nothing matches yet'}; {hint}",
                    pattern=pattern, matched=0)
     for folder in cfg.checkpoints:
         _checkpoints(cfg, folder, report)

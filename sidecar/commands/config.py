@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.commands import say
-from sidecar.config import Config, ConfigError, options_of, resolve, unknown_variables
+from sidecar.config import Config, ConfigError, option, options_of, resolve, unknown_variables
 from sidecar.masking import MASK, add_secret, mask
 
 EXIT_OK = 0
@@ -55,7 +55,8 @@ def _platform(cfg: Config) -> dict[str, Any]:
 
 
 def _options(cfg: Config, origins: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    values = cfg._asdict()
+    # a file-source kind's patterns are in `files`, by the name of its option
+    values = {**cfg._asdict(), **{option(name).attr: paths for name, paths in cfg.files.items()}}
     return {opt.name: {"value": _plain(values[opt.attr]), "from": origins[opt.name],
                        **({"default": opt.shown_default}
                           if values[opt.attr] is None and opt.shown_default else {})}

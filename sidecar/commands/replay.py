@@ -23,6 +23,7 @@ from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.log import log
 from sidecar.node import resolve_node
 from sidecar.pipeline import Pipeline, recorded_sources
+from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.statefile import release
 
 PROGRESS_EVERY_S = 0.5
@@ -42,9 +43,8 @@ async def replay(cfg: Config, timeout_s: float) -> int:
     crash_tail = CrashTail(cfg.run_dir, cfg.platform.run_id, client)
     lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
     recorded = recorded_sources(cfg.run_dir)
-    if recorded and not (cfg.log or cfg.jsonl or cfg.tensorboard):
-        cfg = cfg._replace(log=recorded["log"], jsonl=recorded["jsonl"],
-                           tensorboard=recorded["tensorboard"])
+    if recorded and not any(cfg.files.values()):
+        cfg = cfg._replace(files=recorded)
     pipeline = Pipeline(cfg, client, resolve_node(cfg.node_name, os.environ, cfg.nodes))
     batchers = pipeline.batchers
     try:
@@ -78,8 +78,8 @@ async def replay(cfg: Config, timeout_s: float) -> int:
         unread = _unread(pipeline)
         if unread:
             log.error("replay: these files hold data past their committed offsets, but the run "
-                      "did not record them as its sources: %s; give replay the run's --jsonl, "
-                      "--tensorboard or --log options to deliver it", "; ".join(unread))
+                      "did not record them as its sources: %s; give replay the run's %s options "
+                      "to deliver it", "; ".join(unread), _source_options())
             return 1
         if left():
             log.error("replay: %d payloads still undelivered after %.0f s (last failure: %s); "
@@ -107,6 +107,13 @@ def _unread(pipeline: Pipeline) -> list[str]:
                 and os.path.abspath(mark.path) not in followed):
             unread.append(f"{mark.path} ({st.st_size - mark.offset} bytes)")
     return unread
+
+
+def _source_options() -> str:
+    """The file-source options, those whose files hold metric points past their offsets (what
+    a drain leaves) first: "--jsonl, --tensorboard or --log"."""
+    flags = [kind.flag for kind in sorted(FILE_KINDS, key=lambda kind: not kind.metrics)]
+    return ", ".join(flags[:-1]) + " or " + flags[-1]
 
 
 def _last_failure(client: object) -> str:

@@ -3,7 +3,7 @@ look over every source), change events (inotify.py), the follower that reads the
 rotation and truncation (follow.py) with one followed file's state (tail.py), what makes a file
 the same file (identity.py) and the descriptors files may hold (descriptors.py), one
 parser per kind (logfile.py, jsonl.py, tensorboard.py with tensorboard_schema.py, and hparams.py
-for `--hparams`), and the per-file read offsets in `offsets.json` (offsets.py), committed only
-once the ingest acknowledged every payload made from the bytes before them. The pipeline
-(`sidecar/pipeline.py`) drives the follower and takes its payloads to the batchers in
-`delivery/`."""
+for `--hparams`), each kind registered once in kinds.py, and the per-file read offsets in
+`offsets.json` (offsets.py), committed only once the ingest acknowledged every payload made from
+the bytes before them. The pipeline (`sidecar/pipeline.py`) drives the follower and takes its
+payloads to the batchers in `delivery/`."""

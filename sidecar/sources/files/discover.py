@@ -14,8 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-EVENT_FILES = "events.out.tfevents.*"  # TensorBoard's event file names (CONTRACT 5)
-_FILE_HINT = {"log": "*.log", "jsonl": "*.jsonl"}  # what to glob for in a folder named by mistake
+from sidecar.sources.files.kinds import folder_hint
 
 
 def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[str], str]:
@@ -38,7 +37,7 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
         return [], "nothing matches yet" if fixed.is_dir() else _missing(fixed / "x")
     if path.is_dir():
         return [], (f"is a folder; {option} takes files (a glob such as "
-                    f"{path / _FILE_HINT.get(kind, '*')})")
+                    f"{path / folder_hint(kind)})")
     if path.exists():
         return [pattern], ""
     return [], _missing(path)

@@ -33,11 +33,14 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import google_crc32c
 from google.protobuf.message import DecodeError
 
+from sidecar.records import iso_ts
+from sidecar.sources.base import Parsed, Parser
 from sidecar.sources.files import tensorboard_schema as schema
 
 MAX_RECORD_BYTES = 256 * 1024 * 1024  # a longer record is taken for garbage, not waited for
@@ -451,6 +454,37 @@ class EventFileParser:
             out.points.append((key, step, value, wall_time))
         else:
             out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
+
+
+def folder_parsers(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
+    """The parser of each event file under `folder`: its keys named from the path below it."""
+    def make(path: Path, state: dict[str, Any]) -> Parser:
+        relative = path.parent.relative_to(folder)
+        prefix = "" if str(relative) == "." else f"{relative.as_posix()}/"
+        return EventFile(prefix, state)
+
+    return make
+
+
+class EventFile:
+    """The TensorBoard event-file decoder seen as a file parser: scalars become points."""
+
+    def __init__(self, key_prefix: str, state: dict[str, Any]) -> None:
+        self._decoder = EventFileParser(key_prefix, state)
+
+    def parse(self, data: bytes, now: float) -> Parsed:
+        decoded = self._decoder.parse(data)
+        points = [{"key": key, "step": step, "value": value, "ts": iso_ts(wall_time)}
+                  for key, step, value, wall_time in decoded.points]
+        return Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
+                      records=len(points), skipped=decoded.corrupt_records,
+                      invalid=decoded.invalid_values)
+
+    def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
+        return Parsed(consumed=0)  # a record still being written is waited for
+
+    def state(self) -> dict[str, Any]:
+        return self._decoder.state()
 
 
 @contextlib.contextmanager

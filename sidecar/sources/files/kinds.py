@@ -1,0 +1,125 @@
+"""The kinds of followed file, one row a kind: the one place a kind is named.
+
+Its option (`config.OPTIONS` makes the row of each), how its files are parsed (the pipeline's
+specs), and what `check`, `replay` and the wrapper need of it are read from the row; a new kind is
+its parser module and a row here (tests/test_layout.py keeps every other module from naming one).
+
+Plain data at import: `config.py` reads the rows at every start, so a row's parser module is
+imported by its factory, when a run follows such files (tests/test_footprint.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sidecar.records import LOG_BLOCK
+
+if TYPE_CHECKING:
+    from sidecar.config import Config
+    from sidecar.sources.base import Parser
+    from sidecar.sources.files.logfile import LogFileParser
+
+# (path, saved state) -> the parser of that file, as files/follow.py's SourceSpec takes it
+MakeParser = Callable[[Path, dict[str, Any]], "Parser"]
+
+
+class Follow(NamedTuple):
+    """What a kind's parser factory is given for one spec of files."""
+
+    cfg: Config
+    prefix: str  # of each forwarded log line: --log-prefix with {node} and {rank} filled in
+    made: Callable[[LogFileParser], None] | None = None  # told of each log file's parser
+    folder: Path = Path()  # a `tree` kind's spec is one folder: this one
+
+
+class Head(NamedTuple):
+    """What the head of one file gives, parsed as `watch` would (`sidecar check`)."""
+
+    points: int
+    not_finite: int  # NaN or infinite values, never sent
+    problem: str  # the first bad line and what is wrong with it, or ""
+
+
+class FileKind(NamedTuple):
+    """One kind of followed file."""
+
+    name: str  # the option (--NAME, SIDECAR_NAME, NAME in TOML), the key of Config.files and
+    #   of the run's sources.json
+    help: str  # the option's --help text, before its default and variable
+    parsers: Callable[[Follow], MakeParser]  # imports the kind's parser module when called
+    metavar: str = ""  # what --help shows for a value; empty: the list options' PATH
+    # bytes handed to a parser at once: the granularity of acknowledgement, so of what a crash
+    # may repeat
+    parse_bytes: int = LOG_BLOCK
+    tree: str = ""  # a file-name glob: each pattern is a folder searched at any depth for such
+    #   files, one spec a folder
+    folder_hint: str = "*"  # the glob to give in a folder named by mistake for a file
+    # its files give metric points, held back by a file's offset until acknowledged: what a
+    # drain cut short leaves for the next start or `sidecar replay`
+    metrics: bool = False
+    head: Callable[[bytes], Head] | None = None  # `check`: what a file's first bytes give
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name
+
+
+def _log_parsers(follow: Follow) -> MakeParser:
+    from sidecar.masking import secrets
+    from sidecar.sources.files.logfile import LogFileParser
+
+    cfg = follow.cfg
+
+    def make(path: Path, state: dict[str, Any]) -> Parser:
+        parser = LogFileParser.resume(state, log_format=cfg.log_format, secrets=secrets,
+                                      prefix=follow.prefix, keep_sgr=cfg.log_ansi == "keep")
+        if follow.made is not None:
+            follow.made(parser)
+        return parser
+
+    return make
+
+
+def _jsonl_parsers(follow: Follow) -> MakeParser:
+    from sidecar.sources.files.jsonl import JsonlParser
+
+    return lambda path, state: JsonlParser.resume(state, str(path))
+
+
+def _jsonl_head(data: bytes) -> Head:
+    from sidecar.sources.files.jsonl import JsonlParser
+
+    parser = JsonlParser()
+    parsed = parser.parse(data, time.time())
+    return Head(len(parsed.points), sum(parsed.invalid.values()), parser.problem)
+
+
+def _tensorboard_parsers(follow: Follow) -> MakeParser:
+    from sidecar.sources.files.tensorboard import folder_parsers
+
+    return folder_parsers(follow.folder)
+
+
+FILE_KINDS: tuple[FileKind, ...] = (
+    FileKind("log", "plain-text log file forwarded to /logs (repeatable, globs allowed)",
+             _log_parsers, folder_hint="*.log"),
+    # about one /metrics request of points
+    FileKind("jsonl", "JSONL metric log forwarded to /metrics (repeatable, globs)",
+             _jsonl_parsers, parse_bytes=64 << 10, folder_hint="*.jsonl", metrics=True,
+             head=_jsonl_head),
+    # TensorBoard's event file names (docs/ingest.md#how-sources-become-payloads)
+    FileKind("tensorboard", "TensorBoard log directory, searched recursively (repeatable)",
+             _tensorboard_parsers, metavar="DIR", parse_bytes=256 << 10,
+             tree="events.out.tfevents.*", metrics=True),
+)
+
+
+BY_NAME = {kind.name: kind for kind in FILE_KINDS}
+
+
+def folder_hint(name: str) -> str:
+    """The glob a folder given for a file of kind `name` should have named; `*` when unknown."""
+    return BY_NAME[name].folder_hint if name in BY_NAME else "*"
