@@ -18,7 +18,8 @@ from typing import Any
 
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, json_body
-from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
+from sidecar.delivery.deadletter import dead_letter
+from sidecar.delivery.journal import SKIPPED, Journal, read_back
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import Malformed, load_checked, write_atomic
 from sidecar.supervise import fault_point, supervise
@@ -172,13 +173,9 @@ class Artifacts:
         answer = await self.client.deliver("artifact", body)
         if not answer.ok:  # a 4xx (a 413 too: one registration cannot be split)
             self.rejected += 1
-            try:
-                kept = await asyncio.to_thread(append_dead_letter, self.run_dir, "artifact",
-                                               answer.status, body)
-                where = f"kept in {kept}"
-            except OSError as exc:
-                state_write_failed(self.run_dir / "dead-letter.jsonl", exc)
-                where = "not kept"
+            kept = await asyncio.to_thread(dead_letter, self.run_dir, "artifact",
+                                           answer.status, body)
+            where = f"kept in {kept}" if kept else "not kept"
             log.error("/artifact: HTTP %s: the ingest refused %s for good (%s); %s",
                       answer.status, body.decode(), answer.reason or "no reason given", where)
         else:

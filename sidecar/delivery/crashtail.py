@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
-from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
+from sidecar.delivery.deadletter import dead_letter
+from sidecar.delivery.journal import SKIPPED, Journal, read_back
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import TEXT, Kind, record
 
@@ -213,9 +214,9 @@ class CrashTail:
         answer = (Answer(Verdict.ACCEPTED) if body == SKIPPED
                   else await self.client.deliver(ROUTE, body))
         if answer.verdict is Verdict.REJECTED:
+            kept = dead_letter(self.run_dir, "logs", answer.status, body)
             log.error("/logs: HTTP %s: the ingest refused the command's last output for good; "
-                      "kept in %s",
-                      answer.status, append_dead_letter(self.run_dir, "logs", answer.status, body))
+                      "%s", answer.status, f"kept in {kept}" if kept else "not kept")
         self._pending.pop(0)
         journal = self._journal
         if journal is None or not journaled:

@@ -13,7 +13,6 @@ place is set aside, never opened in a way that blocks.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import struct
 import zlib
@@ -172,15 +171,6 @@ def append_frames(path: Path, frames: bytes) -> None:
             with contextlib.suppress(OSError):
                 fh.truncate(size)
             raise
-
-
-def append_dead_letter(run_dir: Path, route: str, status: int | None, body: bytes) -> Path:
-    """Keep a payload the ingest refused for good, one JSON line each, for a person to look at."""
-    path = run_dir / "dead-letter.jsonl"
-    record = {"route": route, "status": status, "body": body.decode("utf-8", "replace")}
-    with open(path, "ab") as fh:
-        fh.write(json.dumps(record).encode() + b"\n")
-    return path
 
 
 def _unframe(data: bytes) -> tuple[list[bytes], int]:

@@ -24,7 +24,8 @@ from pathlib import Path
 from sidecar.aio import cancel, wait_set
 from sidecar.config import WRAPPER_SOCKET_VARIABLE, ConfigError
 from sidecar.delivery.client import Answer, IngestClient, Verdict
-from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
+from sidecar.delivery.deadletter import dead_letter
+from sidecar.delivery.journal import SKIPPED, Journal, read_back
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
 from sidecar.statefile import TEXT, Busy, record
@@ -226,10 +227,7 @@ class Lifecycle:
         return doc["run_id"] == self.run_id and doc["event"] in EVENTS
 
     def _dead_letter(self, body: bytes, status: int | None) -> None:
-        try:
-            where = f"kept in {append_dead_letter(self.run_dir, 'lifecycle', status, body)}"
-        except OSError as exc:
-            state_write_failed(self.run_dir / "dead-letter.jsonl", exc)
-            where = "not kept"
+        kept = dead_letter(self.run_dir, "lifecycle", status, body)
+        where = f"kept in {kept}" if kept else "not kept"
         log.error("/lifecycle: HTTP %s: the ingest refused %s for good; %s", status,
                   body.decode(), where)
