@@ -47,7 +47,7 @@ class Journal:
         self._lock: int | None = None
 
     @property
-    def _ack_path(self) -> Path:
+    def ack_path(self) -> Path:
         return self.path.with_name(self.path.name + ".acked")
 
     @property
@@ -84,7 +84,7 @@ class Journal:
         stored = self._read_acked()
         self._acked = min(stored, len(self._records))
         if stored != self._acked:  # a stale count would swallow the records appended next
-            write_atomic(self._ack_path, str(self._acked).encode())
+            write_atomic(self.ack_path, str(self._acked).encode())
         return self._records[self._acked:]
 
     def append(self, payload: bytes) -> None:
@@ -99,20 +99,20 @@ class Journal:
             raise ValueError(f"cannot acknowledge {count} records")
         self._acked = min(self._acked + count, len(self._records))
         self._ack_saved = False
-        write_atomic(self._ack_path, str(self._acked).encode())
+        write_atomic(self.ack_path, str(self._acked).encode())
         self._ack_saved = True
 
     def clear(self) -> None:
         """Forget every record once all are acknowledged: the journal first, so that a crash
         in between leaves an acknowledged count that `open` finds too high and corrects."""
         self.path.unlink(missing_ok=True)
-        self._ack_path.unlink(missing_ok=True)
+        self.ack_path.unlink(missing_ok=True)
         self._records, self._acked, self._ack_saved = [], 0, True
 
     def save_ack(self) -> None:
         """Write the acknowledged count again if its last write failed (a full disk)."""
         if not self._ack_saved:
-            write_atomic(self._ack_path, str(self._acked).encode())
+            write_atomic(self.ack_path, str(self._acked).encode())
             self._ack_saved = True
 
     @property
@@ -127,7 +127,7 @@ class Journal:
 
     def _read_acked(self) -> int:
         """The acknowledged count; 0 (replay it all) when absent or malformed (set aside)."""
-        return load_checked(self._ack_path, _parse_count) or 0
+        return load_checked(self.ack_path, _parse_count) or 0
 
 
 SKIPPED = b""  # in a queue read back: a record that is not the journal's own, acked unposted
