@@ -3,16 +3,19 @@ event, through an ingest blip at the moment of the crash and through a SIGKILL o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from sidecar.delivery.crashtail import JOURNAL_NAME
+from sidecar.delivery.client import IngestClient
+from sidecar.delivery.crashtail import JOURNAL_NAME, CrashTail
 from sidecar.delivery.journal import Journal
-from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
+from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child, sidecar
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
@@ -161,3 +164,27 @@ def test_the_last_output_keeps_the_order_it_was_written_in_across_streams(
     assert lines == [f"write {i:03d} on {('stdout', 'stderr')[i % 2]}" for i in range(40)]
     last = "".join(bodies[-1])  # the last output, taken at the exit: both streams in it
     assert len(bodies) >= 2 and "on stdout" in last and "on stderr" in last, bodies
+
+
+async def test_a_dead_letter_the_state_dir_refuses_does_not_end_the_delivery(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """The crash tail kept a refused body in the dead-letter file with no OSError guard: when
+    the file could not be written (here a folder stands in its place), `deliver` raised, the
+    drain lost the rest of the last output, and the earlier start's sender was restarted on the
+    same body again and again. Now the refusal is said, the body left, and the next one goes."""
+    ingest.add_fault(Fault(route="logs", reject_if_contains="poison"))
+    run_dir = tmp_path / "state" / RUN_ID
+    await asyncio.to_thread((run_dir / "dead-letter.jsonl").mkdir, parents=True)
+    client = IngestClient(ingest.base_url, ("X-StarForge-Token",), lambda: TOKEN)
+    await client.start()
+    crash_tail = CrashTail(run_dir, RUN_ID, client)
+    try:
+        await crash_tail.open()
+        await crash_tail.add(["poison\n"])
+        await crash_tail.add(["the last words\n"])
+        assert await crash_tail.deliver(time.monotonic() + 10.0)
+    finally:
+        await client.close()
+    assert [r["chunks"] for r in ingest.records("logs")] == [["the last words\n"]]
+    assert crash_tail.pending == 0
+    assert not (run_dir / JOURNAL_NAME).exists()  # both acknowledged, the journal cleared

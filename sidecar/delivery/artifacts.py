@@ -17,14 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery.client import IngestClient, json_body
-from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
+from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
+from sidecar.delivery.journal import SKIPPED, Journal, read_back
+from sidecar.delivery.strict import Entry, StrictSender
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import Malformed, load_checked, write_atomic
-from sidecar.supervise import fault_point, supervise
+from sidecar.supervise import supervise
 
 JOURNAL = "artifact.journal"
 REGISTERED = "artifacts.json"  # local path -> fingerprint of what was journaled for it
+
+
+def _posted(record: bytes) -> bytes:
+    """The /artifact body of a journaled registration."""
+    return json_body(json.loads(record)["body"])
 
 
 def _parse_registered(data: bytes) -> dict[str, str]:
@@ -46,13 +52,15 @@ class Artifacts:
         self.rejected = 0  # refused for good (dead-lettered)
         self.opened = asyncio.Event()
         self._registered: dict[str, str] = {}
-        self._journal = Journal(run_dir / JOURNAL)
-        self._queue: list[tuple[bytes, bool]] = []  # (record, in the journal)
         self._fresh: list[bytes] = []  # registered, not yet journaled
         self._journaling = 0  # taken from _fresh, being journaled
         self._fresh_ready = asyncio.Event()
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
+        # a 413 is refused for good too: one registration cannot be split
+        self._sender = StrictSender(
+            client, "artifact", Journal(run_dir / JOURNAL), run_dir, letter_route="artifact",
+            accepted=self._accepted, refused=self._refused, body_of=_posted,
+            dead_letters=frozenset({Verdict.REJECTED, Verdict.TOO_LARGE}),
+            more_coming=lambda: bool(self._fresh or self._journaling))
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -74,35 +82,32 @@ class Artifacts:
         doc = {"run_id": self.run_id, "identity": {"path": local, "fingerprint": fingerprint},
                "body": {"run_id": self.run_id, **body}}
         self._fresh.append(json_body(doc))
-        self._idle.clear()
+        self._sender.expect()
         self._fresh_ready.set()
 
     @property
     def pending(self) -> int:
         """Registrations not yet acknowledged (or refused for good)."""
         return len(self._fresh) + self._journaling + sum(
-            1 for record, _ in self._queue if record != SKIPPED)
+            1 for record, _ in self._sender.queue if record != SKIPPED)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every registration is acknowledged; False when `timeout_s` ran out."""
         if self._task is None:  # nothing to register in this run, nothing left by another
             return True
-        return await wait_set(self._idle, timeout_s)
+        return await wait_set(self._sender.idle, timeout_s)
 
     async def close(self) -> None:
         await cancel(self._task)
-        try:
-            await asyncio.to_thread(self._journal.save_ack)
-        except OSError as exc:
-            state_write_failed(self._journal.path.with_name(JOURNAL + ".acked"), exc)
+        await self._sender.save_ack()
 
     async def _run(self) -> None:
         if not self.opened.is_set():
-            await asyncio.to_thread(self._open)
+            self._sender.put(await asyncio.to_thread(self._open))
             self.opened.set()
         # Journaling goes on while the head is retried: a registration made during an outage
         # is on disk at once, not when the outage ends.
-        await asyncio.gather(self._journal_loop(), self._send_loop())
+        await asyncio.gather(self._journal_loop(), self._sender.run())
 
     async def _journal_loop(self) -> None:
         while True:
@@ -111,39 +116,21 @@ class Artifacts:
                 await self._fresh_ready.wait()
                 continue
             await self._journal_fresh()
-            self._wake.set()
 
-    async def _send_loop(self) -> None:
-        while True:
-            fault_point()
-            if not self._queue:
-                if not self._fresh and not self._journaling:
-                    self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            record, journaled = self._queue[0]
-            if record != SKIPPED:
-                await self._deliver(record)
-            if journaled:
-                try:
-                    await asyncio.to_thread(self._journal.ack)
-                except OSError as exc:
-                    state_write_failed(self._journal.path.with_name(JOURNAL + ".acked"), exc)
-            self._queue.pop(0)
-
-    def _open(self) -> None:
-        """Blocking: the registered identities and the journal's undelivered records."""
+    def _open(self) -> list[Entry]:
+        """Blocking: read the registered identities back; returns the journal's undelivered
+        records."""
         self._registered.update(load_checked(self.run_dir / REGISTERED, _parse_registered) or {})
-        self._queue = read_back(self._journal, self._belongs, "artifact registrations",
-                                self.run_id)
-        for record, _ in self._queue:
+        queue = read_back(self._sender.journal, self._belongs, "artifact registrations",
+                          self.run_id)
+        for record, _ in queue:
             if record != SKIPPED:
                 identity = json.loads(record)["identity"]
                 self._registered[identity["path"]] = identity["fingerprint"]
-        if self._queue:
+        if queue:
             log.info("replaying %d artifact registration(s) left undelivered by an earlier "
-                     "start", len(self._queue))
+                     "start", len(queue))
+        return queue
 
     async def _journal_fresh(self) -> None:
         """Journal what was registered since and remember its identities durably, both before
@@ -151,38 +138,24 @@ class Artifacts:
         registered again at the next start."""
         fresh, self._fresh = self._fresh, []
         self._journaling = len(fresh)
-        journaled = []
-        for record in fresh:
-            try:
-                await asyncio.to_thread(self._journal.append, record)
-                journaled.append((record, True))
-            except OSError as exc:  # a full disk: deliver from memory, the next start may repeat
-                state_write_failed(self._journal.path, exc)
-                journaled.append((record, False))
+        # a full disk: delivered from memory, the next start may repeat it
+        journaled = [await self._sender.journaled(record) for record in fresh]
         snapshot = json.dumps(self._registered).encode()
         try:
             await asyncio.to_thread(write_atomic, self.run_dir / REGISTERED, snapshot)
         except OSError as exc:
             state_write_failed(self.run_dir / REGISTERED, exc)
-        self._queue.extend(journaled)
+        self._sender.put(journaled)
         self._journaling = 0
 
-    async def _deliver(self, record: bytes) -> None:
-        body = json_body(json.loads(record)["body"])
-        answer = await self.client.deliver("artifact", body)
-        if not answer.ok:  # a 4xx (a 413 too: one registration cannot be split)
-            self.rejected += 1
-            try:
-                kept = await asyncio.to_thread(append_dead_letter, self.run_dir, "artifact",
-                                               answer.status, body)
-                where = f"kept in {kept}"
-            except OSError as exc:
-                state_write_failed(self.run_dir / "dead-letter.jsonl", exc)
-                where = "not kept"
-            log.error("/artifact: HTTP %s: the ingest refused %s for good (%s); %s",
-                      answer.status, body.decode(), answer.reason or "no reason given", where)
-        else:
-            self.delivered += 1
+    def _accepted(self, body: bytes) -> None:
+        self.delivered += 1
+
+    def _refused(self, body: bytes, answer: Answer, kept: Path | None) -> None:
+        self.rejected += 1
+        log.error("/artifact: HTTP %s: the ingest refused %s for good (%s); %s", answer.status,
+                  body.decode(), answer.reason or "no reason given",
+                  f"kept in {kept}" if kept else "not kept")
 
     def _belongs(self, record: bytes) -> bool:
         """Whether a record read back from the journal is a registration of this run, as

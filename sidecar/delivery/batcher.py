@@ -26,9 +26,9 @@ from typing import Any
 
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, Verdict, json_body
+from sidecar.delivery.deadletter import dead_letter
 from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
-from sidecar.delivery.journal import append_dead_letter
-from sidecar.log import Throttle, log, state_write_failed
+from sidecar.log import Throttle, log
 from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
 
@@ -261,12 +261,8 @@ class Batcher:
             await self._send(batch[half:])
             return
         self.dead_lettered += len(batch)
-        try:
-            path = append_dead_letter(self.run_dir, self.route, answer.status, body)
-            kept = f"it is kept in {path}"
-        except OSError as exc:
-            state_write_failed(self.run_dir / "dead-letter.jsonl", exc)
-            kept = "it could not be kept and is lost"
+        path = dead_letter(self.run_dir, self.route, answer.status, body)
+        kept = f"it is kept in {path}" if path else "it could not be kept and is lost"
         log.error("/%s: HTTP %s: the ingest refused this payload for good (%s); %s; later "
                   "payloads go on", self.route, answer.status, answer.detail or "no reason given",
                   kept)

@@ -25,9 +25,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
-from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
-from sidecar.log import log, state_write_failed
+from sidecar.delivery.client import Answer, IngestClient, json_body
+from sidecar.delivery.journal import SKIPPED, Journal, read_back
+from sidecar.delivery.strict import StrictSender
+from sidecar.log import log
 from sidecar.statefile import TEXT, Kind, record
 
 TAIL_BYTES = 64 << 10  # CONTRACT 4: of each stream, what the crash tail may hold
@@ -157,47 +158,40 @@ class CrashTail:
         self.run_dir = run_dir
         self.run_id = run_id
         self.client = client
-        self._journal: Journal | None = None
-        # bodies not yet acknowledged, and whether in the journal
-        self._pending: list[tuple[bytes, bool]] = []
+        # dead-lettered as /logs; the journal holds only what is not yet delivered
+        self._sender = StrictSender(client, ROUTE, Journal(run_dir / JOURNAL_NAME), run_dir,
+                                    letter_route="logs", refused=_refused, clear_when_done=True)
         self._lock = asyncio.Lock()
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._sender.queue)
 
     async def open(self) -> int:
         """Load what an earlier sidecar left undelivered; returns how many bodies."""
-        self._journal = Journal(self.run_dir / JOURNAL_NAME)
-        self._pending = await asyncio.to_thread(read_back, self._journal, self._is_tail,
-                                                "/logs bodies", self.run_id)
-        skipped = sum(body == SKIPPED for body, _ in self._pending)
-        if len(self._pending) > skipped:
+        left = await asyncio.to_thread(read_back, self._sender.journal, self._is_tail,
+                                       "/logs bodies", self.run_id)
+        self._sender.put(left)
+        if any(body != SKIPPED for body, _ in left):
             log.info("delivering the command's last output that an earlier start left "
                      "undelivered to /logs, before its lifecycle events")
-        return len(self._pending)
+        return len(left)
 
     async def add(self, chunks: list[str]) -> None:
         """Journal one body of `chunks` (durably, before its first attempt) for delivery."""
         if not chunks:
             return
-        body = json_body({"run_id": self.run_id, "chunks": chunks, "eof": False})
-        assert self._journal is not None, "open() first"
-        try:
-            await asyncio.to_thread(self._journal.append, body)
-            self._pending.append((body, True))
-        except OSError as exc:  # a full disk: still delivered from memory during this drain
-            state_write_failed(self._journal.path, exc)
-            self._pending.append((body, False))
+        # a full disk: still delivered from memory during this drain
+        await self._sender.add(json_body({"run_id": self.run_id, "chunks": chunks,
+                                          "eof": False}))
 
     async def deliver(self, deadline: float | None = None) -> bool:
         """Deliver the bodies in order until none is left (True) or `deadline` passes."""
         delay = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(delay), self._lock:
-                while self._pending:
-                    await self._deliver_first()
-        return not self._pending
+                await self._sender.send_all()
+        return not self._sender.queue
 
     def _is_tail(self, body: bytes) -> bool:
         """Whether a record read back from the journal is a crash tail of this run, as `add`
@@ -208,21 +202,7 @@ class CrashTail:
             return False
         return doc["run_id"] == self.run_id and all(isinstance(c, str) for c in doc["chunks"])
 
-    async def _deliver_first(self) -> None:
-        body, journaled = self._pending[0]
-        answer = (Answer(Verdict.ACCEPTED) if body == SKIPPED
-                  else await self.client.deliver(ROUTE, body))
-        if answer.verdict is Verdict.REJECTED:
-            log.error("/logs: HTTP %s: the ingest refused the command's last output for good; "
-                      "kept in %s",
-                      answer.status, append_dead_letter(self.run_dir, "logs", answer.status, body))
-        self._pending.pop(0)
-        journal = self._journal
-        if journal is None or not journaled:
-            return
-        try:
-            await asyncio.to_thread(journal.ack)
-            if not journal.pending:
-                await asyncio.to_thread(journal.clear)
-        except OSError as exc:
-            state_write_failed(journal.path, exc)
+
+def _refused(body: bytes, answer: Answer, kept: Path | None) -> None:
+    log.error("/logs: HTTP %s: the ingest refused the command's last output for good; %s",
+              answer.status, f"kept in {kept}" if kept else "not kept")

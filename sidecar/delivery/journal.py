@@ -13,7 +13,6 @@ place is set aside, never opened in a way that blocks.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import struct
 import zlib
@@ -48,7 +47,7 @@ class Journal:
         self._lock: int | None = None
 
     @property
-    def _ack_path(self) -> Path:
+    def ack_path(self) -> Path:
         return self.path.with_name(self.path.name + ".acked")
 
     @property
@@ -85,7 +84,7 @@ class Journal:
         stored = self._read_acked()
         self._acked = min(stored, len(self._records))
         if stored != self._acked:  # a stale count would swallow the records appended next
-            write_atomic(self._ack_path, str(self._acked).encode())
+            write_atomic(self.ack_path, str(self._acked).encode())
         return self._records[self._acked:]
 
     def append(self, payload: bytes) -> None:
@@ -100,20 +99,20 @@ class Journal:
             raise ValueError(f"cannot acknowledge {count} records")
         self._acked = min(self._acked + count, len(self._records))
         self._ack_saved = False
-        write_atomic(self._ack_path, str(self._acked).encode())
+        write_atomic(self.ack_path, str(self._acked).encode())
         self._ack_saved = True
 
     def clear(self) -> None:
         """Forget every record once all are acknowledged: the journal first, so that a crash
         in between leaves an acknowledged count that `open` finds too high and corrects."""
         self.path.unlink(missing_ok=True)
-        self._ack_path.unlink(missing_ok=True)
+        self.ack_path.unlink(missing_ok=True)
         self._records, self._acked, self._ack_saved = [], 0, True
 
     def save_ack(self) -> None:
         """Write the acknowledged count again if its last write failed (a full disk)."""
         if not self._ack_saved:
-            write_atomic(self._ack_path, str(self._acked).encode())
+            write_atomic(self.ack_path, str(self._acked).encode())
             self._ack_saved = True
 
     @property
@@ -128,7 +127,7 @@ class Journal:
 
     def _read_acked(self) -> int:
         """The acknowledged count; 0 (replay it all) when absent or malformed (set aside)."""
-        return load_checked(self._ack_path, _parse_count) or 0
+        return load_checked(self.ack_path, _parse_count) or 0
 
 
 SKIPPED = b""  # in a queue read back: a record that is not the journal's own, acked unposted
@@ -172,15 +171,6 @@ def append_frames(path: Path, frames: bytes) -> None:
             with contextlib.suppress(OSError):
                 fh.truncate(size)
             raise
-
-
-def append_dead_letter(run_dir: Path, route: str, status: int | None, body: bytes) -> Path:
-    """Keep a payload the ingest refused for good, one JSON line each, for a person to look at."""
-    path = run_dir / "dead-letter.jsonl"
-    record = {"route": route, "status": status, "body": body.decode("utf-8", "replace")}
-    with open(path, "ab") as fh:
-        fh.write(json.dumps(record).encode() + b"\n")
-    return path
 
 
 def _unframe(data: bytes) -> tuple[list[bytes], int]:

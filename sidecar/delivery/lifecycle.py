@@ -23,12 +23,13 @@ from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
 from sidecar.config import WRAPPER_SOCKET_VARIABLE, ConfigError
-from sidecar.delivery.client import Answer, IngestClient, Verdict
-from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_back
+from sidecar.delivery.client import Answer, IngestClient
+from sidecar.delivery.journal import SKIPPED, Journal, read_back
+from sidecar.delivery.strict import Entry, StrictSender
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
 from sidecar.statefile import TEXT, Busy, record
-from sidecar.supervise import fault_point, supervise
+from sidecar.supervise import supervise
 
 EVENTS = ("starting", "running", "succeeded", "failed")
 TERMINAL = ("succeeded", "failed")
@@ -61,10 +62,7 @@ class Lifecycle:
         self.recorded: list[str] = []  # the run's events, in order, an earlier start's too
         self.rejected = 0  # events the ingest refused for good (dead-lettered)
         self.release = asyncio.Event()
-        self._journal: Journal | None = None
-        self._queue: list[tuple[bytes, bool]] = []  # (body, in the journal)
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
+        self._sender: StrictSender | None = None  # once `open` holds the journal, when reporting
         self._task: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()  # one event at a time: the journal's order is the checks'
 
@@ -77,12 +75,11 @@ class Lifecycle:
         """Hold the run's journal (ConfigError naming the process that holds it), load what an
         earlier sidecar recorded and left undelivered, and start delivering."""
         self.release.set()
-        self._idle.set()
         if self.client is None:
             return
         journal = Journal(self.run_dir / JOURNAL_NAME)
         try:
-            self._queue = await asyncio.to_thread(self._load, journal)
+            queue = await asyncio.to_thread(self._load, journal)
         except Busy as busy:
             raise ConfigError(
                 f"--state-dir: the lifecycle journal of run {self.run_id} in {self.run_dir} is "
@@ -91,15 +88,17 @@ class Lifecycle:
                 f"`sidecar run`, `sidecar lifecycle` hands its event to the wrapper (through "
                 f"{WRAPPER_SOCKET_VARIABLE}); otherwise wait until PID {busy.holder} has "
                 "finished") from None
-        self._journal = journal
-        self._follow_history(journal.records)
-        if self._queue:
+        self._follow_history(journal.records, queue)
+        if queue:
             log.info("replaying %d lifecycle event(s) left undelivered by an earlier start",
-                     len(self._queue))
-            self._idle.clear()
-        self._task = supervise("lifecycle", self._run)
+                     len(queue))
+        self._sender = StrictSender(self.client, "lifecycle", journal, self.run_dir,
+                                    letter_route="lifecycle", accepted=self._accepted,
+                                    refused=self._refused, gate=self.release)
+        self._sender.put(queue)
+        self._task = supervise("lifecycle", self._sender.run)
 
-    def _load(self, journal: Journal) -> list[tuple[bytes, bool]]:
+    def _load(self, journal: Journal) -> list[Entry]:
         """Hold `journal` (Busy when another process does) and read it back; blocking."""
         try:
             journal.hold()
@@ -107,10 +106,11 @@ class Lifecycle:
             state_write_failed(journal.lock_path, exc)
         return read_back(journal, self._is_event, "lifecycle events", self.run_id)
 
-    def _follow_history(self, records: Sequence[bytes]) -> None:
-        """Take the events the journal holds as recorded, in order; one that breaks the order
-        (an earlier version wrote `running` after `failed`) is skipped, never posted."""
-        unacked = len(records) - len(self._queue)
+    def _follow_history(self, records: Sequence[bytes], queue: list[Entry]) -> None:
+        """Take the events the journal holds as recorded, in order; one of `queue` (those not
+        yet acknowledged) that breaks the order (an earlier version wrote `running` after
+        `failed`) is made SKIPPED there, never posted."""
+        unacked = len(records) - len(queue)
         broken = []
         for number, body in enumerate(records):
             if not self._is_event(body):
@@ -118,8 +118,8 @@ class Lifecycle:
             event = json.loads(body)["event"]
             if refusal(self.recorded, event) is None and event not in self.recorded:
                 self.recorded.append(event)
-            elif number >= unacked and self._queue[number - unacked][0] != SKIPPED:
-                self._queue[number - unacked] = (SKIPPED, True)
+            elif number >= unacked and queue[number - unacked][0] != SKIPPED:
+                queue[number - unacked] = (SKIPPED, True)
                 broken.append(event)
         if broken:
             log.warning("%s: %d event(s) not yet delivered break the run's lifecycle (%s after "
@@ -155,66 +155,37 @@ class Lifecycle:
                 return why
             self.recorded.append(event)
             when = time.time() if ts is None else ts
-            if self._journal is None:  # offline, or a node that does not report the lifecycle
+            if self._sender is None:  # offline, or a node that does not report the lifecycle
                 log.debug("lifecycle: %s (not posted)", event)
                 return None
             log.info("lifecycle: %s recorded (journaled, to be posted)",
                      event)
             body = json.dumps({"run_id": self.run_id, "event": event,
                                "ts": iso_ts(when)}).encode()
-            try:
-                await asyncio.to_thread(self._journal.append, body)
-                self._queue.append((body, True))
-            except OSError as exc:  # a full disk must not stop the run: deliver from memory
-                state_write_failed(self._journal_path, exc)
-                self._queue.append((body, False))
-        self._idle.clear()
-        self._wake.set()
+            # a full disk must not stop the run: the event is then delivered from memory
+            await self._sender.add(body)
         return None
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every recorded event is acknowledged; False when `timeout_s` ran out."""
         self.release.set()
-        return await wait_set(self._idle, timeout_s)
+        if self._sender is None:  # offline: nothing is posted, nothing waits
+            return True
+        return await wait_set(self._sender.idle, timeout_s)
 
     @property
     def pending(self) -> list[str]:
         """The events not yet acknowledged, oldest first."""
-        return [json.loads(body)["event"] for body, _ in self._queue if body != SKIPPED]
+        queue = self._sender.queue if self._sender is not None else []
+        return [json.loads(body)["event"] for body, _ in queue if body != SKIPPED]
 
     async def close(self) -> None:
         await cancel(self._task)
-        if self._journal is not None:
-            try:  # an acknowledgement the disk refused earlier, so the next start does not
-                await asyncio.to_thread(self._journal.save_ack)  # post the event again
-            except OSError as exc:
-                state_write_failed(self.run_dir / "lifecycle.journal.acked", exc)
-            self._journal.close()
-
-    async def _run(self) -> None:
-        assert self.client is not None and self._journal is not None
-        while True:
-            fault_point()
-            if not self._queue:
-                self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await self.release.wait()
-            body, journaled = self._queue[0]
-            answer = (Answer(Verdict.ACCEPTED) if body == SKIPPED
-                      else await self.client.deliver("lifecycle", body))
-            if answer.ok and body != SKIPPED:
-                log.info("lifecycle: %s accepted by the ingest", json.loads(body)["event"])
-            if answer.verdict is Verdict.REJECTED:
-                self.rejected += 1
-                self._dead_letter(body, answer.status)
-            if journaled:
-                try:
-                    await asyncio.to_thread(self._journal.ack)
-                except OSError as exc:  # the next acknowledgement written records this one too
-                    state_write_failed(self.run_dir / "lifecycle.journal.acked", exc)
-            self._queue.pop(0)
+        if self._sender is not None:
+            # an acknowledgement the disk refused earlier, so the next start does not post the
+            # event again
+            await self._sender.save_ack()
+            self._sender.journal.close()
 
     def _is_event(self, body: bytes) -> bool:
         """Whether a record read back from the journal is an event of this run, as `record`
@@ -225,11 +196,10 @@ class Lifecycle:
             return False
         return doc["run_id"] == self.run_id and doc["event"] in EVENTS
 
-    def _dead_letter(self, body: bytes, status: int | None) -> None:
-        try:
-            where = f"kept in {append_dead_letter(self.run_dir, 'lifecycle', status, body)}"
-        except OSError as exc:
-            state_write_failed(self.run_dir / "dead-letter.jsonl", exc)
-            where = "not kept"
-        log.error("/lifecycle: HTTP %s: the ingest refused %s for good; %s", status,
-                  body.decode(), where)
+    def _accepted(self, body: bytes) -> None:
+        log.info("lifecycle: %s accepted by the ingest", json.loads(body)["event"])
+
+    def _refused(self, body: bytes, answer: Answer, kept: Path | None) -> None:
+        self.rejected += 1
+        log.error("/lifecycle: HTTP %s: the ingest refused %s for good; %s", answer.status,
+                  body.decode(), f"kept in {kept}" if kept else "not kept")
