@@ -1,4 +1,4 @@
-"""The crash tail (CONTRACT 4, /logs): what the ingest has not acknowledged of the last 64 KiB of
+"""The crash tail (docs/ingest.md#the-crash-tail): what is unacknowledged of the last 64 KiB of
 each stream when the command exits, journaled and delivered at least once before the end event.
 
 While the command runs, /logs stays best-effort; each stream keeps a ledger of its recent pieces
@@ -30,7 +30,7 @@ from sidecar.delivery.journal import SKIPPED, Journal, append_dead_letter, read_
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import TEXT, Kind, record
 
-TAIL_BYTES = 64 << 10  # CONTRACT 4: of each stream, what the crash tail may hold
+TAIL_BYTES = 64 << 10  # of each stream, the crash tail's most (docs/ingest.md#the-crash-tail)
 JOURNAL_NAME = "logs-tail.journal"
 ROUTE = "logs/tail"  # /logs, delivered strictly
 LIST = Kind("a list", lambda v: isinstance(v, list))

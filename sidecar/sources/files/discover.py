@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-EVENT_FILES = "events.out.tfevents.*"  # TensorBoard's event file names (CONTRACT 5)
+EVENT_FILES = "events.out.tfevents.*"  # TensorBoard's event file names (docs/ingest.md#tensorboard)
 _FILE_HINT = {"log": "*.log", "jsonl": "*.jsonl"}  # what to glob for in a folder named by mistake
 
 

@@ -2,8 +2,8 @@
 sysfs.
 
 Every `interval_s`, on a fixed schedule that does not drift, one sample becomes one `/hardware`
-payload (docs/ingest.md, Routes and bodies) with this node's name. Keys are slash-separated
-with the unit last (docs/ingest.md, Nodes and ranks): `gpu/0/power_watts`,
+payload (docs/ingest.md#routes-and-bodies) with this node's name. Keys are slash-separated
+with the unit last (docs/ingest.md#nodes-and-ranks): `gpu/0/power_watts`,
 `net/eth0/rx_bytes_per_second`, `ib/mlx5_0/1/tx_bytes_per_second`.
 
 A sample's reads (the host, each GPU, disk usage) run one after another on one worker thread,
@@ -56,7 +56,7 @@ Emit = Callable[[str, dict[str, Any]], None]
 
 GPU_STAGGER_S = 0.05  # a GPU's read taking longer than this overlaps the next GPU's
 HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
-MAX_POINTS_PER_REQUEST = 2048  # as /metrics (docs/ingest.md): a big node's sample is split
+MAX_POINTS_PER_REQUEST = 2048  # as /metrics (docs/ingest.md#limits): a big node's sample is split
 MIN_RATE_INTERVAL_S = 0.001  # two readings closer than this give no rate (noise, not data)
 IB_WORD_BYTES = 4  # port_xmit_data / port_rcv_data count 4-byte words (IB spec, PortCounters)
 MAX_XIDS_KEPT = 64  # the run's XID events kept for the failure summary
