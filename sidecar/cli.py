@@ -1,4 +1,4 @@
-"""Commands and options -> Config -> run / watch and the operator commands (CONTRACT 2).
+"""Commands and options -> Config -> run, watch, operator commands (docs/commands.md#commands).
 
 Each command's module is imported when that command runs, so a daemon never carries the code of
 the commands it is not running."""

@@ -1,7 +1,7 @@
 """One frozen Config, resolved at start from the command line, SIDECAR_*, TOML and defaults.
 
-Precedence (CONTRACT 2): command line, then environment, then `--config` file, then default.
-The platform's own variables (CONTRACT 3) are resolved here too, so every error a user can make
+Precedence (docs/commands.md#where-options-come-from): flags, environment, `--config` file, default.
+The platform's variables too (docs/ingest.md#the-platforms-variables): every error a user can make
 in configuration surfaces before anything is started, as one ConfigError naming the culprit.
 """
 
@@ -136,7 +136,7 @@ WRAPPER_SOCKET_VARIABLE = "SIDECAR_WRAPPER_SOCKET"  # set by `run` for its child
 
 
 class Family(NamedTuple):
-    """One brand of the platform's injected variables (CONTRACT 3)."""
+    """One brand of the platform's injected variables (docs/ingest.md#the-platforms-variables)."""
 
     name: str
     enabled: str
@@ -201,7 +201,7 @@ class Config(NamedTuple):
     @property
     def run_dir(self) -> Path:
         """This run's own folder inside the state dir (and this node's, inside the default one,
-        which a home folder shared by every node of a run may hold: CONTRACT 2, --state-dir)."""
+        which a home shared by every node of a run may hold: docs/commands.md#the-state-folder)."""
         folder = self.state_dir / _safe_name(self.platform.run_id or "offline")
         return folder / self.node_folder if self.node_folder else folder
 
@@ -291,7 +291,7 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
 
 
 def resolve_platform(environ: Mapping[str, str]) -> Platform:
-    """Read CONTRACT 3's variables: either family, never two that disagree."""
+    """Either family, never two that disagree (docs/ingest.md#the-platforms-variables)."""
     present = [f for f in FAMILIES if any(v in environ for v in _family_vars(f))]
     for a, b in itertools.pairwise(present):
         for var_a, var_b in zip(_family_vars(a), _family_vars(b), strict=True):
@@ -319,7 +319,7 @@ def resolve_platform(environ: Mapping[str, str]) -> Platform:
 
 
 def read_token_file(path: Path, source: str = "--token-file") -> str:
-    """The token in `path` with surrounding whitespace stripped (CONTRACT 2, --token-file)."""
+    """The token in `path`, surrounding whitespace stripped (docs/commands.md#the-token-file)."""
     try:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -331,7 +331,7 @@ def read_token_file(path: Path, source: str = "--token-file") -> str:
     return check_token(token, f"{source} {path}")
 
 
-INGEST_PATH = "/api/ingest"  # CONTRACT 3: every endpoint ends with it
+INGEST_PATH = "/api/ingest"  # every endpoint ends with it (docs/ingest.md#the-platforms-variables)
 EXAMPLE_ENDPOINT = "https://platform.example.com/api/ingest"
 
 
@@ -413,7 +413,7 @@ LOG_PREFIX_FIELDS = ("node", "rank")
 
 
 def check_log_prefix(template: str, source: str) -> str:
-    """`template` when it is a format string using only {node} and {rank} (CONTRACT 2)."""
+    """`template` when it formats {node} and {rank} only (docs/commands.md#the-log-prefix)."""
     import string
 
     fix = "only {node} and {rank} are filled in; write {{ or }} for a literal brace"
@@ -491,7 +491,7 @@ def _platform_variable_hint(suffix: str) -> str:
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
-    """$XDG_STATE_HOME/sidecar, else ~/.local/state/sidecar (CONTRACT 2, --state-dir)."""
+    """$XDG_STATE_HOME/sidecar, else ~/.local/state/sidecar (docs/commands.md#the-state-folder)."""
     xdg = environ.get("XDG_STATE_HOME")
     base = Path(xdg) if xdg else Path(environ.get("HOME") or Path.home()) / ".local" / "state"
     return base / "sidecar"

@@ -55,7 +55,7 @@ def make_client(cfg: Config) -> IngestClient | None:
 
 def claim_run_dir(cfg: Config, *, lock: bool = True) -> int | None:
     """The run's state folder created, proven writable and, with `lock`, held by this process
-    alone (CONTRACT 2, --state-dir); ConfigError naming --state-dir otherwise. Returns the lock
+    alone (docs/commands.md#the-state-folder); else ConfigError naming --state-dir. Returns the lock
     for `release`."""
     try:
         return claim_folder(cfg.run_dir, lock=lock)

@@ -1,4 +1,4 @@
-"""Why a run failed, from what the sidecar saw of it (CONTRACT 5, what the sidecar adds to /logs).
+"""Why a run failed, from what the sidecar saw of it (docs/ingest.md#lines-the-sidecar-adds).
 
 The evidence, strongest first: the kernel's OOM killer in the cgroup (a SIGKILL while a count
 went up), a signature of the output table (sources/console/signatures.py) in its rank order
@@ -23,7 +23,7 @@ from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.telemetry.cgroup import OomKill
 from sidecar.sources.telemetry.nvml.xid import XidEvent
 
-EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N is 128 + N (CONTRACT 2)
+EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N (docs/commands.md#exit-statuses)
 LAST_LINE_STREAMS = ("stderr", "terminal", "stdout")  # the last resort, in this order; with
 #   --tty both streams are one; stdout last (a command run with `2>&1` or through `| tee`)
 XID_AFTER = "cuda_oom"  # an XID is named after this row and before the rest of the table

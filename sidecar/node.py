@@ -1,4 +1,4 @@
-"""Which node this is, its rank in the run, and whether the run spans several nodes (CONTRACT 6)."""
+"""This node, its rank, and whether the run spans several nodes (docs/ingest.md#nodes-and-ranks)."""
 
 from __future__ import annotations
 

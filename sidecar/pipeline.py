@@ -218,7 +218,7 @@ class Pipeline(Sink):
     def start_telemetry(self, child_env: Mapping[str, str], environ: Mapping[str, str],
                         command: Sequence[str], trainer_pid: Callable[[], int | None] | None,
                         find_trainer_python: bool) -> None:
-        """The environment snapshot (once) and the /hardware sampler (CONTRACT 6)."""
+        """The environment snapshot and the hardware sampler (docs/ingest.md#nodes-and-ranks)."""
         cfg = self.cfg
         self._environment_task = supervise("environment", lambda: post_environment(
             emit=self.emit, run_id=cfg.platform.run_id, node=self.node, python=cfg.python,

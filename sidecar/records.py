@@ -2,7 +2,7 @@
 the size of a block of log text.
 
 A source hands items to delivery with a `Ticket`; the ingest's 2xx releases it, and the source
-then commits its offset (CONTRACT 4). Neither side imports the other: both import this.
+then commits its offset (docs/ingest.md#at-least-once). Neither imports the other: both import this.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """--stall-after: a trainer that has printed nothing and produced no new metric step for that long
-is said to be stalled, once, and said to have resumed, once (CONTRACT 2 and 5). Never a failure:
+is said to be stalled, once, and to have resumed, once (docs/commands.md#stalls). Never a failure:
 nothing else changes. Hardware samples are no activity: a hung NCCL collective keeps a GPU busy.
 
     [sidecar] no output and no new metric step for 30m0s; GPUs 0-7: 100 % utilisation, 2 % SM

@@ -223,7 +223,7 @@ def load_checked(path: Path, parse: Callable[[bytes], T]) -> T | None:
     that cannot be read or that `parse` refuses (Malformed, or any ValueError, TypeError,
     KeyError), and anything that is not a regular file (`read_state`), is moved aside as
     NAME.bad-<time> with one WARNING, and None is returned: the caller carries on as if it were
-    absent (CONTRACT 4: nothing lost, repeats allowed)."""
+    absent (docs/ingest.md#at-least-once: nothing lost, repeats allowed)."""
     try:
         data = read_state(path)
     except OSError as exc:

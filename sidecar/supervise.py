@@ -5,7 +5,7 @@ each runs as `supervise(name, work)`. When `work()` raises, the exception is log
 ERROR with the task's name and where it was raised (further failures of the same task within a
 minute are counted, not repeated), the restart is counted (`restarts()`, shown by /status and
 /metrics) and `work()` is called again after a backoff. A task keeps its state in its object, so
-a restart resumes where the failure left it: what was in flight is sent again (CONTRACT 4:
+a restart resumes where it failed: what was in flight is sent again (docs/ingest.md#at-least-once:
 nothing lost, repeats allowed). A cancellation is never a failure: it ends the task.
 
 Tests make every task fail once: `_SIDECAR_TEST_FAULTS=SECONDS` in the environment arms each

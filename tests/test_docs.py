@@ -1,15 +1,21 @@
 """What a user reads points at documents that ship: docs/ingest.md for the routes, bodies and
-failure handling, never an internal document ("CONTRACT ...") that does not."""
+failure handling, never an internal document ("CONTRACT ...") that does not. What the code's
+comments point at exists: a section of docs/, a file, a module, a name."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "sidecar"
 INGEST_DOC = ROOT / "docs" / "ingest.md"
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
+MODULES = sorted(PACKAGE.rglob("*.py"))
 # Read by users: the README, the docs, every deployment file, the Dockerfile.
 USER_FILES = [ROOT / "README.md", ROOT / "Dockerfile",
               *sorted(p for p in (ROOT / "docs").rglob("*") if p.is_file()),
@@ -75,3 +81,128 @@ def test_the_ingest_document_names_every_route_the_sidecar_posts_to() -> None:
     for policy in ROUTES.values():
         assert f"| `{policy.path}` |" in text, policy.path
         assert policy.guarantee.value in text
+
+
+# A pointer into the docs, as the code writes it: `docs/ingest.md#routes-and-bodies`.
+DOC_POINTER = re.compile(r"\bdocs/([\w/.-]+?\.md)(?:#([\w-]+))?")
+# A file named in a comment or docstring: `journal.py`, `sources/console/signatures.py`.
+FILE_NAME = re.compile(r"(?<![\w/.-])([\w/-]*\w\.(?:py|md))\b")
+# `see X` naming a module or a name of the code (prose such as "see the token" has neither a
+# dot, an underscore nor backticks).
+SEE = re.compile(r"\b[Ss]ee:? (`?)((?:\w+\.)*\w+)\1")
+
+
+def notes(path: Path) -> Iterator[tuple[int, str]]:
+    """The comments and docstrings of a module, each with its line: what its readers read."""
+    text = path.read_text(encoding="utf-8")
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring is not None:
+                yield node.body[0].lineno, docstring
+
+
+def defined_names(path: Path) -> set[str]:
+    """What a module defines, as a `see` names it: functions, classes, assignments, attributes
+    set on self (`backlog`), methods as `Class.method`, and the labels of comment blocks
+    (`# _SIMPLE_EVENT: ...`)."""
+    text = path.read_text(encoding="utf-8")
+    names = set(re.findall(r"^\s*# (\w+):", text, re.M))
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names.update(f"{node.name}.{item.name}" for item in node.body
+                         if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return names
+
+
+def test_anchors_are_made_as_github_makes_them() -> None:
+    headings = "## The platform's variables\n### `sidecar run`: the wrapper\n## At-least-once\n"
+    assert anchors(headings) == {"the-platforms-variables", "sidecar-run-the-wrapper",
+                                 "at-least-once"}
+
+
+def test_every_pointer_of_the_code_into_the_docs_lands_on_a_section() -> None:
+    pages = {page.name: anchors(page.read_text(encoding="utf-8")) for page in DOC_PAGES}
+    found, wrong = 0, []
+    for path in MODULES:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for page, anchor in DOC_POINTER.findall(line):
+                found += 1
+                if page not in pages or (anchor and anchor not in pages[page]):
+                    wrong.append(f"{path.relative_to(ROOT)}:{number}: docs/{page}#{anchor}")
+    assert found >= 40, "the code points at the sections of docs/ that say what it implements"
+    assert wrong == []
+
+
+def test_every_file_a_comment_names_exists() -> None:
+    """A name is the file's path from the repository's root, the package's or any folder of
+    it (`files/offsets.py`, `journal.py`): the end of the path of a file that exists."""
+    shipped = ["/" + p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+               if p.is_file() and ".git" not in p.parts]
+    wrong = []
+    for path in MODULES:
+        for line, text in notes(path):
+            for name in FILE_NAME.findall(text):
+                if not any(p.endswith("/" + name) for p in shipped):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert wrong == []
+
+
+def test_every_module_and_name_a_see_names_exists() -> None:
+    seen, wrong = 0, []
+    for path in MODULES:
+        names = defined_names(path)
+        for line, text in notes(path):
+            for quote, name in SEE.findall(text):
+                if not (quote or "_" in name or "." in name):
+                    continue  # prose: "see the token"
+                seen += 1
+                if name.startswith("sidecar."):
+                    module = ROOT.joinpath(*name.split("."))
+                    ok = module.with_suffix(".py").is_file() or (module / "__init__.py").is_file()
+                else:
+                    ok = name in names
+                if not ok:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: see {name}")
+    assert seen >= 5, "the form is in use: the test must see it"
+    assert wrong == []
+
+
+def test_no_file_of_the_package_docs_or_readme_names_an_internal_document() -> None:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*")), *sorted(PACKAGE.rglob("*"))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in files if path.is_file() and path.suffix != ".pyc"
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if INTERNAL.search(line)]
+    assert found == []
+
+
+def test_every_link_between_the_docs_lands_on_a_section() -> None:
+    readme = ROOT / "README.md"
+    known = {path.resolve(): anchors(path.read_text(encoding="utf-8"))
+             for path in (readme, *DOC_PAGES)}
+    wrong, links = [], 0
+    for page in DOC_PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?(?:#([\w-]+))?\)",
+                                         page.read_text(encoding="utf-8")):
+            links += 1
+            where = (page.parent / target).resolve() if target else page.resolve()
+            if where not in known or (anchor and anchor not in known[where]):
+                wrong.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    for target, anchor in re.findall(r"\]\((docs/[\w/.-]+\.md)(?:#([\w-]+))?\)",
+                                     readme.read_text(encoding="utf-8")):
+        links += 1
+        where = (ROOT / target).resolve()
+        if where not in known or (anchor and anchor not in known[where]):
+            wrong.append(f"README.md: {target}#{anchor}")
+    assert links > 20
+    assert wrong == []

@@ -35,8 +35,8 @@ __all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStat
 DEFAULT_PREFIX = "/api/ingest"
 LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
 ARTIFACT_KINDS = ("checkpoint", "hf_export", "eval_report", "merged_model")
-MAX_POINTS_PER_REQUEST = 2048  # docs/ingest.md, Routes and bodies
-FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # docs/ingest.md, Requests
+MAX_POINTS_PER_REQUEST = 2048  # docs/ingest.md#limits
+FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # docs/ingest.md#requests
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any batch the sidecar builds; beyond it: 413
 _SHUTDOWN_TIMEOUT_S = 2.0  # handlers still running at stop() are cancelled after this

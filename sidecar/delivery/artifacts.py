@@ -1,4 +1,4 @@
-"""Artifact registrations, delivered strictly (CONTRACT 4, /artifact): a lost one is a data
+"""Artifact registrations, delivered strictly (docs/ingest.md#strict): a lost one is a data
 incident, a repeated one a second entry in the console.
 
 Each registration is written to the journal before its first attempt, together with the

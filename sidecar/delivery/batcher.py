@@ -10,7 +10,7 @@ keep coming, a route sends at most one request every PACE_S (`Pace`), so a stead
 the ingest about a request a second per route instead of one per point, and a full batch still
 goes at once (a flood is not held back).
 
-Answers (CONTRACT 4): 413 splits the batch and retries the halves; a permanent 4xx bisects the
+Answers (docs/ingest.md#answers): 413 splits the batch and retries the halves; a 4xx bisects the
 batch so that one poison item goes to the dead-letter file and the good ones get through.
 """
 
@@ -32,7 +32,7 @@ from sidecar.log import Throttle, log
 from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
 
-MAX_POINTS_PER_REQUEST = 2048  # CONTRACT 4, /metrics
+MAX_POINTS_PER_REQUEST = 2048  # of /metrics (docs/ingest.md#limits)
 MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8 requests)
 LINGER_S = 0.05  # a small batch waits this long for company
 PACE_S = 0.85  # while output keeps coming, a route's requests start at most this often: about

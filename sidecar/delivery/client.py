@@ -1,4 +1,4 @@
-"""The one HTTP client of the ingest API, and each route's delivery policy as data (CONTRACT 4).
+"""The ingest client, and each route's delivery policy as data (docs/ingest.md#delivery-policies).
 
 `IngestClient.post` makes one attempt and classifies the answer; `IngestClient.deliver` applies a
 route's policy (how often to retry, how long to wait) around it. Neither raises on a network or
@@ -71,7 +71,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 
 
 class Verdict(enum.Enum):
-    """What an answer means for the payload (CONTRACT 4's failure table)."""
+    """What an answer means for the payload (the table of docs/ingest.md#answers)."""
 
     ACCEPTED = "accepted"  # any 2xx
     RETRY = "retry"  # refused, reset, timeout, 5xx, 429
@@ -186,7 +186,7 @@ def refusal_reason(body: bytes, token: str) -> str:
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Retry-After as seconds to wait: delta-seconds (ASCII digits) or an HTTP date; None when
-    absent or malformed (`²`, `-5`, `1e9`, empty), as if it were not there (CONTRACT 4)."""
+    absent or malformed (`²`, `-5`, `1e9`, empty), as if not there (docs/ingest.md#answers)."""
     if not value:
         return None
     value = value.strip()

@@ -1,4 +1,4 @@
-"""The crash tail (CONTRACT 4, /logs): what the ingest has not acknowledged of the last 64 KiB of
+"""The crash tail (docs/ingest.md#the-crash-tail): what is unacknowledged of the last 64 KiB of
 each stream when the command exits, journaled and delivered at least once before the end event.
 
 While the command runs, /logs stays best-effort; each stream keeps a ledger of its recent pieces
@@ -31,7 +31,7 @@ from sidecar.delivery.strict import StrictSender
 from sidecar.log import log
 from sidecar.statefile import TEXT, Kind, record
 
-TAIL_BYTES = 64 << 10  # CONTRACT 4: of each stream, what the crash tail may hold
+TAIL_BYTES = 64 << 10  # of each stream, the crash tail's most (docs/ingest.md#the-crash-tail)
 JOURNAL_NAME = "logs-tail.journal"
 ROUTE = "logs/tail"  # /logs, delivered strictly
 LIST = Kind("a list", lambda v: isinstance(v, list))

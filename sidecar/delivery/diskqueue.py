@@ -1,6 +1,6 @@
 """A route's overflow on disk: payloads the ingest could not take yet, in order, bounded in size.
 
-Segments of framed records (`<u32 length><u32 crc32><payload>`, as in spool.py) under
+Segments of framed records (`<u32 length><u32 crc32><payload>`, as in journal.py) under
 `<run_dir>/spool/<route>/`, plus a `cursor` file (segment number and offset of the first record
 not yet acknowledged) replaced atomically. A torn tail left by a crash is detected by its frame
 and dropped (counted); a fully acknowledged segment is deleted.

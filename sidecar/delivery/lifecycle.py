@@ -1,4 +1,4 @@
-"""The run's lifecycle, delivered strictly (CONTRACT 4): persisted, in order, until acknowledged.
+"""The run's lifecycle: journaled, in order, until acknowledged (docs/lifecycle.md#the-journal).
 
 An event is written to the journal in the state dir before its first attempt, with `ts` the
 moment it happened; a sender delivers the journal head by head. Events a previous sidecar left

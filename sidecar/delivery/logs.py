@@ -1,4 +1,4 @@
-"""The `/logs` batcher: text pieces in, chunked POSTs out, best-effort (CONTRACT 4).
+"""The `/logs` batcher: text pieces in, chunked POSTs out, best-effort (docs/ingest.md#best-effort).
 
 `put` never blocks and never raises: when the ingest is slow or down, text waits in a buffer of
 bounded size and the oldest is dropped (and counted) once it is full. One request is in flight

@@ -7,7 +7,7 @@ machine) and 13.5 MB less memory, which halved the daemon's start-up and took it
 under 36 MB; per request it costs about the same (h11's state machine in Python against
 aiohttp's parser in C).
 
-What the contract asks of an answer (CONTRACT 4): at most MAX_ANSWER_BYTES of it are read (a
+What docs/ingest.md#answers asks of an answer: at most MAX_ANSWER_BYTES of it are read (a
 longer body closes the connection instead); a redirect is returned, never followed; no proxy is
 used, so the token goes nowhere but the endpoint.
 """
@@ -25,7 +25,7 @@ import h11
 
 from sidecar import __version__
 
-MAX_ANSWER_BYTES = 64 << 10  # CONTRACT 4: of any answer's body; the rest is never read
+MAX_ANSWER_BYTES = 64 << 10  # of any answer's body, the rest never read (docs/ingest.md#answers)
 MAX_HEAD_BYTES = 64 << 10  # of an answer's status line and headers
 READ_BUFFER_BYTES = 4 * MAX_ANSWER_BYTES  # of an answer received ahead of its reader
 USER_AGENT = f"sidecar/{__version__}"

@@ -2,7 +2,7 @@
 
 It serves what a `snapshot()` callable returns at request time, so the daemon's live objects stay
 the only source of truth; nothing here counts anything itself. The endpoint listens on loopback by
-default (CONTRACT 2, --status-addr); the default port, busy, falls back to an ephemeral port of
+default (docs/commands.md#the-status-endpoint); a busy default port gives way to an ephemeral one of
 the same interface with one WARNING, never failing the run, and the address actually bound is
 written to `<run_dir>/status-addr` for `sidecar status`. Nothing secret is in any answer: the
 snapshot has no token, and every answer is masked besides.

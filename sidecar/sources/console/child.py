@@ -1,4 +1,4 @@
-"""The wrapped command: spawn, pipes, signals, exit status (CONTRACT 1-2, `sidecar run`).
+"""The wrapped command: spawn, pipes, signals, exit status (docs/commands.md#the-wrapped-command).
 
 The child runs in its own process group with stdout and stderr on pipes, or with both on one
 pseudo-terminal (`--tty`). When the sidecar's stdin is the terminal it runs in the foreground of,

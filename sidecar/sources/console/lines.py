@@ -1,4 +1,4 @@
-"""Bytes of one output stream -> text for `/logs` (CONTRACT 5, Logs).
+"""Bytes of one output stream -> text for `/logs` (docs/ingest.md#logs).
 
 Works on blocks, not lines: a block of ordinary output is decoded, cut at its last newline and
 passed on as one piece of text; an over-long line takes a per-line path, and the rare block that
@@ -21,7 +21,7 @@ from typing import Protocol
 
 from sidecar.sources.console.terminal import Screen, skip_redraws
 
-MAX_LINE_CHARS = 64 * 1024  # CONTRACT 5: a longer line is split
+MAX_LINE_CHARS = 64 * 1024  # a longer line is split (docs/ingest.md#logs)
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet
 PROGRESS_INTERVAL_S = 3.0  # a progress bar's latest state at most this often
 THIN_CHARS = 32 << 10  # of what waits for the terminal, thinned at once (see _thin)

@@ -1,4 +1,4 @@
-"""A small terminal for the rare block of output that moves the cursor (CONTRACT 5, --log-ansi).
+"""A small terminal for the rare block of output that moves the cursor (docs/ingest.md#logs).
 
 Progress bars redraw lines in place: `\\r`, `\\b`, cursor up and down, column moves and erase
 in line. `Screen` applies them to a model of the terminal's last lines, as a terminal would, and
@@ -58,7 +58,7 @@ class Screen:
     def __init__(self, width: int, keep_sgr: bool = False, interval_s: float = 3.0,
                  quiet_s: float = 1.0, hold_s: float = HOLD_S,
                  unfinished: Callable[[str], int] = lambda text: 0) -> None:
-        self.width = width  # a longer line wraps, as at a terminal: the split of CONTRACT 5
+        self.width = width  # a longer line wraps, as at a terminal (docs/ingest.md#logs)
         self.unfinished = unfinished  # how much of a text's end could begin a secret
         self.keep_sgr = keep_sgr
         self.interval_s = interval_s

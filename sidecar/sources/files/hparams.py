@@ -1,4 +1,4 @@
-"""`--hparams FILE`: a JSON, YAML or TOML config flattened with dots for /hparams (CONTRACT 2).
+"""`--hparams FILE`: a config flattened with dots for /hparams (docs/ingest.md#hyperparameters).
 
 The trainer often writes the file itself once it starts (Hydra's `.hydra/config.yaml`,
 Lightning's `hparams.yaml`): it is waited for, as a --log or --jsonl file is, read once a writer

@@ -1,4 +1,4 @@
-"""JSONL metric logs -> /metrics points (CONTRACT 5, JSONL).
+"""JSONL metric logs -> /metrics points (docs/ingest.md#jsonl).
 
 Each complete line is one JSON object. `{"key", "value"}` is one point; any other object is a
 record whose numeric leaves become points, nested keys joined with `/`. A line that cannot give

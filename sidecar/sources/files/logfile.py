@@ -1,4 +1,4 @@
-"""`--log` files -> /logs text: plain text, or Kubernetes CRI container logs (CONTRACT 5).
+"""`--log` files -> /logs text: plain text, or Kubernetes CRI container logs (docs/ingest.md#logs).
 
 A CRI line is `<RFC3339Nano> <stdout|stderr> <P|F> <text>`: `P` pieces are joined up to the
 `F` that ends the line, and only the text is forwarded; pieces still waiting for their `F` are

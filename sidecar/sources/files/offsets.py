@@ -1,4 +1,4 @@
-"""Per-file offsets in the state dir, advanced only after the ingest acknowledged (CONTRACT 4).
+"""Per-file offsets in the state dir, advanced once acknowledged (docs/ingest.md#at-least-once).
 
 One JSON document, `offsets.json`, replaced atomically:
 

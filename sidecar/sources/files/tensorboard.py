@@ -1,4 +1,4 @@
-"""TensorBoard event files -> scalar points and hparams (CONTRACT 5, TensorBoard).
+"""TensorBoard event files -> scalar points and hparams (docs/ingest.md#tensorboard).
 
 A pure, incremental decoder for one `events.out.tfevents.*` file: the caller reads bytes from the
 growing file and hands over everything from its last unconsumed offset; the parser returns what

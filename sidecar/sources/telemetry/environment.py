@@ -1,5 +1,5 @@
 """The environment snapshot, once per run: /environment from rank 0, /environment/nodes from
-every node of a multi-node run (CONTRACT 4 and 6).
+every node of a multi-node run (docs/ingest.md#nodes-and-ranks).
 
 What it holds: host name, node and rank, OS and kernel, CPU model and count, memory, NICs and
 InfiniBand devices, the NVIDIA driver and the CUDA version it supports, GPU models, UUIDs and

@@ -2,8 +2,8 @@
 GPU through NVML in nvml/), on the GPUs gpus.py chooses.
 
 Every `interval_s`, on a fixed schedule that does not drift, one sample becomes one `/hardware`
-payload (docs/ingest.md, Routes and bodies) with this node's name. Keys are slash-separated
-with the unit last (docs/ingest.md, Nodes and ranks): `gpu/0/power_watts`,
+payload (docs/ingest.md#routes-and-bodies) with this node's name. Keys are slash-separated
+with the unit last (docs/ingest.md#nodes-and-ranks): `gpu/0/power_watts`,
 `net/eth0/rx_bytes_per_second`, `ib/mlx5_0/1/tx_bytes_per_second`.
 
 A sample's reads (the host, each GPU, disk usage) run one after another on one worker thread,
@@ -48,7 +48,7 @@ from sidecar.threads import Worker
 Emit = Callable[[str, dict[str, Any]], None]
 
 HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
-MAX_POINTS_PER_REQUEST = 2048  # as /metrics (docs/ingest.md): a big node's sample is split
+MAX_POINTS_PER_REQUEST = 2048  # as /metrics (docs/ingest.md#limits): a big node's sample is split
 MAX_XIDS_KEPT = 64  # the run's XID events kept for the failure summary
 
 
