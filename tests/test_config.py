@@ -377,6 +377,33 @@ def test_range_error_from_the_environment_names_the_variable(name: str, value: s
     assert name in config_error(environ={**OFFLINE, name: value})
 
 
+@pytest.mark.parametrize(("options", "environ", "message"), [
+    (["--drain-timeout", "-1"], {}, "--drain-timeout=-1.0 must be a number, 0 or more"),
+    ([], {"SIDECAR_STALL_AFTER": "nan"}, "SIDECAR_STALL_AFTER=nan must be a number, 0 or more"),
+    ([], {"SIDECAR_HARDWARE_INTERVAL": "inf"},
+     "SIDECAR_HARDWARE_INTERVAL=inf must be a number, 0 or more"),
+    (["--log-rate", "-2"], {}, "--log-rate=-2.0 must be a number, 0 or more"),
+    (["--hardware-interval", "0.5"], {}, "--hardware-interval=0.5 is below the floor of 1 s: "
+     "sampling faster costs the trainer's CPU and floods /hardware; give 1 or more, or 0 to "
+     "turn sampling off"),
+    (["--nodes", "0"], {}, "--nodes=0 must be at least 1"),
+    ([], {"SIDECAR_NODES": "-3"}, "SIDECAR_NODES=-3 must be at least 1"),
+    (["--status-addr", "foo"], {},
+     "--status-addr='foo' is not HOST:PORT (for example 127.0.0.1:9620) or off"),
+    (["--gpus", "0,x"], {}, "--gpus='0,x': 'x' is neither a GPU index nor a UUID; give NVML "
+     "indexes or UUIDs separated by commas, for example 0,1 or GPU-5f2c...,GPU-91ab... "
+     "(`nvidia-smi -L` lists them)"),
+    (["--log-prefix", "{x}"], {}, "--log-prefix='{x}' uses {x}; only {node} and {rank} are "
+     "filled in; write {{ or }} for a literal brace"),
+    (["--artifact-uri", "/a=s3://b", "--artifact-uri", "foo"], {}, "--artifact-uri='foo' is "
+     "not LOCAL=URI; give the local folder and the URI it mirrors, as in "
+     "/mnt/ckpt=s3://bucket/run-1/ckpt"),
+])
+def test_each_range_and_check_says_its_message(options: list[str], environ: dict[str, str],
+                                               message: str) -> None:
+    assert config_error(*options, environ={**OFFLINE, **environ}) == message
+
+
 # --- state dir and run dir -----------------------------------------------------------------------
 
 
