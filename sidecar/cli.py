@@ -16,7 +16,6 @@ from typing import NoReturn
 
 from sidecar import __version__
 from sidecar.config import (
-    DEFAULT_STATUS_ADDR,
     Config,
     ConfigError,
     add_option,
@@ -26,7 +25,7 @@ from sidecar.config import (
     fallback_state_dir,
     help_line,
     option,
-    parse_host_port,
+    refuse_busy_status_addr,
     resolve,
     show_default,
     unknown_variables,
@@ -385,29 +384,8 @@ def _configured(args: argparse.Namespace, command: str) -> Config:
                     "--state-dir a lasting writable folder (in a pod, an emptyDir volume)",
                     default_state_dir, why, cfg.state_dir)
     if command in ("run", "watch"):
-        _refuse_busy_status_addr(cfg.status_addr)
+        refuse_busy_status_addr(cfg.status_addr)
     return cfg
-
-
-def _refuse_busy_status_addr(addr: str) -> None:
-    """An address given for the status endpoint that cannot be had is a configuration error,
-    found before the command starts; only the default falls back to an ephemeral port."""
-    if addr in ("off", DEFAULT_STATUS_ADDR):
-        return
-    import socket
-
-    host, port = parse_host_port(addr, "--status-addr")
-    try:
-        for family, kind, proto, _, where in socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
-                probe.bind(where)
-    except OSError as exc:
-        raise ConfigError(f"--status-addr {addr} (SIDECAR_STATUS_ADDR): cannot listen there "
-                          f"({(exc.strerror or str(exc)).lower()}); give a free address, or "
-                          "off; only the default, 127.0.0.1:9620, falls back to a free port"
-                          ) from None
 
 
 def _warn_unknown_variables() -> None:

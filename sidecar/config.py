@@ -29,6 +29,93 @@ class ConfigError(Exception):
         return mask(super().__str__())
 
 
+# -- the checks of options' values -------------------------------------------------------------
+
+MIN_HARDWARE_INTERVAL_S = 1.0
+
+
+def check_gpus(value: str, source: str) -> None:
+    """--gpus: NVML indexes (0, 3) or UUIDs (GPU-..., MIG-...), comma-separated."""
+    for token in (t.strip() for t in value.split(",")):
+        uuid = token.upper().startswith(("GPU-", "MIG-")) and len(token) > 4
+        if not (token.isdigit() or uuid):
+            raise ConfigError(f"{source}={value!r}: {token!r} is neither a GPU index nor a UUID; "
+                              "give NVML indexes or UUIDs separated by commas, for example 0,1 "
+                              "or GPU-5f2c...,GPU-91ab... (`nvidia-smi -L` lists them)")
+
+
+def parse_host_port(addr: str, option: str) -> tuple[str, int]:
+    """Split HOST:PORT, raising ConfigError naming `option` when it is malformed."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{option}={addr!r} is not HOST:PORT (for example 127.0.0.1:9620) "
+                          "or off")
+    return host.strip("[]"), int(port)
+
+
+def refuse_busy_status_addr(addr: str) -> None:
+    """An address given for the status endpoint that cannot be had is a configuration error,
+    found before the command starts; only the default falls back to an ephemeral port."""
+    if addr in ("off", DEFAULT_STATUS_ADDR):
+        return
+    import socket
+
+    host, port = parse_host_port(addr, "--status-addr")
+    try:
+        for family, kind, proto, _, where in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+                probe.bind(where)
+    except OSError as exc:
+        raise ConfigError(f"--status-addr {addr} (SIDECAR_STATUS_ADDR): cannot listen there "
+                          f"({(exc.strerror or str(exc)).lower()}); give a free address, or "
+                          "off; only the default, 127.0.0.1:9620, falls back to a free port"
+                          ) from None
+
+
+LOG_PREFIX_FIELDS = ("node", "rank")
+
+
+def check_log_prefix(template: str, source: str) -> str:
+    """`template` when it is a format string using only {node} and {rank} (CONTRACT 2)."""
+    import string
+
+    fix = "only {node} and {rank} are filled in; write {{ or }} for a literal brace"
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"{source}={template!r} is not a valid template ({exc}); {fix}") from None
+    for name, spec, conv in fields:
+        if name not in LOG_PREFIX_FIELDS or spec or conv:
+            shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ConfigError(f"{source}={template!r} uses {shown}; {fix}")
+    return template
+
+
+def check_artifact_uri(mapping: str, source: str) -> str:
+    """`mapping` when it is LOCAL=URI; else ConfigError naming `source` and the fix."""
+    try:
+        parse_artifact_uri(mapping)
+    except ValueError as exc:
+        raise ConfigError(f"{source}={mapping!r} {exc}; give the local folder and the URI it "
+                          "mirrors, as in /mnt/ckpt=s3://bucket/run-1/ckpt") from None
+    return mapping
+
+
+def parse_artifact_uri(text: str) -> tuple[str, str]:
+    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
+    import os
+
+    local, sep, uri = text.partition("=")
+    if not sep or not local.strip() or not uri.strip():
+        raise ValueError("is not LOCAL=URI")
+    if "://" not in uri:
+        raise ValueError(f"names {uri.strip()!r}, which is not a URI (such as s3://bucket/path)")
+    return os.path.abspath(os.path.expanduser(local.strip())), uri.strip()
+
+
 class Option(NamedTuple):
     """One option of `run`/`watch`, settable on the command line, as SIDECAR_<NAME> and in TOML."""
 
@@ -389,48 +476,6 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
-def check_artifact_uri(mapping: str, source: str) -> str:
-    """`mapping` when it is LOCAL=URI; else ConfigError naming `source` and the fix."""
-    try:
-        parse_artifact_uri(mapping)
-    except ValueError as exc:
-        raise ConfigError(f"{source}={mapping!r} {exc}; give the local folder and the URI it "
-                          "mirrors, as in /mnt/ckpt=s3://bucket/run-1/ckpt") from None
-    return mapping
-
-
-def parse_artifact_uri(text: str) -> tuple[str, str]:
-    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
-    import os
-
-    local, sep, uri = text.partition("=")
-    if not sep or not local.strip() or not uri.strip():
-        raise ValueError("is not LOCAL=URI")
-    if "://" not in uri:
-        raise ValueError(f"names {uri.strip()!r}, which is not a URI (such as s3://bucket/path)")
-    return os.path.abspath(os.path.expanduser(local.strip())), uri.strip()
-
-
-LOG_PREFIX_FIELDS = ("node", "rank")
-
-
-def check_log_prefix(template: str, source: str) -> str:
-    """`template` when it is a format string using only {node} and {rank} (CONTRACT 2)."""
-    import string
-
-    fix = "only {node} and {rank} are filled in; write {{ or }} for a literal brace"
-    try:
-        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template)
-                  if name is not None]
-    except ValueError as exc:
-        raise ConfigError(f"{source}={template!r} is not a valid template ({exc}); {fix}") from None
-    for name, spec, conv in fields:
-        if name not in LOG_PREFIX_FIELDS or spec or conv:
-            shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
-            raise ConfigError(f"{source}={template!r} uses {shown}; {fix}")
-    return template
-
-
 def _learn_secrets(args: argparse.Namespace, environ: Mapping[str, str],
                    file_values: Mapping[str, Any]) -> None:
     """Register every token this configuration may hold before anything is checked, so that a
@@ -620,28 +665,6 @@ def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None
     addr = values["status_addr"]
     if addr != "off":
         parse_host_port(addr, sources["status_addr"])
-
-
-MIN_HARDWARE_INTERVAL_S = 1.0
-
-
-def check_gpus(value: str, source: str) -> None:
-    """--gpus: NVML indexes (0, 3) or UUIDs (GPU-..., MIG-...), comma-separated."""
-    for token in (t.strip() for t in value.split(",")):
-        uuid = token.upper().startswith(("GPU-", "MIG-")) and len(token) > 4
-        if not (token.isdigit() or uuid):
-            raise ConfigError(f"{source}={value!r}: {token!r} is neither a GPU index nor a UUID; "
-                              "give NVML indexes or UUIDs separated by commas, for example 0,1 "
-                              "or GPU-5f2c...,GPU-91ab... (`nvidia-smi -L` lists them)")
-
-
-def parse_host_port(addr: str, option: str) -> tuple[str, int]:
-    """Split HOST:PORT, raising ConfigError naming `option` when it is malformed."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{option}={addr!r} is not HOST:PORT (for example 127.0.0.1:9620) "
-                          "or off")
-    return host.strip("[]"), int(port)
 
 
 def _safe_name(run_id: str) -> str:
