@@ -25,7 +25,7 @@ from sidecar.config import (
     fallback_state_dir,
     help_line,
     option,
-    refuse_busy_status_addr,
+    probe_options,
     resolve,
     show_default,
     unknown_variables,
@@ -384,7 +384,7 @@ def _configured(args: argparse.Namespace, command: str) -> Config:
                     "--state-dir a lasting writable folder (in a pod, an emptyDir volume)",
                     default_state_dir, why, cfg.state_dir)
     if command in ("run", "watch"):
-        refuse_busy_status_addr(cfg.status_addr)
+        probe_options(cfg)
     return cfg
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import subprocess
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +18,7 @@ from sidecar.config import (
     OPTIONS,
     Config,
     ConfigError,
+    probe_options,
     resolve,
     resolve_platform,
     unknown_variables,
@@ -55,6 +59,57 @@ def config_error(*options: str, environ: dict[str, str]) -> str:
 @pytest.fixture
 def toml(tmp_path: Path) -> Path:
     return tmp_path / "sidecar.toml"
+
+
+# --- the options table and Config ------------------------------------------------------------
+
+
+# What a Config field of each kind of option holds; `T | None` where the row's default is None.
+FIELD_TYPES: dict[str, Any] = {"str": str, "float": float, "int": int, "bool": bool,
+                               "path": Path, "list": tuple[str, ...]}
+# Config's fields that are no option: the platform's, and what `resolve` finds of the state dir.
+NOT_OPTIONS = {"platform", "token", "state_dir_is_default", "node_folder"}
+
+
+def test_every_option_has_a_config_field_of_its_type_and_no_second_default() -> None:
+    hints = typing.get_type_hints(Config)
+    assert set(hints) - NOT_OPTIONS == {opt.attr for opt in OPTIONS}
+    assert Config._field_defaults == {}, "a default is written in OPTIONS alone"
+    defaults = cfg()
+    for opt in OPTIONS:
+        typed = FIELD_TYPES[opt.kind]
+        # --state-dir's default, None, is found by resolve: a Config always has its folder
+        if opt.default is None and opt.name != "state-dir":
+            assert hints[opt.attr] == typed | None, opt.name
+        else:
+            assert hints[opt.attr] == typed, opt.name
+            assert isinstance(getattr(defaults, opt.attr),
+                              typing.get_origin(typed) or typed), opt.name
+        if opt.name != "state-dir":
+            assert getattr(defaults, opt.attr) == opt.default, opt.name
+
+
+def test_the_options_a_command_does_not_take_keep_their_defaults() -> None:
+    watch = resolve(build_parser("watch").parse_args(["watch"]), "watch",
+                    {"HOME": HOME, **OFFLINE, "SIDECAR_LOG_RATE": "1", "SIDECAR_TTY": "1"})
+    run_only = [opt for opt in OPTIONS if opt.only == "run"]
+    assert {opt.name for opt in run_only} == {"running-when", "tty", "log-rate"}
+    for opt in run_only:
+        assert getattr(watch, opt.attr) == opt.default, opt.name
+
+
+def test_a_busy_status_addr_is_refused_by_the_probe_not_by_resolving() -> None:
+    """`check` and `config` resolve as `run` does, and hold nothing: only `run` and `watch`
+    probe (tests/test_cli.py runs them)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        resolved = cfg("--status-addr", taken)
+        assert resolved.status_addr == taken
+        with pytest.raises(ConfigError, match=f"^--status-addr {taken} .*cannot listen there"):
+            probe_options(resolved)
+    probe_options(cfg("--status-addr", "off"))
 
 
 # --- precedence: command line > SIDECAR_* > --config file > default -------------------------
