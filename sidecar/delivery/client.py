@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from sidecar.aio import wait_set
-from sidecar.delivery.transport import Transport, TransportError
+from sidecar.delivery.transport import Transport, TransportError, TransportFailure
 from sidecar.log import Throttle, add_secret, format_duration, log
 
 MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
@@ -117,6 +117,7 @@ class Answer(NamedTuple):
     retry_after_s: float | None = None
     detail: str = ""
     reason: str = ""  # what the ingest's body said about a refusal, bounded, no token in it
+    failure: TransportFailure | None = None  # why no answer came, when none did
 
     @property
     def ok(self) -> bool:
@@ -289,7 +290,7 @@ class IngestClient:
                                 detail=f"redirect to {target.scheme}://{target.netloc} "
                                 "not followed: it would carry the token elsewhere")
         except TransportError as exc:
-            answer = Answer(Verdict.RETRY, detail=str(exc))
+            answer = Answer(Verdict.RETRY, detail=str(exc), failure=exc.kind)
         except TimeoutError:
             answer = Answer(Verdict.RETRY, detail="timed out")
         except Exception as exc:  # a bug here, or in h11, must not end a sender
@@ -310,8 +311,7 @@ class IngestClient:
             self._end_spell(route)
             return
         self._refusals.add("token" if answer.verdict is Verdict.AUTH else "refused"
-                           if answer.detail.startswith("cannot connect (") and "within" not in
-                           answer.detail else "other")
+                           if answer.failure is TransportFailure.CONNECT else "other")
         if answer.verdict in (Verdict.RETRY, Verdict.AUTH, Verdict.REDIRECT):
             spell = self._spells.setdefault(route, _Spell())
             spell.attempts += 1
