@@ -12,11 +12,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from sidecar import __version__
 from sidecar.config import (
-    DEFAULT_STATUS_ADDR,
     Config,
     ConfigError,
     add_option,
@@ -26,7 +25,7 @@ from sidecar.config import (
     fallback_state_dir,
     help_line,
     option,
-    parse_host_port,
+    probe_options,
     resolve,
     show_default,
     unknown_variables,
@@ -83,93 +82,118 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
         formatter_class=_Formatter, allow_abbrev=False)
     parser.add_argument("-V", "--version", action="version", version=f"sidecar {__version__}")
     commands = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
     every = for_command not in HELP_TAILS or for_command == "sidecar"
-
-    def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
-        # allow_abbrev off: `status --onc` is a typo to name, not --once silently
-        return commands.add_parser(name, help=help, description=help, usage=usage,
-                                   epilog=_epilog(HELP_TAILS[name]),
-                                   formatter_class=_Formatter, allow_abbrev=False)
-
-    def wanted(name: str) -> bool:
-        return every or name == for_command
-
-    if wanted("run"):
-        run = command("run", "wrap a training command and report it",
-                      usage="sidecar run [OPTIONS] -- COMMAND [ARG...]")
-        add_options(run, "run")
-        run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
-
-    if wanted("watch"):
-        watch = command("watch", "follow log, JSONL and TensorBoard files until SIGTERM",
-                        usage="sidecar watch [OPTIONS]")
-        add_options(watch, "watch")
-
-    if wanted("check"):
-        check = command("check", "validate the configuration, probe the endpoint from this node, "
-                        "explain what is wrong; takes the options of run and watch")
-        check.add_argument("--json", action="store_true", help="print one JSON document")
-        _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
-             type=_seconds, metavar="SECONDS")
-        add_options(check, "check")
-
-    if wanted("config"):
-        config = command("config", "print the configuration `run` would start with, each value "
-                         "with where it came from; contacts nothing, starts nothing")
-        config.add_argument("--json", action="store_true", help="print one JSON document")
-        add_options(config, "config")
-
-    if wanted("status"):
-        status = command("status", "counters of the running daemon")
-        status.add_argument("--json", action="store_true",
-                            help="print the daemon's /status document once, as JSON")
-        status.add_argument("--once", action="store_true",
-                            help="print the table once and exit (for scripts)")
-        _add(status, "--run-id", None, "the run whose daemon to show, when several run on this "
-             "node", metavar="ID", shown="the platform's run id variable, else the only daemon")
-        _add(status, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
-             shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
-             env="SIDECAR_STATUS_ADDR")
-        add_option(status, "state-dir")
-        add_option(status, "config")
-
-    if wanted("lifecycle"):
-        lifecycle = command("lifecycle", "post one lifecycle event, strictly")
-        lifecycle.add_argument("event", choices=EVENTS, help="the event to post")
-        _add(lifecycle, "--timeout", 60.0, "give up (exit 1, event kept for replay) after this "
-             "many seconds", type=_seconds, metavar="SECONDS")
-        for name in ("state-dir", "token-file", "config"):
-            add_option(lifecycle, name)
-
-    if wanted("replay"):
-        replay = command("replay", "deliver what an earlier run left spooled")
-        _add(replay, "--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
-             type=_seconds, metavar="SECONDS")
-        for name in ("state-dir", "token-file", "config"):
-            add_option(replay, name)
-
-    if wanted("receive"):
-        receive = command("receive", "a local ingest server that checks every request as "
-                          "docs/ingest.md describes it and stores what it accepts")
-        _add(receive, "--host", "127.0.0.1", "the address to listen on", metavar="HOST")
-        _add(receive, "--port", 8080, "the port to listen on; 0: any free one", type=int,
-             metavar="PORT")
-        _add(receive, "--dir", Path("received"), "folder for one JSONL file per route", type=Path,
-             metavar="DIR")
-        _add(receive, "--token", None, "accept only this token", metavar="TOKEN", shown="any")
-        _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
-        _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
-             metavar="PATH")
-        receive.add_argument("--quiet", action="store_true", help="no live summary")
-
-    if wanted("demo"):
-        command("demo", "run a bundled example trainer against a local receiver")
-
-    if wanted("completion"):
-        completion = command("completion", "print a shell completion script for bash or zsh")
-        completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete in")
+    for command in SUBCOMMANDS:
+        if every or command.name == for_command:
+            # allow_abbrev off: `status --onc` is a typo to name, not --once silently
+            sub = commands.add_parser(command.name, help=command.help, description=command.help,
+                                      usage=command.usage,
+                                      epilog=_epilog(HELP_TAILS[command.name]),
+                                      formatter_class=_Formatter, allow_abbrev=False)
+            command.add_arguments(sub)
     return parser
+
+
+def _run_arguments(run: argparse.ArgumentParser) -> None:
+    add_options(run, "run")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+
+def _watch_arguments(watch: argparse.ArgumentParser) -> None:
+    add_options(watch, "watch")
+
+
+def _check_arguments(check: argparse.ArgumentParser) -> None:
+    check.add_argument("--json", action="store_true", help="print one JSON document")
+    _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
+         type=_seconds, metavar="SECONDS")
+    add_options(check, "check")
+
+
+def _config_arguments(config: argparse.ArgumentParser) -> None:
+    config.add_argument("--json", action="store_true", help="print one JSON document")
+    add_options(config, "config")
+
+
+def _status_arguments(status: argparse.ArgumentParser) -> None:
+    status.add_argument("--json", action="store_true",
+                        help="print the daemon's /status document once, as JSON")
+    status.add_argument("--once", action="store_true",
+                        help="print the table once and exit (for scripts)")
+    _add(status, "--run-id", None, "the run whose daemon to show, when several run on this "
+         "node", metavar="ID", shown="the platform's run id variable, else the only daemon")
+    _add(status, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
+         shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
+         env="SIDECAR_STATUS_ADDR")
+    add_option(status, "state-dir")
+    add_option(status, "config")
+
+
+def _lifecycle_arguments(lifecycle: argparse.ArgumentParser) -> None:
+    lifecycle.add_argument("event", choices=EVENTS, help="the event to post")
+    _add(lifecycle, "--timeout", 60.0, "give up (exit 1, event kept for replay) after this "
+         "many seconds", type=_seconds, metavar="SECONDS")
+    for name in ("state-dir", "token-file", "config"):
+        add_option(lifecycle, name)
+
+
+def _replay_arguments(replay: argparse.ArgumentParser) -> None:
+    _add(replay, "--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
+         type=_seconds, metavar="SECONDS")
+    for name in ("state-dir", "token-file", "config"):
+        add_option(replay, name)
+
+
+def _receive_arguments(receive: argparse.ArgumentParser) -> None:
+    _add(receive, "--host", "127.0.0.1", "the address to listen on", metavar="HOST")
+    _add(receive, "--port", 8080, "the port to listen on; 0: any free one", type=int,
+         metavar="PORT")
+    _add(receive, "--dir", Path("received"), "folder for one JSONL file per route", type=Path,
+         metavar="DIR")
+    _add(receive, "--token", None, "accept only this token", metavar="TOKEN", shown="any")
+    _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
+    _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
+         metavar="PATH")
+    receive.add_argument("--quiet", action="store_true", help="no live summary")
+
+
+def _no_arguments(parser: argparse.ArgumentParser) -> None:
+    """A command that takes none (`demo`)."""
+
+
+def _completion_arguments(completion: argparse.ArgumentParser) -> None:
+    completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete in")
+
+
+class Subcommand(NamedTuple):
+    """One command of the command line, as its parser is made: what --help says of it, and the
+    function that adds its arguments (its examples and exit statuses: HELP_TAILS)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    usage: str | None = None  # None: the one argparse writes
+
+
+# In the order `sidecar --help` lists them; each one's function: COMMANDS.
+SUBCOMMANDS = (
+    Subcommand("run", "wrap a training command and report it", _run_arguments,
+               usage="sidecar run [OPTIONS] -- COMMAND [ARG...]"),
+    Subcommand("watch", "follow log, JSONL and TensorBoard files until SIGTERM",
+               _watch_arguments, usage="sidecar watch [OPTIONS]"),
+    Subcommand("check", "validate the configuration, probe the endpoint from this node, "
+               "explain what is wrong; takes the options of run and watch", _check_arguments),
+    Subcommand("config", "print the configuration `run` would start with, each value with where "
+               "it came from; contacts nothing, starts nothing", _config_arguments),
+    Subcommand("status", "counters of the running daemon", _status_arguments),
+    Subcommand("lifecycle", "post one lifecycle event, strictly", _lifecycle_arguments),
+    Subcommand("replay", "deliver what an earlier run left spooled", _replay_arguments),
+    Subcommand("receive", "a local ingest server that checks every request as docs/ingest.md "
+               "describes it and stores what it accepts", _receive_arguments),
+    Subcommand("demo", "run a bundled example trainer against a local receiver", _no_arguments),
+    Subcommand("completion", "print a shell completion script for bash or zsh",
+               _completion_arguments),
+)
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, default: object, help: str, *,
@@ -386,29 +410,8 @@ def _configured(args: argparse.Namespace, command: str) -> Config:
                     "--state-dir a lasting writable folder (in a pod, an emptyDir volume)",
                     default_state_dir, why, cfg.state_dir)
     if command in ("run", "watch"):
-        _refuse_busy_status_addr(cfg.status_addr)
+        probe_options(cfg)
     return cfg
-
-
-def _refuse_busy_status_addr(addr: str) -> None:
-    """An address given for the status endpoint that cannot be had is a configuration error,
-    found before the command starts; only the default falls back to an ephemeral port."""
-    if addr in ("off", DEFAULT_STATUS_ADDR):
-        return
-    import socket
-
-    host, port = parse_host_port(addr, "--status-addr")
-    try:
-        for family, kind, proto, _, where in socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
-                probe.bind(where)
-    except OSError as exc:
-        raise ConfigError(f"--status-addr {addr} (SIDECAR_STATUS_ADDR): cannot listen there "
-                          f"({(exc.strerror or str(exc)).lower()}); give a free address, or "
-                          "off; only the default, 127.0.0.1:9620, falls back to a free port"
-                          ) from None
 
 
 def _warn_unknown_variables() -> None:

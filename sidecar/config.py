@@ -30,6 +30,111 @@ class ConfigError(Exception):
         return mask(super().__str__())
 
 
+# -- the checks and probes the rows of OPTIONS name, beyond a row's `at_least` ------------------
+# A check takes the value (each item of a list option's) and where it came from, for the message.
+
+MIN_HARDWARE_INTERVAL_S = 1.0
+
+
+def check_hardware_interval(interval_s: float, source: str) -> None:
+    """--hardware-interval: 0 (off), or at least MIN_HARDWARE_INTERVAL_S."""
+    if 0 < interval_s < MIN_HARDWARE_INTERVAL_S:
+        raise ConfigError(f"{source}={interval_s:g} is below the floor of "
+                          f"{MIN_HARDWARE_INTERVAL_S:g} s: sampling faster costs the trainer's "
+                          "CPU and floods /hardware; give 1 or more, or 0 to turn sampling off")
+
+
+def check_gpus(value: str, source: str) -> None:
+    """--gpus: NVML indexes (0, 3) or UUIDs (GPU-..., MIG-...), comma-separated; empty: the
+    environment's."""
+    if not value:
+        return
+    for token in (t.strip() for t in value.split(",")):
+        uuid = token.upper().startswith(("GPU-", "MIG-")) and len(token) > 4
+        if not (token.isdigit() or uuid):
+            raise ConfigError(f"{source}={value!r}: {token!r} is neither a GPU index nor a UUID; "
+                              "give NVML indexes or UUIDs separated by commas, for example 0,1 "
+                              "or GPU-5f2c...,GPU-91ab... (`nvidia-smi -L` lists them)")
+
+
+def check_status_addr(addr: str, source: str) -> None:
+    """--status-addr: HOST:PORT, or off."""
+    if addr != "off":
+        parse_host_port(addr, source)
+
+
+def parse_host_port(addr: str, option: str) -> tuple[str, int]:
+    """Split HOST:PORT, raising ConfigError naming `option` when it is malformed."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{option}={addr!r} is not HOST:PORT (for example 127.0.0.1:9620) "
+                          "or off")
+    return host.strip("[]"), int(port)
+
+
+def refuse_busy_status_addr(addr: str) -> None:
+    """An address given for the status endpoint that cannot be had is a configuration error,
+    found before the command starts; only the default falls back to an ephemeral port."""
+    if addr in ("off", DEFAULT_STATUS_ADDR):
+        return
+    import socket
+
+    host, port = parse_host_port(addr, "--status-addr")
+    try:
+        for family, kind, proto, _, where in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+                probe.bind(where)
+    except OSError as exc:
+        raise ConfigError(f"--status-addr {addr} (SIDECAR_STATUS_ADDR): cannot listen there "
+                          f"({(exc.strerror or str(exc)).lower()}); give a free address, or "
+                          "off; only the default, 127.0.0.1:9620, falls back to a free port"
+                          ) from None
+
+
+LOG_PREFIX_FIELDS = ("node", "rank")
+
+
+def check_log_prefix(template: str, source: str) -> str:
+    """`template` when it formats {node} and {rank} only (docs/commands.md#the-log-prefix)."""
+    import string
+
+    fix = "only {node} and {rank} are filled in; write {{ or }} for a literal brace"
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"{source}={template!r} is not a valid template ({exc}); {fix}") from None
+    for name, spec, conv in fields:
+        if name not in LOG_PREFIX_FIELDS or spec or conv:
+            shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ConfigError(f"{source}={template!r} uses {shown}; {fix}")
+    return template
+
+
+def check_artifact_uri(mapping: str, source: str) -> str:
+    """`mapping` when it is LOCAL=URI; else ConfigError naming `source` and the fix."""
+    try:
+        parse_artifact_uri(mapping)
+    except ValueError as exc:
+        raise ConfigError(f"{source}={mapping!r} {exc}; give the local folder and the URI it "
+                          "mirrors, as in /mnt/ckpt=s3://bucket/run-1/ckpt") from None
+    return mapping
+
+
+def parse_artifact_uri(text: str) -> tuple[str, str]:
+    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
+    import os
+
+    local, sep, uri = text.partition("=")
+    if not sep or not local.strip() or not uri.strip():
+        raise ValueError("is not LOCAL=URI")
+    if "://" not in uri:
+        raise ValueError(f"names {uri.strip()!r}, which is not a URI (such as s3://bucket/path)")
+    return os.path.abspath(os.path.expanduser(local.strip())), uri.strip()
+
+
 class Option(NamedTuple):
     """One option of `run`/`watch`, settable on the command line, as SIDECAR_<NAME> and in TOML."""
 
@@ -41,6 +146,11 @@ class Option(NamedTuple):
     only: str = ""  # "run" when the option belongs to `run` alone
     metavar: str = ""  # what --help shows for the value; empty: the kind's (_METAVARS)
     shown_default: str = ""  # the default in words, where `default` is None and found later
+    at_least: float | None = None  # the smallest value taken (a float's must also be finite)
+    check: Callable[[Any, str], object] | None = None  # ConfigError on a bad value (or item)
+    # ConfigError when what the value names cannot be had on this machine now (an address in
+    # use): run by the commands that will take it, `run` and `watch` (probe_options)
+    probe: Callable[[Any], object] | None = None
 
     @property
     def env(self) -> str:
@@ -72,22 +182,26 @@ OPTIONS: tuple[Option, ...] = (
     Option("checkpoints", "list", (), "folder whose model checkpoints, written anywhere under "
            "it, are each registered once complete (repeatable)", metavar="DIR"),
     Option("artifact-uri", "list", (), "the object-store URI a local prefix mirrors, posted "
-           "instead of the local path (repeatable)", metavar="LOCAL=URI"),
-    Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off"),
+           "instead of the local path (repeatable)", metavar="LOCAL=URI",
+           check=check_artifact_uri),
+    Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off",
+           at_least=0, check=check_hardware_interval),
     Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",
-           metavar="ID", shown_default="the environment's, else those the job's processes use"),
+           metavar="ID", shown_default="the environment's, else those the job's processes use",
+           check=check_gpus),
     Option("state-dir", "path", None, "where offsets and the spool live, one folder per run",
            metavar="DIR", shown_default="$XDG_STATE_HOME/sidecar, else ~/.local/state/sidecar"),
     Option("status-addr", "str", DEFAULT_STATUS_ADDR, "local status endpoint HOST:PORT, or off",
-           metavar="HOST:PORT"),
-    Option("drain-timeout", "float", 20.0, "seconds shutdown may spend delivering what is left"),
+           metavar="HOST:PORT", check=check_status_addr, probe=refuse_busy_status_addr),
+    Option("drain-timeout", "float", 20.0, "seconds shutdown may spend delivering what is left",
+           at_least=0),
     Option("stall-after", "float", 1800.0, "seconds without output or a new metric step before "
-           "a stall is said in /logs and on the status endpoint; 0 turns it off"),
+           "a stall is said in /logs and on the status endpoint; 0 turns it off", at_least=0),
     Option("token-file", "path", None, "read the token from this file (wins over the variable)"),
     Option("running-when", "str", "spawn", "post running as the child is spawned, or on its marker",
            choices=("spawn", "marker"), only="run"),
     Option("log-prefix", "str", "", "prefix of each forwarded log line; {node}, {rank} filled in",
-           metavar="TEMPLATE"),
+           metavar="TEMPLATE", check=check_log_prefix),
     Option("log-ansi", "str", "strip", "escape sequences in forwarded text: cursor movement is "
            "applied as a terminal would; strip drops every other one, keep keeps colours",
            choices=("strip", "keep")),
@@ -98,13 +212,14 @@ OPTIONS: tuple[Option, ...] = (
            choices=("plain", "cri", "auto")),
     Option("log-rate", "float", 5.0, "run only: MB a second of the command's output forwarded "
            "to /logs at most (beyond, dropped and counted, so that forwarding a flood never "
-           "takes the trainer's CPU); 0: no limit", only="run", metavar="MB/S"),
+           "takes the trainer's CPU); 0: no limit", only="run", metavar="MB/S", at_least=0),
     Option("file-watch", "str", "auto", "notice file changes by inotify with a safety poll "
            "(auto), or by polling alone (poll: NFS, FUSE)", choices=("auto", "poll")),
     Option("node-name", "str", None, "this node's name", metavar="NAME",
            shown_default="$NODE_NAME, else the hostname"),
     Option("nodes", "int", None, "the run's node count",
-           shown_default="from NNODES, SLURM_NNODES or WORLD_SIZE/LOCAL_WORLD_SIZE, else 1"),
+           shown_default="from NNODES, SLURM_NNODES or WORLD_SIZE/LOCAL_WORLD_SIZE, else 1",
+           at_least=1),
     Option("python", "path", None, "the trainer's interpreter, for the environment snapshot",
            shown_default="found from the command's PATH and VIRTUAL_ENV"),
     Option("ca-file", "path", None, "extra CA bundle for the ingest endpoint"),
@@ -166,37 +281,40 @@ class Platform(NamedTuple):
 
 class Config(NamedTuple):
     """Everything `run` and `watch` need, fixed at start. A NamedTuple, as immutable as a frozen
-    dataclass: one of 29 fields generated its methods at every start, 2 % of a daemon's."""
+    dataclass: one of 29 fields generated its methods at every start, 2 % of a daemon's.
+    No field has a default: `resolve` fills each option's from its row in OPTIONS, the one
+    place its default is written (test_config checks that the two agree)."""
 
     platform: Platform
-    token: str = ""  # never in repr() (below)
+    token: str  # never in repr() (below)
     # the patterns of each file-source kind given, by its name (sources/files/kinds.py)
-    files: Mapping[str, tuple[str, ...]] = {}
-    hparams: Path | None = None
-    checkpoints: tuple[str, ...] = ()
-    artifact_uri: tuple[str, ...] = ()
-    hardware_interval: float = 10.0
-    gpus: str = ""
-    state_dir: Path = Path()
-    status_addr: str = DEFAULT_STATUS_ADDR
-    drain_timeout: float = 20.0
-    stall_after: float = 1800.0
-    token_file: Path | None = None
-    running_when: str = "spawn"
-    log_prefix: str = ""
-    log_ansi: str = "strip"
-    tty: bool = False
-    log_format: str = "auto"
-    log_rate: float = 5.0
-    file_watch: str = "auto"
-    node_name: str | None = None
-    nodes: int | None = None
-    python: Path | None = None
-    ca_file: Path | None = None
-    log_level: str = "info"
-    message_format: str = "text"
-    state_dir_is_default: bool = False  # no --state-dir given: a home folder, maybe shared
-    node_folder: str = ""  # with the default state dir, this node's own subfolder of the run's
+    files: Mapping[str, tuple[str, ...]]
+    hparams: Path | None
+    checkpoints: tuple[str, ...]
+    artifact_uri: tuple[str, ...]
+    hardware_interval: float
+    gpus: str
+    # the option's default, None, is found by `resolve`: a Config always has a folder
+    state_dir: Path
+    status_addr: str
+    drain_timeout: float
+    stall_after: float
+    token_file: Path | None
+    running_when: str
+    log_prefix: str
+    log_ansi: str
+    tty: bool
+    log_format: str
+    log_rate: float
+    file_watch: str
+    node_name: str | None
+    nodes: int | None
+    python: Path | None
+    ca_file: Path | None
+    log_level: str
+    message_format: str
+    state_dir_is_default: bool  # no --state-dir given: a home folder, maybe shared
+    node_folder: str  # with the default state dir, this node's own subfolder of the run's
 
     @property
     def run_dir(self) -> Path:
@@ -260,27 +378,24 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
     config_file = getattr(args, "config", None) or environ.get("SIDECAR_CONFIG")
     file_values = _read_config_file(config_file) if config_file else {}
     _learn_secrets(args, environ, file_values)
-    values: dict[str, Any] = {}
+    # an option `command` does not take (`run`'s own, for `watch`) keeps its default
+    values: dict[str, Any] = {opt.attr: opt.default for opt in OPTIONS}
     sources: dict[str, str] = {}
     for opt in options_of(command):
         cli = getattr(args, opt.attr, None)
         values[opt.attr], sources[opt.attr] = _pick(opt, cli, environ, file_values)
         if origins is not None:
             origins[opt.name] = _origin(opt, cli, environ, file_values, config_file)
-    _check_ranges(values, sources)
-    if values.get("gpus"):
-        check_gpus(values["gpus"], sources["gpus"])
-    if "log_prefix" in values:
-        check_log_prefix(values["log_prefix"], sources["log_prefix"])
-    for mapping in values.get("artifact_uri", ()):
-        check_artifact_uri(mapping, sources["artifact_uri"])
+    for opt in options_of(command):
+        _check(opt, values[opt.attr], sources[opt.attr])
     platform = resolve_platform(environ)
     token = ""
     if platform.enabled:
         token = _resolve_token(values.get("token_file"), sources.get("token_file", ""),
                                platform, environ)
+    values.update(state_dir_is_default=values["state_dir"] is None, node_folder="")
     if values["state_dir"] is None:
-        values.update(state_dir=default_state_dir(environ), state_dir_is_default=True)
+        values["state_dir"] = default_state_dir(environ)
         if platform.enabled:
             from sidecar.node import resolve_node
 
@@ -288,6 +403,29 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
             values["node_folder"] = _safe_name(node.name)
     files = {kind.name: values.pop(option(kind.name).attr) for kind in FILE_KINDS}
     return Config(platform=platform, token=token, files=files, **values)
+
+
+def _check(opt: Option, value: Any, source: str) -> None:
+    """The row's range, then its check (on each item of a list); None (no value) passes."""
+    if value is None:
+        return
+    if opt.at_least is not None and (
+            value < opt.at_least or (opt.kind == "float" and not math.isfinite(value))):
+        at_least = (f"a number, {opt.at_least:g} or more" if opt.kind == "float"
+                    else f"at least {opt.at_least:g}")
+        raise ConfigError(f"{source}={value} must be {at_least}")
+    if opt.check is not None:
+        for item in value if opt.kind == "list" else (value,):
+            opt.check(item, source)
+
+
+def probe_options(cfg: Config) -> None:
+    """Each row's probe on its value in `cfg`: ConfigError when what it names cannot be had
+    here now. For `run` and `watch` alone, which are about to take it; `check` and `config`
+    describe a configuration and hold nothing."""
+    for opt in OPTIONS:
+        if opt.probe is not None:
+            opt.probe(getattr(cfg, opt.attr))
 
 
 def resolve_platform(environ: Mapping[str, str]) -> Platform:
@@ -385,48 +523,6 @@ def check_token(token: str, source: str) -> str:
                           f"{MIN_SECRET_CHARS} would blank pieces of ordinary words); it should "
                           "be the token exactly as issued")
     return token
-
-
-def check_artifact_uri(mapping: str, source: str) -> str:
-    """`mapping` when it is LOCAL=URI; else ConfigError naming `source` and the fix."""
-    try:
-        parse_artifact_uri(mapping)
-    except ValueError as exc:
-        raise ConfigError(f"{source}={mapping!r} {exc}; give the local folder and the URI it "
-                          "mirrors, as in /mnt/ckpt=s3://bucket/run-1/ckpt") from None
-    return mapping
-
-
-def parse_artifact_uri(text: str) -> tuple[str, str]:
-    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
-    import os
-
-    local, sep, uri = text.partition("=")
-    if not sep or not local.strip() or not uri.strip():
-        raise ValueError("is not LOCAL=URI")
-    if "://" not in uri:
-        raise ValueError(f"names {uri.strip()!r}, which is not a URI (such as s3://bucket/path)")
-    return os.path.abspath(os.path.expanduser(local.strip())), uri.strip()
-
-
-LOG_PREFIX_FIELDS = ("node", "rank")
-
-
-def check_log_prefix(template: str, source: str) -> str:
-    """`template` when it formats {node} and {rank} only (docs/commands.md#the-log-prefix)."""
-    import string
-
-    fix = "only {node} and {rank} are filled in; write {{ or }} for a literal brace"
-    try:
-        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template)
-                  if name is not None]
-    except ValueError as exc:
-        raise ConfigError(f"{source}={template!r} is not a valid template ({exc}); {fix}") from None
-    for name, spec, conv in fields:
-        if name not in LOG_PREFIX_FIELDS or spec or conv:
-            shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
-            raise ConfigError(f"{source}={template!r} uses {shown}; {fix}")
-    return template
 
 
 def _learn_secrets(args: argparse.Namespace, environ: Mapping[str, str],
@@ -600,46 +696,6 @@ def _convert(opt: Option, raw: Any) -> Any:
     if opt.kind == "int" and isinstance(raw, float) and not raw.is_integer():
         raise ValueError(raw)
     return _CONVERTERS[opt.kind](raw)
-
-
-def _check_ranges(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
-    for name in ("hardware_interval", "drain_timeout", "log_rate", "stall_after"):
-        if name not in values:
-            continue
-        if not math.isfinite(values[name]) or values[name] < 0:
-            raise ConfigError(f"{sources[name]}={values[name]} must be a number, 0 or more")
-    interval = values.get("hardware_interval")
-    if interval is not None and 0 < interval < MIN_HARDWARE_INTERVAL_S:
-        raise ConfigError(f"{sources['hardware_interval']}={interval:g} is below the floor of "
-                          f"{MIN_HARDWARE_INTERVAL_S:g} s: sampling faster costs the trainer's "
-                          "CPU and floods /hardware; give 1 or more, or 0 to turn sampling off")
-    if values["nodes"] is not None and values["nodes"] < 1:
-        raise ConfigError(f"{sources['nodes']}={values['nodes']} must be at least 1")
-    addr = values["status_addr"]
-    if addr != "off":
-        parse_host_port(addr, sources["status_addr"])
-
-
-MIN_HARDWARE_INTERVAL_S = 1.0
-
-
-def check_gpus(value: str, source: str) -> None:
-    """--gpus: NVML indexes (0, 3) or UUIDs (GPU-..., MIG-...), comma-separated."""
-    for token in (t.strip() for t in value.split(",")):
-        uuid = token.upper().startswith(("GPU-", "MIG-")) and len(token) > 4
-        if not (token.isdigit() or uuid):
-            raise ConfigError(f"{source}={value!r}: {token!r} is neither a GPU index nor a UUID; "
-                              "give NVML indexes or UUIDs separated by commas, for example 0,1 "
-                              "or GPU-5f2c...,GPU-91ab... (`nvidia-smi -L` lists them)")
-
-
-def parse_host_port(addr: str, option: str) -> tuple[str, int]:
-    """Split HOST:PORT, raising ConfigError naming `option` when it is malformed."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{option}={addr!r} is not HOST:PORT (for example 127.0.0.1:9620) "
-                          "or off")
-    return host.strip("[]"), int(port)
 
 
 def _safe_name(run_id: str) -> str:

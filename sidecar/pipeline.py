@@ -26,7 +26,7 @@ from sidecar.config import Config
 from sidecar.delivery.artifacts import JOURNAL as ARTIFACT_JOURNAL
 from sidecar.delivery.artifacts import Artifacts
 from sidecar.delivery.batcher import Batcher
-from sidecar.delivery.client import IngestClient
+from sidecar.delivery.client import ROUTES, IngestClient
 from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
@@ -52,7 +52,6 @@ MAX_NAMED_INVALID_KEYS = 100  # keys whose NaN/inf values are counted and said b
 #   values of further keys are counted together (a new key every step would grow without end)
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
-HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
 MAX_HPARAMS_PER_REQUEST = 1000
 DRAIN_READ_STEP_S = 0.05
 ENVIRONMENT_DRAIN_SHARE = 0.25  # of --drain-timeout a snapshot still being taken may have
@@ -78,8 +77,9 @@ def recorded_sources(run_dir: Path) -> dict[str, tuple[str, ...]] | None:
 
 def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher:
     """The batcher of a route whose payloads are documents, spilling to disk when it must."""
-    cap = HARDWARE_SPOOL_BYTES if route == "hardware" else MAX_SPOOL_BYTES
-    spill = DiskQueue(run_dir / "spool" / route.replace("/", "_"), max_bytes=cap)
+    cap = ROUTES[route].spool_max_bytes
+    spill = DiskQueue(run_dir / "spool" / route.replace("/", "_"),
+                      max_bytes=MAX_SPOOL_BYTES if cap is None else cap)
     return Batcher(client, route, lambda docs: docs[0], run_dir, max_items=1,
                    max_queued=MAX_QUEUED_DOCUMENTS, spill=spill)
 

@@ -112,6 +112,18 @@ def test_the_receiver_ships_no_test_only_option(monkeypatch: pytest.MonkeyPatch,
     assert "unrecognized arguments: --faults" in capsys.readouterr().err
 
 
+def test_each_command_has_one_parser_row_one_function_and_one_help_tail() -> None:
+    from sidecar.cli import COMMANDS as FUNCTIONS
+    from sidecar.cli import HELP_TAILS, SUBCOMMANDS
+
+    assert tuple(command.name for command in SUBCOMMANDS) == COMMANDS == tuple(FUNCTIONS)
+    assert set(HELP_TAILS) == {"sidecar", *COMMANDS}
+    for command in SUBCOMMANDS:  # a command's own parser holds it alone
+        sub = next(a for a in build_parser(command.name)._actions
+                   if isinstance(a, argparse._SubParsersAction))
+        assert list(sub.choices) == [command.name]
+
+
 def test_every_row_reaches_a_command() -> None:
     assert {opt.name for opt in OPTIONS} == {opt.name for opt in options_of("check")}
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import subprocess
+import typing
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,10 +19,13 @@ from sidecar.config import (
     OPTIONS,
     Config,
     ConfigError,
+    option,
+    probe_options,
     resolve,
     resolve_platform,
     unknown_variables,
 )
+from sidecar.sources.files.kinds import FILE_KINDS
 from tests.conftest import SIDECAR, clean_environ
 
 TOKEN = "tok-SECRET-0123456789abcdef"
@@ -55,6 +62,65 @@ def config_error(*options: str, environ: dict[str, str]) -> str:
 @pytest.fixture
 def toml(tmp_path: Path) -> Path:
     return tmp_path / "sidecar.toml"
+
+
+# --- the options table and Config ------------------------------------------------------------
+
+
+# What a Config field of each kind of option holds; `T | None` where the row's default is None.
+FIELD_TYPES: dict[str, Any] = {"str": str, "float": float, "int": int, "bool": bool,
+                               "path": Path, "list": tuple[str, ...]}
+# Config's fields that are no option: the platform's, and what `resolve` finds of the state dir.
+NOT_OPTIONS = {"platform", "token", "state_dir_is_default", "node_folder"}
+
+
+def test_every_option_has_a_config_field_of_its_type_and_no_second_default() -> None:
+    hints = typing.get_type_hints(Config)
+    # the file-source kinds' options fold into one field, `files`, keyed by kind
+    kinds = {kind.name for kind in FILE_KINDS}
+    assert set(hints) - NOT_OPTIONS == {
+        opt.attr for opt in OPTIONS if opt.name not in kinds} | {"files"}
+    assert hints["files"] == Mapping[str, tuple[str, ...]]
+    assert Config._field_defaults == {}, "a default is written in OPTIONS alone"
+    defaults = cfg()
+    assert defaults.files == {name: option(name).default for name in kinds}
+    for opt in OPTIONS:
+        if opt.name in kinds:
+            assert opt.kind == "list", opt.name
+            continue
+        typed = FIELD_TYPES[opt.kind]
+        # --state-dir's default, None, is found by resolve: a Config always has its folder
+        if opt.default is None and opt.name != "state-dir":
+            assert hints[opt.attr] == typed | None, opt.name
+        else:
+            assert hints[opt.attr] == typed, opt.name
+            assert isinstance(getattr(defaults, opt.attr),
+                              typing.get_origin(typed) or typed), opt.name
+        if opt.name != "state-dir":
+            assert getattr(defaults, opt.attr) == opt.default, opt.name
+
+
+def test_the_options_a_command_does_not_take_keep_their_defaults() -> None:
+    watch = resolve(build_parser("watch").parse_args(["watch"]), "watch",
+                    {"HOME": HOME, **OFFLINE, "SIDECAR_LOG_RATE": "1", "SIDECAR_TTY": "1"})
+    run_only = [opt for opt in OPTIONS if opt.only == "run"]
+    assert {opt.name for opt in run_only} == {"running-when", "tty", "log-rate"}
+    for opt in run_only:
+        assert getattr(watch, opt.attr) == opt.default, opt.name
+
+
+def test_a_busy_status_addr_is_refused_by_the_probe_not_by_resolving() -> None:
+    """`check` and `config` resolve as `run` does, and hold nothing: only `run` and `watch`
+    probe (tests/test_cli.py runs them)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        resolved = cfg("--status-addr", taken)
+        assert resolved.status_addr == taken
+        with pytest.raises(ConfigError, match=f"^--status-addr {taken} .*cannot listen there"):
+            probe_options(resolved)
+    probe_options(cfg("--status-addr", "off"))
 
 
 # --- precedence: command line > SIDECAR_* > --config file > default -------------------------
@@ -375,6 +441,33 @@ def test_fractional_nodes_in_the_file_is_an_error(toml: Path) -> None:
 ])
 def test_range_error_from_the_environment_names_the_variable(name: str, value: str) -> None:
     assert name in config_error(environ={**OFFLINE, name: value})
+
+
+@pytest.mark.parametrize(("options", "environ", "message"), [
+    (["--drain-timeout", "-1"], {}, "--drain-timeout=-1.0 must be a number, 0 or more"),
+    ([], {"SIDECAR_STALL_AFTER": "nan"}, "SIDECAR_STALL_AFTER=nan must be a number, 0 or more"),
+    ([], {"SIDECAR_HARDWARE_INTERVAL": "inf"},
+     "SIDECAR_HARDWARE_INTERVAL=inf must be a number, 0 or more"),
+    (["--log-rate", "-2"], {}, "--log-rate=-2.0 must be a number, 0 or more"),
+    (["--hardware-interval", "0.5"], {}, "--hardware-interval=0.5 is below the floor of 1 s: "
+     "sampling faster costs the trainer's CPU and floods /hardware; give 1 or more, or 0 to "
+     "turn sampling off"),
+    (["--nodes", "0"], {}, "--nodes=0 must be at least 1"),
+    ([], {"SIDECAR_NODES": "-3"}, "SIDECAR_NODES=-3 must be at least 1"),
+    (["--status-addr", "foo"], {},
+     "--status-addr='foo' is not HOST:PORT (for example 127.0.0.1:9620) or off"),
+    (["--gpus", "0,x"], {}, "--gpus='0,x': 'x' is neither a GPU index nor a UUID; give NVML "
+     "indexes or UUIDs separated by commas, for example 0,1 or GPU-5f2c...,GPU-91ab... "
+     "(`nvidia-smi -L` lists them)"),
+    (["--log-prefix", "{x}"], {}, "--log-prefix='{x}' uses {x}; only {node} and {rank} are "
+     "filled in; write {{ or }} for a literal brace"),
+    (["--artifact-uri", "/a=s3://b", "--artifact-uri", "foo"], {}, "--artifact-uri='foo' is "
+     "not LOCAL=URI; give the local folder and the URI it mirrors, as in "
+     "/mnt/ckpt=s3://bucket/run-1/ckpt"),
+])
+def test_each_range_and_check_says_its_message(options: list[str], environ: dict[str, str],
+                                               message: str) -> None:
+    assert config_error(*options, environ={**OFFLINE, **environ}) == message
 
 
 # --- state dir and run dir -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.delivery.client import (
+    HARDWARE_SPOOL_BYTES,
     ROUTES,
     Guarantee,
     IngestClient,
@@ -72,6 +73,30 @@ def test_policies_are_data() -> None:
     # the crash tail posts to /logs, strictly: the same path under a policy of its own
     assert (ROUTES["logs/tail"].path, ROUTES["logs/tail"].guarantee) == ("/logs", Guarantee.STRICT)
     assert all(p.path == "/" + name for name, p in ROUTES.items() if name != "logs/tail")
+
+
+def test_the_client_reads_a_route_s_policy_and_never_branches_on_its_name() -> None:
+    import sidecar.delivery.client as client_module
+
+    source = Path(client_module.__file__).read_text(encoding="utf-8")
+    assert "route ==" not in source and "route in (" not in source
+    assert ROUTES["logs/tail"].carries == "the command's last output"
+
+
+def test_the_hardware_spool_is_the_smaller_so_that_samples_are_thinned_first(
+        tmp_path: Path) -> None:
+    from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES
+    from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
+
+    client = IngestClient("http://127.0.0.1:9/api/ingest", (), lambda: TOKEN)
+    caps = {}
+    for route in DOCUMENT_ROUTES:
+        spill = document_batcher(client, route, tmp_path).spill
+        assert spill is not None
+        caps[route] = spill.max_bytes
+    assert caps == {"hardware": HARDWARE_SPOOL_BYTES, "environment": MAX_SPOOL_BYTES,
+                    "environment/nodes": MAX_SPOOL_BYTES}
+    assert HARDWARE_SPOOL_BYTES < MAX_SPOOL_BYTES
 
 
 async def test_accepted_with_both_headers(ingest: RunningIngest) -> None:
@@ -193,6 +218,26 @@ async def test_401_rereads_the_token_file_and_errors_once(ingest: RunningIngest,
     errors = {id(r): r for r in caplog.records if "token" in r.getMessage()}
     assert len(errors) == 1  # once a minute, not once an attempt
     assert TOKEN not in caplog.text
+
+
+@pytest.mark.parametrize(("route", "kept"), [
+    ("logs/tail", "the command's last output is kept and delivery retried"),
+    ("metrics", "data is kept and delivery retried"),
+    ("logs", "this output is dropped and counted (/logs is best-effort)"),
+])
+async def test_a_rejected_token_says_what_the_route_keeps(
+        ingest: RunningIngest, caplog: pytest.LogCaptureFixture, route: str, kept: str) -> None:
+    client = await started(ingest, token="tok-WRONG-0123456789")
+    log.propagate = True
+    caplog.set_level(logging.ERROR, logger="sidecar")
+    try:
+        answer = await client.post(route, metrics_body(1))
+    finally:
+        log.propagate = False
+        await client.close()
+    assert answer.verdict is Verdict.AUTH
+    said = [r.getMessage() for r in caplog.records if "rejected the token" in r.getMessage()]
+    assert said and f"the ingest rejected the token; {kept}" in said[0], said
 
 
 # -- issue 13: answers that must not stop a sender ----------------------------------------------

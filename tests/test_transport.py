@@ -13,7 +13,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from sidecar.delivery.client import ROUTES, Answer, IngestClient, RouteStats, Verdict, retry_wait
-from sidecar.delivery.transport import MAX_ANSWER_BYTES, Transport, TransportError
+from sidecar.delivery.transport import (
+    MAX_ANSWER_BYTES,
+    Transport,
+    TransportError,
+    TransportFailure,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
@@ -211,6 +216,45 @@ async def test_nothing_listening_is_a_short_reason() -> None:
     transport = Transport(url)
     with pytest.raises(TransportError, match=r"^cannot connect \(Connect call failed|refused"):
         await transport.post("/logs", b"{}", {}, 5)
+
+
+async def test_nothing_listening_is_a_failure_to_connect_which_the_client_calls_refused() -> None:
+    with_nothing = RawServer()
+    async with with_nothing:
+        url = with_nothing.url
+    transport = Transport(url)
+    with pytest.raises(TransportError) as info:
+        await transport.post("/logs", b"{}", {}, 5)
+    assert info.value.kind is TransportFailure.CONNECT
+    client = IngestClient(url, ("X-StarForge-Token",), lambda: "tok")
+    await client.start()
+    try:
+        answer = await client.post("metrics", b"{}")
+    finally:
+        await client.close()
+    assert answer.failure is TransportFailure.CONNECT and answer.detail == str(info.value)
+    assert client.never_accepted == "a refused connection"
+
+
+@pytest.mark.parametrize(("answer", "kind"), [
+    (b"", TransportFailure.CONNECTION),
+    (b"garbage\r\n\r\n", TransportFailure.MALFORMED),
+])
+async def test_an_answer_cut_short_or_garbled_is_no_refused_connection(
+        answer: bytes, kind: TransportFailure) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await server.answer_once(reader, writer, answer=answer)
+
+    async with serving(handler) as server:
+        client = IngestClient(server.url, ("X-StarForge-Token",), lambda: "tok")
+        await client.start()
+        try:
+            failed = await client.post("metrics", b"{}")
+        finally:
+            await client.close()
+    assert failed.failure is kind, failed
+    assert client.never_accepted is None  # the ingest may yet answer
 
 
 async def test_at_most_max_connections_are_open_at_once() -> None:

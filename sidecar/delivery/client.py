@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from sidecar.aio import wait_set
-from sidecar.delivery.transport import Transport, TransportError
+from sidecar.delivery.transport import Transport, TransportError, TransportFailure
 from sidecar.log import Throttle, format_duration, log
 from sidecar.masking import add_secret
 
@@ -47,19 +47,45 @@ class RoutePolicy(NamedTuple):
     first_backoff_s: float
     max_backoff_s: float
     timeout_s: float
+    # the disk spool's cap, for a route that spills (pipeline.py's documents); None: its own
+    spool_max_bytes: int | None = None
+    # what the route's payloads are, as the message of a refused token names them
+    carries: str = "data"
 
+
+HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
 
 ROUTES: dict[str, RoutePolicy] = {
-    "lifecycle": RoutePolicy("/lifecycle", Guarantee.STRICT, None, 0.5, 30.0, 30.0),
-    "logs": RoutePolicy("/logs", Guarantee.BEST_EFFORT, 3, 0.2, 1.0, 10.0),
-    "logs/tail": RoutePolicy("/logs", Guarantee.STRICT, None, 0.2, 1.0, 10.0),  # the crash tail
-    "metrics": RoutePolicy("/metrics", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
-    "hparams": RoutePolicy("/hparams", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
-    "hardware": RoutePolicy("/hardware", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
-    "environment": RoutePolicy("/environment", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
+    "lifecycle": RoutePolicy(
+        path="/lifecycle", guarantee=Guarantee.STRICT, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
+    "logs": RoutePolicy(
+        path="/logs", guarantee=Guarantee.BEST_EFFORT, max_attempts=3,
+        first_backoff_s=0.2, max_backoff_s=1.0, timeout_s=10.0),
+    # the crash tail
+    "logs/tail": RoutePolicy(
+        path="/logs", guarantee=Guarantee.STRICT, max_attempts=None,
+        first_backoff_s=0.2, max_backoff_s=1.0, timeout_s=10.0,
+        carries="the command's last output"),
+    "metrics": RoutePolicy(
+        path="/metrics", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
+    "hparams": RoutePolicy(
+        path="/hparams", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
+    "hardware": RoutePolicy(
+        path="/hardware", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0,
+        spool_max_bytes=HARDWARE_SPOOL_BYTES),
+    "environment": RoutePolicy(
+        path="/environment", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
     "environment/nodes": RoutePolicy(
-        "/environment/nodes", Guarantee.AT_LEAST_ONCE, None, 0.5, 30.0, 30.0),
-    "artifact": RoutePolicy("/artifact", Guarantee.STRICT, None, 0.5, 30.0, 30.0),
+        path="/environment/nodes", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
+    "artifact": RoutePolicy(
+        path="/artifact", guarantee=Guarantee.STRICT, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
 }
 
 CONNECT_TIMEOUT_S = 5.0
@@ -92,6 +118,7 @@ class Answer(NamedTuple):
     retry_after_s: float | None = None
     detail: str = ""
     reason: str = ""  # what the ingest's body said about a refusal, bounded, no token in it
+    failure: TransportFailure | None = None  # why no answer came, when none did
 
     @property
     def ok(self) -> bool:
@@ -264,7 +291,7 @@ class IngestClient:
                                 detail=f"redirect to {target.scheme}://{target.netloc} "
                                 "not followed: it would carry the token elsewhere")
         except TransportError as exc:
-            answer = Answer(Verdict.RETRY, detail=str(exc))
+            answer = Answer(Verdict.RETRY, detail=str(exc), failure=exc.kind)
         except TimeoutError:
             answer = Answer(Verdict.RETRY, detail="timed out")
         except Exception as exc:  # a bug here, or in h11, must not end a sender
@@ -285,8 +312,7 @@ class IngestClient:
             self._end_spell(route)
             return
         self._refusals.add("token" if answer.verdict is Verdict.AUTH else "refused"
-                           if answer.detail.startswith("cannot connect (") and "within" not in
-                           answer.detail else "other")
+                           if answer.failure is TransportFailure.CONNECT else "other")
         if answer.verdict in (Verdict.RETRY, Verdict.AUTH, Verdict.REDIRECT):
             spell = self._spells.setdefault(route, _Spell())
             spell.attempts += 1
@@ -356,11 +382,10 @@ class IngestClient:
             return
         if answer.verdict is not Verdict.REJECTED:  # a poison payload: the route is fine
             self._said(route)  # and so will be its end: as often as it is
+        policy = ROUTES[route]
         kept = ("this output is dropped and counted (/logs is best-effort); later output is "
-                "sent once the token is accepted"
-                if ROUTES[route].guarantee is Guarantee.BEST_EFFORT
-                else "the command's last output is kept and delivery retried"
-                if route == "logs/tail" else "data is kept and delivery retried")
+                "sent once the token is accepted" if policy.guarantee is Guarantee.BEST_EFFORT
+                else f"{policy.carries} is kept and delivery retried")
         what = {
             Verdict.AUTH: f"the ingest rejected the token; {kept}",
             Verdict.REDIRECT: answer.detail,
@@ -368,7 +393,7 @@ class IngestClient:
                               + (f" ({answer.reason})" if answer.reason else ""),
         }[answer.verdict]
         more = f" ({held} more since the last message)" if held else ""
-        log.error("%s: HTTP %s: %s%s", ROUTES[route].path, answer.status, what, more)
+        log.error("%s: HTTP %s: %s%s", policy.path, answer.status, what, more)
 
     def _unreachable_once_a_minute(self, route: str, answer: Answer) -> None:
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import socket
 import ssl
 from typing import NamedTuple
@@ -31,9 +32,24 @@ READ_BUFFER_BYTES = 4 * MAX_ANSWER_BYTES  # of an answer received ahead of its r
 USER_AGENT = f"sidecar/{__version__}"
 
 
+class TransportFailure(enum.Enum):
+    """What kept a request from a usable answer, for a caller that sorts failures."""
+
+    RESOLVE = "resolve"  # the host's name did not resolve
+    CONNECT = "connect"  # the connection was refused, or could not be made
+    CONNECT_TIMEOUT = "connect-timeout"  # connecting had no answer in time
+    TLS = "tls"  # the TLS handshake, or TLS afterwards, failed
+    CONNECTION = "connection"  # the connection failed or was closed during the exchange
+    MALFORMED = "malformed"  # the answer was not HTTP/1.1
+
+
 class TransportError(Exception):
-    """A request that got no usable answer; `str()` is a short reason for messages (no URL,
-    no header)."""
+    """A request that got no usable answer, and which kind of failure kept it from one; `str()`
+    is a short reason for messages (no URL, no header)."""
+
+    def __init__(self, kind: TransportFailure, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
 
 
 class Reply(NamedTuple):
@@ -223,15 +239,17 @@ class Transport:
                     _Connection, origin.host, origin.port, ssl=self._ssl,
                     server_hostname=origin.host if self._ssl else None)
         except TimeoutError:
-            raise TransportError(f"cannot connect (no answer within "
-                                 f"{self._connect_timeout_s:g} s)") from None
+            raise TransportError(TransportFailure.CONNECT_TIMEOUT, f"cannot connect (no answer "
+                                 f"within {self._connect_timeout_s:g} s)") from None
         except ssl.SSLError as exc:
-            raise TransportError(f"TLS handshake failed ({_ssl_reason(exc)})") from None
+            raise TransportError(TransportFailure.TLS,
+                                 f"TLS handshake failed ({_ssl_reason(exc)})") from None
         except socket.gaierror as exc:
-            raise TransportError(f"cannot resolve {origin.host} ({exc.strerror})") from None
+            raise TransportError(TransportFailure.RESOLVE,
+                                 f"cannot resolve {origin.host} ({exc.strerror})") from None
         except OSError as exc:
-            raise TransportError(f"cannot connect ({exc.strerror or exc.__class__.__name__})"
-                                 ) from None
+            raise TransportError(TransportFailure.CONNECT, "cannot connect "
+                                 f"({exc.strerror or exc.__class__.__name__})") from None
         return conn
 
     async def _exchange(self, conn: _Connection, path: str, body: bytes,
@@ -253,7 +271,7 @@ class Transport:
                     # Closed as the request went out on a kept-alive connection: nothing of
                     # it was answered, so the caller sends it once more on another one.
                     raise _Stale from None
-                raise TransportError(_describe(sent or exc)) from None
+                raise _failed(sent or exc) from None
         except BaseException:  # a timeout or a cancellation leaves it mid-exchange
             conn.close()
             raise
@@ -306,13 +324,15 @@ def _ssl_reason(exc: ssl.SSLError) -> str:
     return exc.reason or exc.__class__.__name__
 
 
-def _describe(exc: BaseException) -> str:
+def _failed(exc: BaseException) -> TransportError:
+    """The TransportError of an exchange that `exc` cut short."""
     if isinstance(exc, h11.RemoteProtocolError):
-        return f"a malformed answer ({exc})"
+        return TransportError(TransportFailure.MALFORMED, f"a malformed answer ({exc})")
     if isinstance(exc, ssl.SSLError):
-        return f"TLS failed ({_ssl_reason(exc)})"
+        return TransportError(TransportFailure.TLS, f"TLS failed ({_ssl_reason(exc)})")
     if isinstance(exc, ConnectionResetError) and exc.args and isinstance(exc.args[0], str):
-        return exc.args[0]
+        return TransportError(TransportFailure.CONNECTION, exc.args[0])
     if isinstance(exc, OSError) and exc.strerror:
-        return f"connection failed ({exc.strerror})"
-    return f"connection failed ({exc.__class__.__name__})"
+        return TransportError(TransportFailure.CONNECTION, f"connection failed ({exc.strerror})")
+    return TransportError(TransportFailure.CONNECTION,
+                          f"connection failed ({exc.__class__.__name__})")
