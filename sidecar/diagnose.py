@@ -24,8 +24,9 @@ from sidecar.sources.telemetry.cgroup import OomKill
 from sidecar.sources.telemetry.nvml.xid import XidEvent
 
 EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N (docs/commands.md#exit-statuses)
-LAST_LINE_STREAMS = ("stderr", "terminal", "stdout")  # the last resort, in this order; with
-#   --tty both streams are one; stdout last (a command run with `2>&1` or through `| tee`)
+# the last resort, in this order; with --tty both streams are one; stdout last (a command run with
+# `2>&1` or through `| tee`)
+LAST_LINE_STREAMS = ("stderr", "terminal", "stdout")
 XID_AFTER = "cuda_oom"  # an XID is named after this row and before the rest of the table
 _SIGNAL_CAUSES: dict[int, str] = {
     signal.SIGSEGV: "segmentation fault (SIGSEGV)",

@@ -48,8 +48,9 @@ if TYPE_CHECKING:
     from sidecar.sources.files.logfile import LogFileParser
     from sidecar.sources.telemetry.sampler import HardwareSampler
 
-MAX_NAMED_INVALID_KEYS = 100  # keys whose NaN/inf values are counted and said by name; the
-#   values of further keys are counted together (a new key every step would grow without end)
+# keys whose NaN/inf values are counted and said by name; the values of further keys are counted
+# together (a new key every step would grow without end)
+MAX_NAMED_INVALID_KEYS = 100
 DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
 MAX_HPARAMS_PER_REQUEST = 1000
@@ -165,8 +166,8 @@ class Pipeline(Sink):
             hparams_file, lambda params: self.hparams.push(list(params.items())))
         self.offsets = Offsets(run_dir / "offsets.json")
         self._prefix = cfg.log_prefix.format(node=node.name, rank=node.rank)
-        self._log_parsers: weakref.WeakSet[LogFileParser] = weakref.WeakSet()  # of the files
-        #   followed now: a line of ours ends their open lines first
+        # the parsers of the log files followed now: a line of ours ends their open lines first
+        self._log_parsers: weakref.WeakSet[LogFileParser] = weakref.WeakSet()
         self.follower = Follower(source_specs(cfg, node, self._log_parsers.add), self,
                                  self.offsets, mode=cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
@@ -326,8 +327,8 @@ class Pipeline(Sink):
             await cancel(self._hparams_task)
             await self.hparams_file.check(final=True)
         await cancel(self._checkpoints_task)
-        checkpoints = asyncio.create_task(self._drain_checkpoints(deadline))  # beside the files:
-        #   a checkpoint still being written at a stop may take the drain's whole time
+        # beside the files: a checkpoint still being written at a stop may take all the drain's time
+        checkpoints = asyncio.create_task(self._drain_checkpoints(deadline))
         if self._follow_task is not None:
             await cancel(self._follow_task)
             while time.monotonic() < deadline:

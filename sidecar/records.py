@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-LOG_BLOCK = 960 << 10  # bytes a followed file is read by at once, and characters a /logs request
-#   carries: a block of plain lines goes as one request, its JSON body under 1 MiB (nginx's
-#   default client_max_body_size), without a cut
+# bytes a followed file is read by at once, and characters a /logs request carries: a block of plain
+# lines goes as one request, its JSON body under 1 MiB (nginx's default client_max_body_size),
+# without a cut
+LOG_BLOCK = 960 << 10
 
 
 def iso_ts(epoch_s: float) -> str:

@@ -56,20 +56,25 @@ if TYPE_CHECKING:  # imported once the command runs: it is spawned before these
     from sidecar.observe.endpoint import StatusServer
     from sidecar.pipeline import Pipeline
 
-LOGS_DRAIN_SHARE = 0.5  # of --drain-timeout the output may take, so a hung /logs cannot starve
-#                         the end event that waits behind it
-HOLDERS_SHARE = 0.5  # of the output's share, how long the output is still forwarded while a
-#                      process the command left (a background writer) holds it open, as `tee`
-#                      would; then one line names them and what they write is not forwarded
+# the share of --drain-timeout the output may take, so that a hung /logs cannot starve the end
+# event that waits behind it
+LOGS_DRAIN_SHARE = 0.5
+# the share of the output's share during which the output is still forwarded while a process the
+# command left (a background writer) holds it open, as `tee` would; then one line names them and
+# what they write is not forwarded
+HOLDERS_SHARE = 0.5
 TAIL_DRAIN_SHARE = 0.5  # of the output's share kept for the crash tail when older text waits
-FIRST_ANSWER_WAIT_S = 1.0  # at the drain, for the run's first answer when none came yet: a
-#                            refused connection or a 401 is known then, and not waited out
+# how long the drain waits for the run's first answer when none came yet: a refused connection
+# or a 401 is known then, and not waited out
+FIRST_ANSWER_WAIT_S = 1.0
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
-MAX_BACKLOG_CHARS = 64 << 10  # of output the terminal model has still to draw: more is dropped
-#   (a flood of escape sequences it draws at a few microseconds a character)
-GIL_SWITCH_S = 0.0005  # the pump threads get the GIL back quickly after each read and write,
-#                        so the loop's work on one block never holds up the child's pipe
+# characters of output the terminal model may have still to draw: more is dropped (a flood of
+# escape sequences it draws at a few microseconds a character)
+MAX_BACKLOG_CHARS = 64 << 10
+# the pump threads get the GIL back quickly after each read and write, so the loop's work on one
+# block never holds up the child's pipe
+GIL_SWITCH_S = 0.0005
 
 
 class _Budget:

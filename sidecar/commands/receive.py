@@ -352,10 +352,10 @@ class IngestStats:
     routes: dict[str, RouteStats] = field(
         default_factory=lambda: {route: RouteStats() for route in _ROUTES}
     )
-    arrivals: list[str] = field(default_factory=list)  # the route of each accepted request, in
-    #                                                    order across routes
-    rejections: dict[tuple[str, int], Rejections] = field(default_factory=dict)  # by route or
-    #                                                    unknown path, and status; in first order
+    # the route of each accepted request, in order across routes
+    arrivals: list[str] = field(default_factory=list)
+    # by route or unknown path, and status; in first order
+    rejections: dict[tuple[str, int], Rejections] = field(default_factory=dict)
 
     def reject(self, where: str, status: int, reason: str) -> None:
         """Count a refusal of a request to a route (or an unknown path) and keep its reason."""

@@ -35,9 +35,10 @@ from sidecar.supervise import fault_point, supervise
 MAX_POINTS_PER_REQUEST = 2048  # of /metrics (docs/ingest.md#limits)
 MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8 requests)
 LINGER_S = 0.05  # a small batch waits this long for company
-PACE_S = 0.85  # while output keeps coming, a route's requests start at most this often: about
-#   one a second, and what waits for the next one (with the file reader's coalescing,
-#   follow.COALESCE_S) still arrives within a second
+# while output keeps coming, a route's requests start at most this often: about one a second, and
+# what waits for the next one (with the file reader's coalescing, follow.COALESCE_S) still arrives
+# within a second
+PACE_S = 0.85
 
 
 class Pace:

@@ -249,8 +249,8 @@ class IngestClient:
         self._hurry = asyncio.Event()
         self._spells: dict[str, _Spell] = {}  # per route, while its payloads fail
         self._accepted = 0  # payloads the ingest took, all routes together
-        self._refusals: set[str] = set()  # what the failed attempts were: "token", "refused"
-        #   (a refused connection) or "other"
+        # what the failed attempts were: "token", "refused" (a refused connection) or "other"
+        self._refusals: set[str] = set()
         self.answered = asyncio.Event()  # an attempt of any route has had its outcome
 
     async def start(self) -> None:
@@ -469,8 +469,8 @@ def retry_wait(policy: RoutePolicy, failed: int, retry_after_s: float | None = N
     After an answer that said Retry-After: never shorter than told, and spread over up to half
     as long again (at least first_backoff_s), so that the nodes an overloaded ingest sent away
     at once do not all come back in the same instant."""
-    import random  # only once an attempt failed: its import costs a start-up more than it
-    #                answers (test_footprint)
+    # only once an attempt failed: its import costs a start-up more than it answers (test_footprint)
+    import random
 
     if retry_after_s is not None:
         return retry_after_s + random.uniform(0.0, max(retry_after_s / 2, policy.first_backoff_s))

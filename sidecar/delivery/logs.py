@@ -23,17 +23,20 @@ from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.supervise import fault_point, supervise
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
-MAX_REQUEST_BYTES = 1 << 20  # nginx's default client_max_body_size (ingress-nginx's
-#   proxy-body-size too): a larger body is answered 413
-MAX_REQUEST_CHARS = LOG_BLOCK  # text in one request; denser text (non-ASCII, many escapes),
-#   whose body would pass MAX_REQUEST_BYTES, lowers it
-DENSE_TEXT_MARGIN = 16  # that lower limit is a sixteenth under the proportional one: the text
-#   after may be denser still
+# nginx's default client_max_body_size (ingress-nginx's proxy-body-size too): a larger body is
+# answered 413
+MAX_REQUEST_BYTES = 1 << 20
+# text in one request; denser text (non-ASCII, many escapes), whose body would pass
+# MAX_REQUEST_BYTES, lowers it
+MAX_REQUEST_CHARS = LOG_BLOCK
+# that lower limit is a sixteenth under the proportional one: the text after may be denser still
+DENSE_TEXT_MARGIN = 16
 MIN_FILL_SHARE = 8  # a request is topped up with the head of a text when 1/8 of it is left
 MIN_SPLIT_CHARS = 1 << 10  # a batch refused as too large is halved down to this, then dropped
 LINGER_S = 0.05  # how long a small batch waits for more text
-LINGER_BELOW_CHARS = MAX_REQUEST_CHARS // 4  # a batch this big is worth its request at once:
-#   waiting would only delay it (the end of a file read from its start), not spare a request
+# a batch this big is worth its request at once: waiting would only delay it (the end of a file read
+# from its start), not spare a request
+LINGER_BELOW_CHARS = MAX_REQUEST_CHARS // 4
 FLUSH_STALL_S = 1.0  # a flush gives up once no request was answered for this long
 
 
@@ -57,8 +60,9 @@ class LogShipper:
         self.prefix = prefix  # of the log's lines (--log-prefix), for a gap's line of ours
         self.dropped_chars = 0
         self.sent_chars = 0
-        self._gap = 0  # characters given up since the last text sent: said by a line of ours
-        #   where they were, before the next text that goes (the gap marker)
+        # characters given up since the last text sent: said by a line of ours where they were,
+        # before the next text that goes (the gap marker)
+        self._gap = 0
         self._gap_why = ""
         self._line_open = False  # the log's last character sent was not a line end
         self.stop_reason = "shutdown reached its drain deadline"  # of what `stop` drops

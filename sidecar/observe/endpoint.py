@@ -236,8 +236,9 @@ class _Prometheus:
 # What one client may cost the daemon is bounded: its request line and headers in bytes, the time
 # it may take to send a request or to take an answer, and the connections open at once.
 MAX_REQUEST_BYTES = 16 * 1024  # a scraper's request line and headers take a few hundred bytes
-IDLE_TIMEOUT_S = 75.0  # the whole next request, from the connection's start or the last answer
-#                        (above a 60 s scrape interval, so that a scraper's connection is reused)
+# the whole next request, from the connection's start or the last answer (above a 60 s scrape
+# interval, so that a scraper's connection is reused)
+IDLE_TIMEOUT_S = 75.0
 WRITE_TIMEOUT_S = 10.0  # for a client to take an answer
 MAX_CONNECTIONS = 32  # past it, the connection idle the longest is closed
 EVICTED = "closed to make room: the connection idle the longest goes first"

@@ -23,8 +23,9 @@ class Parsed:
         self.records = records  # lines or records taken
         self.skipped = skipped  # bad lines or records, skipped and counted
         self.invalid = {} if invalid is None else invalid  # NaN/inf values per key, not sent
-        self.unusable = unusable  # lines or values not sent (not JSON, no number, a key given
-        #                           twice): counted as invalid, as NaN values are
+        # lines or values not sent (not JSON, no number, a key given twice): counted as invalid, as
+        # NaN values are
+        self.unusable = unusable
 
 
 class Parser(Protocol):

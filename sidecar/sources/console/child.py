@@ -34,15 +34,16 @@ from sidecar.supervise import SUPERVISOR
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 PIPE_BYTES = 1 << 20  # a larger pipe means fewer, larger reads
-READ_BYTES = PIPE_BYTES  # the whole pipe at once: reads of 960 KiB (records.LOG_BLOCK) slowed a
-#   flooding child from 0.6x to 1.0x of `| tee` (bench_wrapper), and /logs cuts a block anyway
+# the whole pipe at once: reads of 960 KiB (records.LOG_BLOCK) slowed a flooding child from 0.6x to
+# 1.0x of `| tee` (bench_wrapper), and /logs cuts a block anyway
+READ_BYTES = PIPE_BYTES
 FORWARDING_FAILED = "forwarding this stream to /logs failed (said once)"
 MAX_PENDING_BYTES = 32 << 20  # output offered to the loop but not yet taken
 SMALL_READ_BYTES = 16 << 10  # a read this small, right after another, waits for company:
-COALESCE_S = 0.1  # a flood of small writes (a bar's redraws, a line each 10 ms) is read 10
-#                   times a second at most, not once per write (each read wakes the event loop:
-#                   at 0.02 s a trickle of 100 lines/s cost `run` 1.8x the CPU); a lone line
-#                   is never delayed
+# a flood of small writes (a bar's redraws, a line each 10 ms) is read 10 times a second at most,
+# not once per write (each read wakes the event loop: at 0.02 s a trickle of 100 lines/s cost `run`
+# 1.8x the CPU); a lone line is never delayed
+COALESCE_S = 0.1
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
 
@@ -164,8 +165,9 @@ class Pump:
         self._sink_open = True
         self._can_splice = True  # until splice(2) says this sink cannot take it
         self._forwarding_failed = False  # the /logs side raised: pass through only from then on
-        self._beside_ours = False  # the sink is where our own messages go (our stderr): what
-        #                            passes through is seen, so that ours never glue onto it
+        # the sink is where our own messages go (our stderr): what passes through is seen, so that
+        # ours never glue onto it
+        self._beside_ours = False
         self._small_read_at = float("-inf")  # when the last read was a small one
 
     def start(self) -> threading.Thread:

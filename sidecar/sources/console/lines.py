@@ -25,8 +25,9 @@ MAX_LINE_CHARS = 64 * 1024  # a longer line is split (docs/ingest.md#logs)
 QUIET_FLUSH_S = 1.0  # a partial line goes out after this much quiet
 PROGRESS_INTERVAL_S = 3.0  # a progress bar's latest state at most this often
 THIN_CHARS = 32 << 10  # of what waits for the terminal, thinned at once (see _thin)
-SCREEN_SLICE_CHARS = 1 << 10  # drawn in one call where the work per call is bounded: a flood of
-#   escape sequences costs the terminal up to a few microseconds a character
+# drawn in one call where the work per call is bounded: a flood of escape sequences costs the
+# terminal up to a few microseconds a character
+SCREEN_SLICE_CHARS = 1 << 10
 
 _BARE_CR = re.compile(r"\r(?=[^\n])")  # a final one may be half of a CRLF: the next block says
 _NOT_SGR = re.compile(r"\x1b(?!\[[0-9;:]*m)")  # an escape that is not a complete colour sequence
@@ -88,8 +89,9 @@ class LineAssembler:
         self._last_feed = 0.0
         self._screen: Screen | None = None  # while output that moves the cursor is being drawn
         self.screen_slice_chars = screen_slice_chars
-        self._backlog: deque[str | int] = deque()  # what the terminal has still to draw, in
-        #                                 order: text, or a gap (that many bytes were dropped)
+        # what the terminal has still to draw, in order: text, or a gap (that many bytes were
+        # dropped)
+        self._backlog: deque[str | int] = deque()
         self._thinned = ""  # its head, the redraws a later one covers taken out
         self.backlog = 0  # characters of text in both
 

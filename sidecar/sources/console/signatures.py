@@ -32,8 +32,9 @@ class Signature(NamedTuple):
     stream: str = "any"  # "stdout", "stderr" or "any"
     keep: str = "first"  # which occurrence is quoted: "first" or "last"
     armed_by: str = ""  # looked for only after this row matched on the same stream
-    weight: str = "cause"  # "cause": named before the signal the command died of; "fallback":
-    #                        after it; "count": counted, never named
+    # "cause": named before the signal the command died of; "fallback": after it; "count": counted,
+    # never named
+    weight: str = "cause"
 
 
 # Ranked: when several match, the summary names the highest. Sources of the messages are cited in

@@ -254,8 +254,8 @@ class Screen:
         if text != row.sent or row.sent_seq < self._final_seq:
             self._seq += 1
             row.sent, row.sent_seq = text, self._seq
-            self._out.append(text if row.wraps else text + "\n")  # the line goes on: the
-            #                                  split comes after masking, in LineAssembler
+            # the line goes on: the split comes after masking, in LineAssembler
+            self._out.append(text if row.wraps else text + "\n")
         self._final_seq = row.sent_seq
         self._sent.append(_Row(row.cells, row.sent, row.sent_seq))
 

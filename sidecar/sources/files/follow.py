@@ -54,13 +54,15 @@ from sidecar.supervise import fault_point
 READ_BYTES = LOG_BLOCK
 POLL_S = 0.25  # poll mode: how often files are looked at
 SAFETY_POLL_S = 5.0  # event mode: a look even without events (an overflowed event queue)
-INLINE_READ_BYTES = 64 << 10  # event mode (a local filesystem): a read this small of what was
-#   just written comes from the page cache and is read on the loop, not in a thread
+# event mode (a local filesystem): a read this small of what was just written comes from the page
+# cache and is read on the loop, not in a thread
+INLINE_READ_BYTES = 64 << 10
 READ_LEAD_S = 0.05  # a trickle is read this long before the sink's next request starts
 MAX_GATHER_S = 1.0  # and never waits longer than this for it
-COALESCE_S = 0.1  # a look that found new data and read everything: the next waits this long
-#   from its start for company, and until just before the sink's next request when it paces
-#   them (batcher.PACE_S: about one a second), so a trickle is read about twice a second
+# a look that found new data and read everything: the next waits this long from its start for
+# company, and until just before the sink's next request when it paces them (batcher.PACE_S: about
+# one a second), so a trickle is read about twice a second
+COALESCE_S = 0.1
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
 
@@ -71,8 +73,9 @@ class SourceSpec(NamedTuple):
     kind: str  # "log", "jsonl", "tensorboard"
     patterns: tuple[str, ...]  # paths and globs; with `tree`, folders searched at any depth
     make_parser: Callable[[Path, dict[str, Any]], Parser]  # (path, saved state) -> parser
-    parse_bytes: int = READ_BYTES  # bytes handed to the parser at once: the granularity of
-    #                                acknowledgement, so of what a crash can repeat
+    # bytes handed to the parser at once: the granularity of acknowledgement, so of what a crash can
+    # repeat
+    parse_bytes: int = READ_BYTES
     option: str = ""  # the option that named the patterns, for messages: "--log"
     tree: str = ""  # a file-name glob: each pattern is a folder holding such files at any depth
 

@@ -46,16 +46,18 @@ class Head(NamedTuple):
 class FileKind(NamedTuple):
     """One kind of followed file."""
 
-    name: str  # the option (--NAME, SIDECAR_NAME, NAME in TOML), the key of Config.files and
-    #   of the run's sources.json
+    # the option (--NAME, SIDECAR_NAME, NAME in TOML), the key of Config.files and of the run's
+    # sources.json
+    name: str
     help: str  # the option's --help text, before its default and variable
     parsers: Callable[[Follow], MakeParser]  # imports the kind's parser module when called
     metavar: str = ""  # what --help shows for a value; empty: the list options' PATH
     # bytes handed to a parser at once: the granularity of acknowledgement, so of what a crash
     # may repeat
     parse_bytes: int = LOG_BLOCK
-    tree: str = ""  # a file-name glob: each pattern is a folder searched at any depth for such
-    #   files, one spec a folder
+    # a file-name glob: each pattern is a folder searched at any depth for such files, one spec a
+    # folder
+    tree: str = ""
     folder_hint: str = "*"  # the glob to give in a folder named by mistake for a file
     # its files give metric points, held back by a file's offset until acknowledged: what a
     # drain cut short leaves for the next start or `sidecar replay`
