@@ -144,7 +144,7 @@ class Pipeline(Sink):
         self.invalid: dict[str, int] = {}  # NaN and infinite values, per key
         self.invalid_unnamed = 0  # those of keys past MAX_NAMED_INVALID_KEYS of them
         self.sampler: HardwareSampler | None = None
-        # log text, or a metric step beyond any before
+        # called on log text, and on a metric step beyond any before
         self.on_activity: Callable[[], None] | None = None
         self._top_step = float("-inf")
         self._thinned = 0
