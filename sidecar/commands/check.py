@@ -418,8 +418,8 @@ def _checkpoints(cfg: Config, folder: str, report: _Report) -> None:
     paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri],
                           container_signal(os.environ))
     formats = Counter(f"{c.shape.format} ({c.shape.kind})" for c in found)
-    waiting = [f"{os.path.relpath(c.path, folder)}: {c.verdict.why}" for c in found
-               if not c.verdict.complete]
+    waiting = [f"{os.path.relpath(c.path, folder)}: {c.assessment.why}" for c in found
+               if not c.assessment.complete]
     summary = (", ".join(f"{n} {name}" for name, n in sorted(formats.items())) or
                "no checkpoint yet")
     complete = len(found) - len(waiting)
