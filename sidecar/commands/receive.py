@@ -29,8 +29,8 @@ from typing import Any
 from aiohttp import ClientError as aiohttp_ClientError
 from aiohttp import web
 
-__all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStats", "Rejected",
-           "Reset", "RouteStats", "serve"]
+__all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStats", "ReceivedRoute",
+           "Rejected", "Reset", "serve"]
 
 DEFAULT_PREFIX = "/api/ingest"
 LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
@@ -325,7 +325,7 @@ class Hooks:
 
 
 @dataclass
-class RouteStats:
+class ReceivedRoute:
     """What one route received."""
 
     accepted: int = 0
@@ -349,8 +349,8 @@ class IngestStats:
 
     total_requests: int = 0  # every request on any path, answered or not
     not_found: int = 0  # requests outside the ingest routes
-    routes: dict[str, RouteStats] = field(
-        default_factory=lambda: {route: RouteStats() for route in _ROUTES}
+    routes: dict[str, ReceivedRoute] = field(
+        default_factory=lambda: {route: ReceivedRoute() for route in _ROUTES}
     )
     arrivals: list[str] = field(default_factory=list)  # the route of each accepted request, in
     #                                                    order across routes
