@@ -636,7 +636,7 @@ def _proxy_note(environ: Mapping[str, str], report: _Report, *, failed: bool) ->
     found = [(name, environ[name]) for name in PROXY_VARIABLES if environ.get(name)]
     if not found:
         return
-    shown = ", ".join(f"{name}={_without_credentials(value)}" for name, value in found)
+    shown = ", ".join(f"{name}={_mask_credentials(value)}" for name, value in found)
     names = [name for name, _ in found]
     if failed:
         report.add("proxy", "warn", f"{shown} set, but the sidecar connects to the ingest "
@@ -648,7 +648,7 @@ def _proxy_note(environ: Mapping[str, str], report: _Report, *, failed: bool) ->
                    "directly, never through a proxy (one would see the token)", variables=names)
 
 
-def _without_credentials(url: str) -> str:
+def _mask_credentials(url: str) -> str:
     """A proxy URL with any user:password replaced by ***."""
     scheme, sep, rest = url.rpartition("://")
     authority, slash, path = rest.partition("/")
