@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from sidecar.commands import say
+from sidecar.commands import print_out
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve, unknown_variables
 from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import log
@@ -117,7 +117,7 @@ class _Report:
             self._print(f"sidecar check: {verdict[code]} (first failed step: {first.name})")
 
     def _print(self, text: str) -> None:
-        say(mask(text), self.out)
+        print_out(mask(text), self.out)
 
 
 @dataclass(frozen=True)
