@@ -285,7 +285,7 @@ class Pipeline(Sink):
                                 MAX_NAMED_INVALID_KEYS)
                 self.invalid_unnamed += count
 
-    def say(self, line: str) -> None:
+    def announce(self, line: str) -> None:
         """A line of ours (`[sidecar] ...`) to /logs between the followed files' lines, never
         spliced into one of them: the open line of each (sent in part after a quiet second)
         is ended first, and its rest, when it comes, is prefixed again."""
