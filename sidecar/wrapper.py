@@ -507,7 +507,7 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
         await wait_set(client.answered, FIRST_ANSWER_WAIT_S)  # is the ingest there at all?
     refused = client.never_accepted if client is not None else None
     if refused is not None:  # the drain would wait out its deadline: say what is kept instead
-        _say_kept(cfg, lifecycle, crash_tail, pipeline, refused)
+        _warn_kept(cfg, lifecycle, crash_tail, pipeline, refused)
         if pipeline is not None:
             await pipeline.stop_reading()
         return
@@ -536,8 +536,8 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
 
 
-def _say_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
-              pipeline: Pipeline | None, refused: str) -> None:
+def _warn_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
+               pipeline: Pipeline | None, refused: str) -> None:
     """No answer of the run was accepted, each one was `refused`: no wait would change that,
     so the drain is not waited out; one line says what is kept, and for what."""
     kept = []
