@@ -320,7 +320,7 @@ class Pipeline(Sink):
 
     async def drain(self, deadline: float) -> None:
         """Read every file to its end and deliver what can be delivered by `deadline`."""
-        self.key_budget.say()  # what a minute held back
+        self.key_budget.report_refused()  # what a minute held back
         await self._stop_telemetry()
         if self.hparams_file is not None:
             await cancel(self._hparams_task)
@@ -360,7 +360,7 @@ class Pipeline(Sink):
     async def close(self) -> None:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
         one line."""
-        self.key_budget.say()
+        self.key_budget.report_refused()
         await self.shipper.stop()
         await cancel(self._checkpoints_task)
         await self.artifacts.close()
