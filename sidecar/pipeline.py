@@ -27,9 +27,9 @@ from sidecar.delivery.artifacts import JOURNAL as ARTIFACT_JOURNAL
 from sidecar.delivery.artifacts import Artifacts
 from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import ROUTES, IngestClient
-from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
+from sidecar.delivery.spool import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.log import log, state_write_failed
 from sidecar.masking import mask
 from sidecar.node import Node

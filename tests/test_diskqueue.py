@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
+from sidecar.delivery.spool import DiskQueue, SpoolFull
 from tests.conftest import RUN_ID, Sidecar, platform_env, sidecar
 from tests.ingest_server import RunningIngest, wait_until
 
@@ -35,7 +35,7 @@ def test_append_peek_ack_in_order_across_reopen(tmp_path: Path) -> None:
 def test_segments_roll_over_and_are_deleted_once_acknowledged(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
-    monkeypatch.setattr("sidecar.delivery.diskqueue.SEGMENT_BYTES", 64)
+    monkeypatch.setattr("sidecar.delivery.spool.SEGMENT_BYTES", 64)
     queue = DiskQueue(tmp_path / "q")
     queue.open()
     for i in range(20):

@@ -53,7 +53,7 @@ import psutil
 import pytest
 
 from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST
-from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
+from sidecar.delivery.spool import DiskQueue, SpoolFull
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest, wait_until

@@ -85,7 +85,7 @@ def test_the_client_reads_a_route_s_policy_and_never_branches_on_its_name() -> N
 
 def test_the_hardware_spool_is_the_smaller_so_that_samples_are_thinned_first(
         tmp_path: Path) -> None:
-    from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES
+    from sidecar.delivery.spool import MAX_SPOOL_BYTES
     from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
 
     client = IngestClient("http://127.0.0.1:9/api/ingest", (), lambda: TOKEN)

@@ -27,7 +27,7 @@ from typing import Any
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.deadletter import dead_letter
-from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
+from sidecar.delivery.spool import DiskQueue, SpoolFull
 from sidecar.log import Throttle, log
 from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
