@@ -29,7 +29,7 @@ from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import ROUTES, IngestClient
 from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
-from sidecar.delivery.spool import MAX_SPOOL_BYTES, DiskQueue
+from sidecar.delivery.spool import MAX_SPOOL_BYTES, Spool
 from sidecar.log import log, state_write_failed
 from sidecar.masking import mask
 from sidecar.node import Node
@@ -78,8 +78,8 @@ def recorded_sources(run_dir: Path) -> dict[str, tuple[str, ...]] | None:
 def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher:
     """The batcher of a route whose payloads are documents, spilling to disk when it must."""
     cap = ROUTES[route].spool_max_bytes
-    spill = DiskQueue(run_dir / "spool" / route.replace("/", "_"),
-                      max_bytes=MAX_SPOOL_BYTES if cap is None else cap)
+    spill = Spool(run_dir / "spool" / route.replace("/", "_"),
+                  max_bytes=MAX_SPOOL_BYTES if cap is None else cap)
     return Batcher(client, route, lambda docs: docs[0], run_dir, max_items=1,
                    max_queued=MAX_QUEUED_DOCUMENTS, spill=spill)
 

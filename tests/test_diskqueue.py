@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.delivery.spool import DiskQueue, SpoolFull
+from sidecar.delivery.spool import Spool, SpoolFull
 from tests.conftest import RUN_ID, Sidecar, platform_env, sidecar
 from tests.ingest_server import RunningIngest, wait_until
 
@@ -17,13 +17,13 @@ def payloads(n: int, start: int = 0) -> list[bytes]:
 
 
 def test_append_peek_ack_in_order_across_reopen(tmp_path: Path) -> None:
-    queue = DiskQueue(tmp_path / "q")
+    queue = Spool(tmp_path / "q")
     queue.open()
     queue.append(payloads(5))
     queue.append(payloads(5, 5))
     assert queue.peek(3) == payloads(3)
     queue.ack(3)
-    again = DiskQueue(tmp_path / "q")
+    again = Spool(tmp_path / "q")
     again.open()
     assert again.records == 7
     assert again.peek(100) == payloads(7, 3)
@@ -36,7 +36,7 @@ def test_segments_roll_over_and_are_deleted_once_acknowledged(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     monkeypatch.setattr("sidecar.delivery.spool.SEGMENT_BYTES", 64)
-    queue = DiskQueue(tmp_path / "q")
+    queue = Spool(tmp_path / "q")
     queue.open()
     for i in range(20):
         queue.append(payloads(1, i))
@@ -47,32 +47,32 @@ def test_segments_roll_over_and_are_deleted_once_acknowledged(tmp_path: Path,
 
 
 def test_torn_tail_is_dropped_and_the_rest_kept(tmp_path: Path) -> None:
-    queue = DiskQueue(tmp_path / "q")
+    queue = Spool(tmp_path / "q")
     queue.open()
     queue.append(payloads(4))
     segment = next((tmp_path / "q").glob("*.seg"))
     data = segment.read_bytes()
     for cut in range(len(data) - len(payloads(1, 3)[0]) - 7, len(data)):
         segment.write_bytes(data[:cut])
-        torn = DiskQueue(tmp_path / "q")
+        torn = Spool(tmp_path / "q")
         torn.open()
         assert torn.peek(10) == payloads(3), cut
         assert torn.torn_bytes == cut - (len(data) - len(payloads(1, 3)[0]) - 8)
         torn.append(payloads(1, 9))
-        reopened = DiskQueue(tmp_path / "q")
+        reopened = Spool(tmp_path / "q")
         reopened.open()
         assert reopened.peek(10) == [*payloads(3), *payloads(1, 9)]
         segment.write_bytes(data)
 
 
 def test_cap_and_corrupt_cursor(tmp_path: Path) -> None:
-    queue = DiskQueue(tmp_path / "q", max_bytes=100)
+    queue = Spool(tmp_path / "q", max_bytes=100)
     queue.open()
     queue.append(payloads(5))
     with pytest.raises(SpoolFull):
         queue.append(payloads(10))
     (tmp_path / "q" / "cursor").write_text("garbage")
-    again = DiskQueue(tmp_path / "q")
+    again = Spool(tmp_path / "q")
     again.open()
     assert again.peek(10) == payloads(5)
 

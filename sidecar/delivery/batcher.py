@@ -27,7 +27,7 @@ from typing import Any
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.deadletter import dead_letter
-from sidecar.delivery.spool import DiskQueue, SpoolFull
+from sidecar.delivery.spool import Spool, SpoolFull
 from sidecar.log import Throttle, log
 from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
@@ -95,7 +95,7 @@ class Batcher:
     def __init__(self, client: IngestClient, route: str,
                  wrap: Callable[[list[Any]], dict[str, Any]], run_dir: Path,
                  max_items: int = MAX_POINTS_PER_REQUEST, max_queued: int = MAX_QUEUED_ITEMS,
-                 linger_s: float = LINGER_S, spill: DiskQueue | None = None,
+                 linger_s: float = LINGER_S, spill: Spool | None = None,
                  on_room: Callable[[], None] | None = None, pace_s: float = PACE_S) -> None:
         self.client = client
         self.route = route
