@@ -76,12 +76,12 @@ def recorded_sources(run_dir: Path) -> dict[str, tuple[str, ...]] | None:
 
 
 def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher:
-    """The batcher of a route whose payloads are documents, spilling to disk when it must."""
+    """The batcher of a route whose payloads are documents, spooling to disk when it must."""
     cap = ROUTES[route].spool_max_bytes
-    spill = Spool(run_dir / "spool" / route.replace("/", "_"),
+    spool = Spool(run_dir / "spool" / route.replace("/", "_"),
                   max_bytes=MAX_SPOOL_BYTES if cap is None else cap)
     return Batcher(client, route, lambda docs: docs[0], run_dir, max_items=1,
-                   max_queued=MAX_QUEUED_DOCUMENTS, spill=spill)
+                   max_queued=MAX_QUEUED_DOCUMENTS, spool=spool)
 
 
 def source_specs(cfg: Config, node: Node,
@@ -184,8 +184,8 @@ class Pipeline(Sink):
         self._record_sources()
         self.shipper.start()
         for batcher in self.batchers:
-            if batcher.spill is not None:
-                batcher.spill.open()
+            if batcher.spool is not None:
+                batcher.spool.open()
             batcher.start()
         self.offsets.load()
         self.offsets.start()
@@ -305,8 +305,8 @@ class Pipeline(Sink):
         """Hand one payload to an at-least-once document route; never blocks. Past half its
         spool, every other hardware sample is dropped (thinned) to keep room for the rest."""
         batcher = self.documents[route]
-        spill = batcher.spill
-        if route == "hardware" and spill is not None and spill.size_bytes > spill.max_bytes // 2:
+        spool = batcher.spool
+        if route == "hardware" and spool is not None and spool.size_bytes > spool.max_bytes // 2:
             self._thinned += 1
             if self._thinned % 2:
                 if self._thinned % 1000 == 1:

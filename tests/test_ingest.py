@@ -91,9 +91,9 @@ def test_the_hardware_spool_is_the_smaller_so_that_samples_are_thinned_first(
     client = IngestClient("http://127.0.0.1:9/api/ingest", (), lambda: TOKEN)
     caps = {}
     for route in DOCUMENT_ROUTES:
-        spill = document_batcher(client, route, tmp_path).spill
-        assert spill is not None
-        caps[route] = spill.max_bytes
+        spool = document_batcher(client, route, tmp_path).spool
+        assert spool is not None
+        caps[route] = spool.max_bytes
     assert caps == {"hardware": HARDWARE_SPOOL_BYTES, "environment": MAX_SPOOL_BYTES,
                     "environment/nodes": MAX_SPOOL_BYTES}
     assert HARDWARE_SPOOL_BYTES < MAX_SPOOL_BYTES
