@@ -584,7 +584,7 @@ def test_a_spool_append_cut_short_by_a_full_disk_leaves_the_spool_intact(tmp_pat
 
 # -- SIGKILL under load --------------------------------------------------------------------------
 
-_FRAME = struct.Struct("<II")  # length, crc32: the framing of spool.py and diskqueue.py
+_FRAME = struct.Struct("<II")  # length, crc32: the framing of journal.py and spool.py
 
 
 def frames(data: bytes) -> list[tuple[int, bytes]]:
