@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 MAX_NAMED_INVALID_KEYS = 100  # keys whose NaN/inf values are counted and said by name; the
 #   values of further keys are counted together (a new key every step would grow without end)
-DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
+DOCUMENT_ROUTES = tuple(name for name, policy in ROUTES.items() if policy.documents)
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
 MAX_HPARAMS_PER_REQUEST = 1000
 DRAIN_READ_STEP_S = 0.05
@@ -306,13 +306,13 @@ class Pipeline(Sink):
         spool, every other hardware sample is dropped (thinned) to keep room for the rest."""
         batcher = self.documents[route]
         spool = batcher.spool
-        if route == "hardware" and spool is not None and spool.size_bytes > spool.max_bytes // 2:
+        if ROUTES[route].thinned and spool is not None and spool.size_bytes > spool.max_bytes // 2:
             self._thinned += 1
             if self._thinned % 2:
                 if self._thinned % 1000 == 1:
-                    log.warning("/hardware: the ingest has been unreachable long enough to fill "
-                                "half the hardware spool; keeping every other sample (%d dropped "
-                                "so far)", self._thinned // 2 + 1)
+                    log.warning("/%s: the ingest has been unreachable long enough to fill "
+                                "half the %s spool; keeping every other sample (%d dropped "
+                                "so far)", route, route, self._thinned // 2 + 1)
                 return
         batcher.offer([payload])
 
