@@ -477,7 +477,7 @@ def check_endpoint(endpoint: str, variable: str) -> str:
     """`endpoint` when it is an http(s) URL ending in /api/ingest with a valid port and no
     credentials; else ConfigError naming `variable`, the URL shown without any credentials."""
     parts = urlsplit(endpoint)
-    shown = _without_credentials(parts)
+    shown = _strip_credentials(parts)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{variable}={shown!r} is not an http(s) URL; it should look like "
                           f"{EXAMPLE_ENDPOINT}")
@@ -500,7 +500,7 @@ def check_endpoint(endpoint: str, variable: str) -> str:
     return endpoint
 
 
-def _without_credentials(parts: SplitResult) -> str:
+def _strip_credentials(parts: SplitResult) -> str:
     netloc = parts.netloc.rpartition("@")[2]
     return parts._replace(netloc=netloc).geturl()
 

@@ -112,7 +112,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     pipeline.start()
     pipeline.start_telemetry(environ, environ, (), None, find_trainer_python=False)
     report = Report(gpus=pipeline)
-    stall = stall_watch(cfg, report, pipeline.say)  # between the followed files' lines
+    stall = stall_watch(cfg, report, pipeline.announce)  # between the followed files' lines
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
     status = await serve_status(cfg, node, "watch", client, pipeline, None, report)
@@ -164,11 +164,11 @@ async def _watch_stall(stall: StallWatch) -> None:
         stall.check()
 
 
-def stall_watch(cfg: Config, report: Report, say: Callable[[str], None]) -> StallWatch:
-    """--stall-after for a run: its lines to /logs through `say` (between the output's lines,
+def stall_watch(cfg: Config, report: Report, announce: Callable[[str], None]) -> StallWatch:
+    """--stall-after for a run: its lines to /logs through `announce` (between the output's lines,
     never inside one), the GPUs as the sampler last saw them, its state on the status
     endpoint."""
-    report.stall = StallWatch(cfg.stall_after, say, report.gpu_summary)
+    report.stall = StallWatch(cfg.stall_after, announce, report.gpu_summary)
     return report.stall
 
 

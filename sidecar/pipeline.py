@@ -27,9 +27,9 @@ from sidecar.delivery.artifacts import JOURNAL as ARTIFACT_JOURNAL
 from sidecar.delivery.artifacts import Artifacts
 from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import ROUTES, IngestClient
-from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES, DiskQueue
 from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
+from sidecar.delivery.spool import MAX_SPOOL_BYTES, Spool
 from sidecar.log import log, state_write_failed
 from sidecar.masking import mask
 from sidecar.node import Node
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # keys whose NaN/inf values are counted and said by name; the values of further keys are counted
 # together (a new key every step would grow without end)
 MAX_NAMED_INVALID_KEYS = 100
-DOCUMENT_ROUTES = ("hardware", "environment", "environment/nodes")
+DOCUMENT_ROUTES = tuple(name for name, policy in ROUTES.items() if policy.documents)
 MAX_QUEUED_DOCUMENTS = 8  # in memory (lost to a SIGKILL); more waits in the disk spool
 MAX_HPARAMS_PER_REQUEST = 1000
 DRAIN_READ_STEP_S = 0.05
@@ -77,12 +77,12 @@ def recorded_sources(run_dir: Path) -> dict[str, tuple[str, ...]] | None:
 
 
 def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher:
-    """The batcher of a route whose payloads are documents, spilling to disk when it must."""
+    """The batcher of a route whose payloads are documents, spooling to disk when it must."""
     cap = ROUTES[route].spool_max_bytes
-    spill = DiskQueue(run_dir / "spool" / route.replace("/", "_"),
-                      max_bytes=MAX_SPOOL_BYTES if cap is None else cap)
+    spool = Spool(run_dir / "spool" / route.replace("/", "_"),
+                  max_bytes=MAX_SPOOL_BYTES if cap is None else cap)
     return Batcher(client, route, lambda docs: docs[0], run_dir, max_items=1,
-                   max_queued=MAX_QUEUED_DOCUMENTS, spill=spill)
+                   max_queued=MAX_QUEUED_DOCUMENTS, spool=spool)
 
 
 def source_specs(cfg: Config, node: Node,
@@ -185,8 +185,8 @@ class Pipeline(Sink):
         self._record_sources()
         self.shipper.start()
         for batcher in self.batchers:
-            if batcher.spill is not None:
-                batcher.spill.open()
+            if batcher.spool is not None:
+                batcher.spool.open()
             batcher.start()
         self.offsets.load()
         self.offsets.start()
@@ -286,7 +286,7 @@ class Pipeline(Sink):
                                 MAX_NAMED_INVALID_KEYS)
                 self.invalid_unnamed += count
 
-    def say(self, line: str) -> None:
+    def announce(self, line: str) -> None:
         """A line of ours (`[sidecar] ...`) to /logs between the followed files' lines, never
         spliced into one of them: the open line of each (sent in part after a quiet second)
         is ended first, and its rest, when it comes, is prefixed again."""
@@ -306,14 +306,14 @@ class Pipeline(Sink):
         """Hand one payload to an at-least-once document route; never blocks. Past half its
         spool, every other hardware sample is dropped (thinned) to keep room for the rest."""
         batcher = self.documents[route]
-        spill = batcher.spill
-        if route == "hardware" and spill is not None and spill.size_bytes > spill.max_bytes // 2:
+        spool = batcher.spool
+        if ROUTES[route].thinned and spool is not None and spool.size_bytes > spool.max_bytes // 2:
             self._thinned += 1
             if self._thinned % 2:
                 if self._thinned % 1000 == 1:
-                    log.warning("/hardware: the ingest has been unreachable long enough to fill "
-                                "half the hardware spool; keeping every other sample (%d dropped "
-                                "so far)", self._thinned // 2 + 1)
+                    log.warning("/%s: the ingest has been unreachable long enough to fill "
+                                "half the %s spool; keeping every other sample (%d dropped "
+                                "so far)", route, route, self._thinned // 2 + 1)
                 return
         batcher.offer([payload])
 
@@ -321,7 +321,7 @@ class Pipeline(Sink):
 
     async def drain(self, deadline: float) -> None:
         """Read every file to its end and deliver what can be delivered by `deadline`."""
-        self.key_budget.say()  # what a minute held back
+        self.key_budget.report_refused()  # what a minute held back
         await self._stop_telemetry()
         if self.hparams_file is not None:
             await cancel(self._hparams_task)
@@ -361,7 +361,7 @@ class Pipeline(Sink):
     async def close(self) -> None:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
         one line."""
-        self.key_budget.say()
+        self.key_budget.report_refused()
         await self.shipper.stop()
         await cancel(self._checkpoints_task)
         await self.artifacts.close()

@@ -18,10 +18,10 @@ from sidecar.log import format_duration, log
 class StallWatch:
     """Told of every activity (cheap: one clock read), looked at by a periodic tick."""
 
-    def __init__(self, after_s: float, say: Callable[[str], None], gpus: Callable[[], str],
+    def __init__(self, after_s: float, announce: Callable[[str], None], gpus: Callable[[], str],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.after_s = after_s  # 0: off
-        self.say = say  # a line for /logs (without its line end)
+        self.announce = announce  # a line for /logs (without its line end)
         self.gpus = gpus  # what the sampler last saw of the GPUs, in words
         self.clock = clock
         self.stalled = False
@@ -34,7 +34,7 @@ class StallWatch:
             self.stalled = False
             line = f"[sidecar] output resumed after {format_duration(now - self._last)}"
             log.info("%s", line.removeprefix("[sidecar] "))
-            self.say(line)
+            self.announce(line)
         self._last = now
 
     def check(self) -> None:
@@ -49,7 +49,7 @@ class StallWatch:
                 f"{self.gpus()}")
         log.warning("%s (--stall-after %g; the run is not failed for it)",
                     line.removeprefix("[sidecar] "), self.after_s)
-        self.say(line)
+        self.announce(line)
 
     def due_in_s(self) -> float | None:
         """Seconds until a stall could be said if nothing happens meanwhile (0 once due); None

@@ -218,7 +218,7 @@ class _Stream:
         """A line of ours follows: the stream's open line (a partial sent) is ended first."""
         self._put(self.assembler.end_line())
 
-    def say(self, line: str) -> None:
+    def announce(self, line: str) -> None:
         """A line of ours (`[sidecar] ...`, masked) in the stream, as its own line, prefixed."""
         self._put(self.assembler.own_line(line))
 
@@ -227,12 +227,12 @@ class _Stream:
             self.shipper.put(text, piece=self.tail.add(text))
 
 
-def _say(streams: Sequence[_Stream], line: str) -> None:
+def _announce(streams: Sequence[_Stream], line: str) -> None:
     """A line of ours to /logs between the output's lines, never spliced into one of them: the
     streams' open lines are ended first (their rest, when it comes, is prefixed again)."""
     for stream in streams:
         stream.end_line()
-    streams[-1].say(mask(line))
+    streams[-1].announce(mask(line))
 
 
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -316,7 +316,7 @@ class _Run:
         self.report = Report(self.scanner)
         self.streams: list[_Stream] = []
         # Its lines go through the streams' line assemblers.
-        self.stall = stall_watch(cfg, self.report, lambda line: _say(self.streams, line))
+        self.stall = stall_watch(cfg, self.report, lambda line: _announce(self.streams, line))
         keep_sgr = cfg.log_ansi == "keep"
         # --tty: both share one.
         names = ("terminal",) if cfg.tty else ("stdout", "stderr")
@@ -430,8 +430,8 @@ class _Run:
             await stream.drawn()
             stream.finish()
         if holding:
-            _say_holders(streams, await asyncio.to_thread(self.child.output_holders),
-                         time.monotonic() - exited_at)
+            _announce_holders(streams, await asyncio.to_thread(self.child.output_holders),
+                              time.monotonic() - exited_at)
         pipeline = self.pipeline
         if exit_status != 0:
             duration_s = max(exited_at - self.spawned_at, 0.0)
@@ -441,7 +441,7 @@ class _Run:
                 tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
             log.error("%s", mask(self.report.failure.line().removeprefix("[sidecar] ")))
             # The crash tail's last line.
-            _say(streams, self.report.failure.line())
+            _announce(streams, self.report.failure.line())
         if pipeline is not None and self.crash_tail is not None:
             now = time.monotonic()
             await _journal_tail(pipeline.shipper, self.crash_tail, streams,
@@ -512,7 +512,7 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
         await wait_set(client.answered, FIRST_ANSWER_WAIT_S)  # is the ingest there at all?
     refused = client.never_accepted if client is not None else None
     if refused is not None:  # the drain would wait out its deadline: say what is kept instead
-        _say_kept(cfg, lifecycle, crash_tail, pipeline, refused)
+        _warn_kept(cfg, lifecycle, crash_tail, pipeline, refused)
         if pipeline is not None:
             await pipeline.stop_reading()
         return
@@ -541,8 +541,8 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
 
 
-def _say_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
-              pipeline: Pipeline | None, refused: str) -> None:
+def _warn_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
+               pipeline: Pipeline | None, refused: str) -> None:
     """No answer of the run was accepted, each one was `refused`: no wait would change that,
     so the drain is not waited out; one line says what is kept, and for what."""
     kept = []
@@ -614,7 +614,7 @@ async def _all_closed(streams: Sequence[_Stream]) -> bool:
     return True
 
 
-def _say_holders(streams: Sequence[_Stream], pids: Sequence[int], waited_s: float) -> None:
+def _announce_holders(streams: Sequence[_Stream], pids: Sequence[int], waited_s: float) -> None:
     """The output is still held open past its wait (a background process the command left):
     say by whom, in the log and in our own, and that what comes later is not forwarded."""
     if pids:
@@ -627,7 +627,7 @@ def _say_holders(streams: Sequence[_Stream], pids: Sequence[int], waited_s: floa
             "on is not forwarded")
     log.warning("%s", line.removeprefix("[sidecar] "))
     if streams[-1].shipper is not None:
-        _say(streams, line)
+        _announce(streams, line)
 
 
 async def _close(client: IngestClient | None, lifecycle: Lifecycle, pipeline: Pipeline | None,

@@ -763,13 +763,13 @@ def test_the_shards_of_an_export_are_never_checkpoints_of_their_own(tmp_path: Pa
     shard = len(header).to_bytes(8, "little") + header + bytes(4)
     (export / "model-00001-of-00002.safetensors").write_bytes(shard)  # the second not yet
     found, _ = survey(str(tmp_path))
-    assert [(c.path, c.shape.format, c.verdict.why) for c in found] == [
+    assert [(c.path, c.shape.format, c.assessment.why) for c in found] == [
         (str(export), "hf", "shards without their index yet")]
     (export / "model-00002-of-00002.safetensors").write_bytes(shard)
     (export / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     ((c,), _) = survey(str(tmp_path))
-    assert c.verdict.complete and c.shape.kind == "hf_export"
+    assert c.assessment.complete and c.shape.kind == "hf_export"
 
 
 def test_a_checkpoint_judged_incomplete_is_not_looked_at_again_until_something_changes(

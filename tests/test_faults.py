@@ -53,7 +53,7 @@ import psutil
 import pytest
 
 from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST
-from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
+from sidecar.delivery.spool import Spool, SpoolFull
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest, wait_until
@@ -568,7 +568,7 @@ def test_a_spool_append_cut_short_by_a_full_disk_leaves_the_spool_intact(tmp_pat
         return json.dumps({"n": n, "pad": "x" * pad}).encode()
 
     with small_tmpfs(tmp_path / "state") as mount:
-        queue = DiskQueue(mount / "spool")
+        queue = Spool(mount / "spool")
         queue.open()
         queue.append([record(0)])
         filler = fill(mount)
@@ -577,14 +577,14 @@ def test_a_spool_append_cut_short_by_a_full_disk_leaves_the_spool_intact(tmp_pat
         filler.unlink()
         queue.append([record(2)])
         assert queue.peek(10) == [record(0), record(2)]
-        reopened = DiskQueue(mount / "spool")
+        reopened = Spool(mount / "spool")
         reopened.open()
         assert reopened.peek(10) == [record(0), record(2)]
 
 
 # -- SIGKILL under load --------------------------------------------------------------------------
 
-_FRAME = struct.Struct("<II")  # length, crc32: the framing of spool.py and diskqueue.py
+_FRAME = struct.Struct("<II")  # length, crc32: the framing of journal.py and spool.py
 
 
 def frames(data: bytes) -> list[tuple[int, bytes]]:

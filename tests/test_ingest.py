@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import logging
@@ -75,6 +76,25 @@ def test_policies_are_data() -> None:
     assert all(p.path == "/" + name for name, p in ROUTES.items() if name != "logs/tail")
 
 
+def _route_names_compared(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """Where `tree` compares a route's name to a literal (`route == "hardware"`, `route in
+    ("logs", "x")`), or holds a list of routes by name (`("logs", "logs/tail")`, read by an `in`
+    elsewhere): a branch on names that a column of ROUTES should be."""
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                items = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                found.update((node.lineno, item.value) for item in items
+                             if isinstance(item, ast.Constant) and item.value in names)
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+            listed = [item.value for item in node.elts
+                      if isinstance(item, ast.Constant) and item.value in names]
+            if len(listed) > 1:
+                found.update((node.lineno, name) for name in listed)
+    return sorted(found)
+
+
 def test_the_client_reads_a_route_s_policy_and_never_branches_on_its_name() -> None:
     import sidecar.delivery.client as client_module
 
@@ -83,17 +103,47 @@ def test_the_client_reads_a_route_s_policy_and_never_branches_on_its_name() -> N
     assert ROUTES["logs/tail"].carries == "the command's last output"
 
 
+def test_no_module_compares_a_route_s_name_to_a_literal() -> None:
+    """What differs between routes is a column of ROUTES (the receiver's: of its own table),
+    read where it matters; no module of the package names routes to branch on them."""
+    import sidecar
+    from sidecar.commands.receive import ROUTE_NAMES
+
+    package = Path(sidecar.__file__).parent
+    names = set(ROUTES) | set(ROUTE_NAMES)
+    compared = {
+        f"{path.relative_to(package)}:{line} {name!r}"
+        for path in package.rglob("*.py")
+        for line, name in _route_names_compared(ast.parse(path.read_text(), str(path)), names)
+    }
+    assert compared == set()
+    assert [name for name, policy in ROUTES.items() if policy.documents] == [
+        "hardware", "environment", "environment/nodes"]
+    assert [name for name, policy in ROUTES.items() if policy.thinned] == ["hardware"]
+    assert [name for name, policy in ROUTES.items() if policy.text_items] == ["logs", "logs/tail"]
+
+
+def test_the_route_rule_finds_a_name_compared_or_listed() -> None:
+    found = _route_names_compared(ast.parse(
+        'if route == "hardware" or "logs" != name or kind in ("metrics", "jsonl"):\n    pass\n'
+        'TEXT = ("logs", "logs/tail")\n'
+        'ROUTES = {"metrics": 1, "hparams": 2}\n'
+        'client.deliver("metrics", body)\n'), {"hardware", "logs", "logs/tail", "metrics",
+                                                "hparams"})
+    assert found == [(1, "hardware"), (1, "logs"), (1, "metrics"), (3, "logs"), (3, "logs/tail")]
+
+
 def test_the_hardware_spool_is_the_smaller_so_that_samples_are_thinned_first(
         tmp_path: Path) -> None:
-    from sidecar.delivery.diskqueue import MAX_SPOOL_BYTES
+    from sidecar.delivery.spool import MAX_SPOOL_BYTES
     from sidecar.pipeline import DOCUMENT_ROUTES, document_batcher
 
     client = IngestClient("http://127.0.0.1:9/api/ingest", (), lambda: TOKEN)
     caps = {}
     for route in DOCUMENT_ROUTES:
-        spill = document_batcher(client, route, tmp_path).spill
-        assert spill is not None
-        caps[route] = spill.max_bytes
+        spool = document_batcher(client, route, tmp_path).spool
+        assert spool is not None
+        caps[route] = spool.max_bytes
     assert caps == {"hardware": HARDWARE_SPOOL_BYTES, "environment": MAX_SPOOL_BYTES,
                     "environment/nodes": MAX_SPOOL_BYTES}
     assert HARDWARE_SPOOL_BYTES < MAX_SPOOL_BYTES

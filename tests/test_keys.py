@@ -38,7 +38,7 @@ async def test_a_new_key_every_step_past_the_limit_says_one_error_a_minute_in_bo
         kept = budget.admit(points)
         assert [p["key"] for p in kept] == ["k0"]  # "loss" came past the limit too
         clock.now += 0.5  # a gathering every half second
-    budget.say()
+    budget.report_refused()
     minutes = steps * 0.5 / 60
     errors = _errors(caplog)
     assert minutes <= len(errors) <= minutes + 2, len(errors)
@@ -65,5 +65,5 @@ async def test_refusals_held_back_are_said_when_the_minute_ends(
     assert _errors(caplog)[1].startswith("2 metric keys refused ('late-1', 'late-2')")
     assert _errors(caplog)[1].endswith("(3 refused in all; said at most once a minute)")
     budget.admit(_points("late-1"))  # refused already: not said again
-    budget.say()
+    budget.report_refused()
     assert len(_errors(caplog)) == 2

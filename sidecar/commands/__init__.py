@@ -7,7 +7,7 @@ import sys
 from typing import TextIO
 
 
-def say(text: str, out: TextIO | None = None) -> None:
+def print_out(text: str, out: TextIO | None = None) -> None:
     """Print a line of a command's report; when the reader has gone (`| head -1`, `| grep -q`),
     the rest goes to /dev/null so that the command still finishes and exits with its verdict,
     as a Unix tool would, instead of ending in a BrokenPipeError."""

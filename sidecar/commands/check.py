@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from sidecar.commands import say
+from sidecar.commands import print_out
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve, unknown_variables
 from sidecar.delivery.client import Answer, Verdict
 from sidecar.log import log
@@ -117,7 +117,7 @@ class _Report:
             self._print(f"sidecar check: {verdict[code]} (first failed step: {first.name})")
 
     def _print(self, text: str) -> None:
-        say(mask(text), self.out)
+        print_out(mask(text), self.out)
 
 
 @dataclass(frozen=True)
@@ -418,8 +418,8 @@ def _checkpoints(cfg: Config, folder: str, report: _Report) -> None:
     paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri],
                           container_signal(os.environ))
     formats = Counter(f"{c.shape.format} ({c.shape.kind})" for c in found)
-    waiting = [f"{os.path.relpath(c.path, folder)}: {c.verdict.why}" for c in found
-               if not c.verdict.complete]
+    waiting = [f"{os.path.relpath(c.path, folder)}: {c.assessment.why}" for c in found
+               if not c.assessment.complete]
     summary = (", ".join(f"{n} {name}" for name, n in sorted(formats.items())) or
                "no checkpoint yet")
     complete = len(found) - len(waiting)
@@ -636,7 +636,7 @@ def _proxy_note(environ: Mapping[str, str], report: _Report, *, failed: bool) ->
     found = [(name, environ[name]) for name in PROXY_VARIABLES if environ.get(name)]
     if not found:
         return
-    shown = ", ".join(f"{name}={_without_credentials(value)}" for name, value in found)
+    shown = ", ".join(f"{name}={_mask_credentials(value)}" for name, value in found)
     names = [name for name, _ in found]
     if failed:
         report.add("proxy", "warn", f"{shown} set, but the sidecar connects to the ingest "
@@ -648,7 +648,7 @@ def _proxy_note(environ: Mapping[str, str], report: _Report, *, failed: bool) ->
                    "directly, never through a proxy (one would see the token)", variables=names)
 
 
-def _without_credentials(url: str) -> str:
+def _mask_credentials(url: str) -> str:
     """A proxy URL with any user:password replaced by ***."""
     scheme, sep, rest = url.rpartition("://")
     authority, slash, path = rest.partition("/")

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sidecar.commands import say
+from sidecar.commands import print_out
 from sidecar.config import Config, ConfigError, option, options_of, resolve, unknown_variables
 from sidecar.masking import MASK, add_secret, mask
 
@@ -29,15 +29,15 @@ def show_config(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     except ConfigError as exc:
         if not args.json:
             raise  # said on stderr as every command's configuration error, exit status 2
-        say(json.dumps({"ok": False, "error": str(exc)}, indent=2, ensure_ascii=False))
+        print_out(json.dumps({"ok": False, "error": str(exc)}, indent=2, ensure_ascii=False))
         return EXIT_CONFIG
     add_secret(cfg.token)
     warnings = unknown_variables(environ)
     if args.json:
-        say(mask(json.dumps(_document(cfg, origins, warnings), indent=2, ensure_ascii=False)))
+        print_out(mask(json.dumps(_document(cfg, origins, warnings), indent=2, ensure_ascii=False)))
     else:
         for line in _text(cfg, origins, warnings):
-            say(mask(line))
+            print_out(mask(line))
     return EXIT_OK
 
 

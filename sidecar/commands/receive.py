@@ -29,8 +29,8 @@ from typing import Any
 from aiohttp import ClientError as aiohttp_ClientError
 from aiohttp import web
 
-__all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStats", "Rejected",
-           "Reset", "RouteStats", "serve"]
+__all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStats", "ReceivedRoute",
+           "Rejected", "Reset", "serve"]
 
 DEFAULT_PREFIX = "/api/ingest"
 LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
@@ -224,12 +224,16 @@ def _check_nothing(body: dict[str, Any]) -> None:
 class _Route:
     check: Callable[[dict[str, Any]], None]
     items_field: str | None = None  # the batch a 413 splits and the summary counts
+    # its items are text: their UTF-8 bytes count in the summary's log bytes
+    text_items: bool = False
+    # the answer says how many items were inserted
+    answers_inserted: bool = False
 
 
 _ROUTES: dict[str, _Route] = {
     "lifecycle": _Route(_check_lifecycle),
-    "logs": _Route(_check_logs, "chunks"),
-    "metrics": _Route(_check_metrics, "points"),
+    "logs": _Route(_check_logs, "chunks", text_items=True),
+    "metrics": _Route(_check_metrics, "points", answers_inserted=True),
     "hparams": _Route(_check_hparams),
     "hardware": _Route(_check_hardware, "points"),
     "environment": _Route(_check_nothing),
@@ -325,7 +329,7 @@ class Hooks:
 
 
 @dataclass
-class RouteStats:
+class ReceivedRoute:
     """What one route received."""
 
     accepted: int = 0
@@ -349,8 +353,8 @@ class IngestStats:
 
     total_requests: int = 0  # every request on any path, answered or not
     not_found: int = 0  # requests outside the ingest routes
-    routes: dict[str, RouteStats] = field(
-        default_factory=lambda: {route: RouteStats() for route in _ROUTES}
+    routes: dict[str, ReceivedRoute] = field(
+        default_factory=lambda: {route: ReceivedRoute() for route in _ROUTES}
     )
     # the route of each accepted request, in order across routes
     arrivals: list[str] = field(default_factory=list)
@@ -556,7 +560,7 @@ class IngestServer:
         _ROUTES[route].check(body)
         self._store(route, body, items)
         await self._hooks.stored(route, self._stopping)
-        return {"ok": True, "inserted": items} if route == "metrics" else {"ok": True}
+        return {"ok": True, "inserted": items} if _ROUTES[route].answers_inserted else {"ok": True}
 
     def _check_auth(self, request: web.Request) -> None:
         bearer = _bearer(request.headers.get("Authorization", ""))
@@ -594,7 +598,7 @@ class IngestServer:
         self.stats.arrivals.append(route)
         counts.accepted += 1
         counts.items += items
-        if route == "logs":
+        if _ROUTES[route].text_items:
             counts.log_bytes += sum(
                 len(chunk.encode("utf-8", "surrogatepass")) for chunk in body["chunks"]
             )

@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from sidecar.commands import say
+from sidecar.commands import print_out
 from sidecar.config import (
     DEFAULT_STATUS_ADDR,
     FAMILIES,
@@ -90,10 +90,10 @@ def status_command(args: argparse.Namespace, environ: Mapping[str, str] | None =
         print(f"sidecar status: {exc}", file=sys.stderr)
         return EXIT_AMBIGUOUS
     if args.json:
-        say(json.dumps(doc, indent=2, sort_keys=True))
+        print_out(json.dumps(doc, indent=2, sort_keys=True))
         return EXIT_OK
     if args.once or not sys.stdout.isatty():
-        say("\n".join(render(snap, None, address, shutil.get_terminal_size().columns)))
+        print_out("\n".join(render(snap, None, address, shutil.get_terminal_size().columns)))
         return EXIT_OK
     return _live(address, snap, sys.stdout)
 

@@ -27,7 +27,7 @@ from typing import Any
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.deadletter import dead_letter
-from sidecar.delivery.diskqueue import DiskQueue, SpoolFull
+from sidecar.delivery.spool import Spool, SpoolFull
 from sidecar.log import Throttle, log
 from sidecar.records import Ticket
 from sidecar.supervise import fault_point, supervise
@@ -96,7 +96,7 @@ class Batcher:
     def __init__(self, client: IngestClient, route: str,
                  wrap: Callable[[list[Any]], dict[str, Any]], run_dir: Path,
                  max_items: int = MAX_POINTS_PER_REQUEST, max_queued: int = MAX_QUEUED_ITEMS,
-                 linger_s: float = LINGER_S, spill: DiskQueue | None = None,
+                 linger_s: float = LINGER_S, spool: Spool | None = None,
                  on_room: Callable[[], None] | None = None, pace_s: float = PACE_S) -> None:
         self.client = client
         self.route = route
@@ -106,7 +106,7 @@ class Batcher:
         self.max_queued = max_queued
         self.linger_s = linger_s
         self.pace = Pace(pace_s)
-        self.spill = spill  # overflow on disk, for routes whose source cannot wait
+        self.spool = spool  # overflow on disk, for routes whose source cannot wait
         self.on_room = on_room  # called when room comes back (wakes a reader)
         self.delivered = 0
         self.dead_lettered = 0
@@ -128,7 +128,7 @@ class Batcher:
     @property
     def queued(self) -> int:
         """Items waiting, in memory and on disk."""
-        return len(self._queue) + (self.spill.records if self.spill is not None else 0)
+        return len(self._queue) + (self.spool.records if self.spool is not None else 0)
 
     @property
     def has_room(self) -> bool:
@@ -137,8 +137,8 @@ class Batcher:
     def offer(self, items: Sequence[Any], ticket: Ticket | None = None) -> bool:
         """Queue `items` without waiting: in memory, else on disk behind what is there, else
         refuse them (False, with an ERROR at most once a minute). A ticket does not travel to
-        disk: only routes without file offsets (documents) spill."""
-        if self.spill is not None and (self.spill.records or not self.has_room):
+        disk: only routes without file offsets (documents) spool."""
+        if self.spool is not None and (self.spool.records or not self.has_room):
             return self._to_disk(items)
         if not self.has_room:
             return False
@@ -146,9 +146,9 @@ class Batcher:
         return True
 
     def _to_disk(self, items: Sequence[Any]) -> bool:
-        assert self.spill is not None
+        assert self.spool is not None
         try:
-            self.spill.append([json_body(item) for item in items])
+            self.spool.append([json_body(item) for item in items])
         except SpoolFull as exc:
             self.refused += len(items)
             if self._throttle.admit("full") is not None and exc.__cause__ is None:
@@ -178,13 +178,13 @@ class Batcher:
 
     async def persist(self) -> int:
         """Move what waits in memory to the disk spool (shutdown); returns how many moved.
-        They land behind what is already on disk: the routes that spill (hardware and
+        They land behind what is already on disk: the routes that spool (hardware and
         environment snapshots) carry their own times, so their order does not matter."""
-        if self.spill is None or not self._queue:
+        if self.spool is None or not self._queue:
             return 0
         payloads = [json_body(item.value) for item in self._queue]
         try:
-            await asyncio.to_thread(self.spill.append, payloads)
+            await asyncio.to_thread(self.spool.append, payloads)
         except SpoolFull as exc:
             if exc.__cause__ is None:  # a full disk was said already
                 log.error("/%s: %s; %d payloads are lost", self.route, exc, len(payloads))
@@ -205,8 +205,8 @@ class Batcher:
     async def _run(self) -> None:
         while True:
             fault_point()
-            if not self._queue and self.spill is not None and self.spill.records:
-                await self._send_spilled()
+            if not self._queue and self.spool is not None and self.spool.records:
+                await self._send_spooled()
                 continue
             if not self._queue:
                 self._idle.set()
@@ -237,17 +237,17 @@ class Batcher:
         finally:
             self._lingering = False
 
-    async def _send_spilled(self) -> None:
-        assert self.spill is not None
-        payloads = await asyncio.to_thread(self.spill.peek, self.max_items)
+    async def _send_spooled(self) -> None:
+        assert self.spool is not None
+        payloads = await asyncio.to_thread(self.spool.peek, self.max_items)
         items = [_Item(value, None) for value in map(_spooled, payloads) if value is not None]
         if len(items) < len(payloads):
             self.dead_lettered += len(payloads) - len(items)
             log.warning("/%s: %d spooled payload(s) in %s are not JSON objects; skipped, never "
-                        "posted", self.route, len(payloads) - len(items), self.spill.folder)
+                        "posted", self.route, len(payloads) - len(items), self.spool.folder)
         if items:
             await self._send(items)
-        await asyncio.to_thread(self.spill.ack, len(payloads))
+        await asyncio.to_thread(self.spool.ack, len(payloads))
 
     async def _send(self, batch: list[_Item]) -> None:
         """Deliver `batch` until acknowledged; split it on 413 and on a permanent refusal."""

@@ -51,6 +51,12 @@ class RoutePolicy(NamedTuple):
     spool_max_bytes: int | None = None
     # what the route's payloads are, as the message of a refused token names them
     carries: str = "data"
+    # its payloads are documents, one a request, spooled while the ingest is away (pipeline.py)
+    documents: bool = False
+    # past half its spool, every other payload is dropped to keep room for the rest
+    thinned: bool = False
+    # its items are text: the characters given up on count too (Prometheus)
+    text_items: bool = False
 
 
 HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
@@ -61,12 +67,12 @@ ROUTES: dict[str, RoutePolicy] = {
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
     "logs": RoutePolicy(
         path="/logs", guarantee=Guarantee.BEST_EFFORT, max_attempts=3,
-        first_backoff_s=0.2, max_backoff_s=1.0, timeout_s=10.0),
+        first_backoff_s=0.2, max_backoff_s=1.0, timeout_s=10.0, text_items=True),
     # the crash tail
     "logs/tail": RoutePolicy(
         path="/logs", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.2, max_backoff_s=1.0, timeout_s=10.0,
-        carries="the command's last output"),
+        carries="the command's last output", text_items=True),
     "metrics": RoutePolicy(
         path="/metrics", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
@@ -76,13 +82,13 @@ ROUTES: dict[str, RoutePolicy] = {
     "hardware": RoutePolicy(
         path="/hardware", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0,
-        spool_max_bytes=HARDWARE_SPOOL_BYTES),
+        spool_max_bytes=HARDWARE_SPOOL_BYTES, documents=True, thinned=True),
     "environment": RoutePolicy(
         path="/environment", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
-        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0, documents=True),
     "environment/nodes": RoutePolicy(
         path="/environment/nodes", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
-        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0, documents=True),
     "artifact": RoutePolicy(
         path="/artifact", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),

@@ -93,7 +93,7 @@ class Span:
         return Span(self.piece, self.start + size)
 
 
-class Tail(NamedTuple):
+class TakenTail(NamedTuple):
     """The crash tail taken from the ledgers: what it carries, and from where in each piece
     (the queued text of a piece from that offset on goes by the crash tail instead)."""
 
@@ -136,14 +136,14 @@ class StreamTail:
         return kept
 
 
-def take_tail(tails: Sequence[StreamTail]) -> Tail:
+def take_tail(tails: Sequence[StreamTail]) -> TakenTail:
     """What the ingest did not acknowledge of every stream's window, merged in the order the
     pieces were put: acknowledged text is never in it, and no text outside it is left out of
     the queue (the oldest piece's part before the window stays queued)."""
     window = sorted((entry for tail in tails for entry in tail.window()),
                     key=lambda entry: entry[0].order)
     texts = [piece.text[lo:hi] for piece, start in window for lo, hi in piece.unacked(start)]
-    return Tail(texts, {piece.order: start for piece, start in window})
+    return TakenTail(texts, {piece.order: start for piece, start in window})
 
 
 def new_tails(count: int) -> list[StreamTail]:

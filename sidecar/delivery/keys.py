@@ -35,9 +35,9 @@ class KeyBudget:
         self.refused: set[str] = set()  # the first MAX_REMEMBERED_REFUSED_KEYS refused keys
         self.refused_count = 0  # refused keys: distinct while remembered, then each refusal
         self._clock = clock
-        self._unsaid: list[str] = []  # to be named in the next ERROR
-        self._unsaid_count = 0
-        self._said_at = float("-inf")
+        self._unreported: list[str] = []  # to be named in the next ERROR
+        self._unreported_count = 0
+        self._reported_at = float("-inf")
         self._timer: asyncio.TimerHandle | None = None
 
     def admit(self, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -53,20 +53,20 @@ class KeyBudget:
                 if len(self.refused) < MAX_REMEMBERED_REFUSED_KEYS:
                     self.refused.add(key)
                 self.refused_count += 1
-                self._unsaid_count += 1
-                if len(self._unsaid) < SHOWN_REFUSED_KEYS:
-                    self._unsaid.append(key)
-        self._say_when_due()
+                self._unreported_count += 1
+                if len(self._unreported) < SHOWN_REFUSED_KEYS:
+                    self._unreported.append(key)
+        self._report_when_due()
         return [p for p in points if p["key"] in self.keys]
 
-    def say(self) -> None:
+    def report_refused(self) -> None:
         """The ERROR for the keys refused since the last one, if any (also at the drain)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self._unsaid_count:
+        if not self._unreported_count:
             return
-        count, named = self._unsaid_count, self._unsaid
+        count, named = self._unreported_count, self._unreported
         more = f" and {count - len(named)} more" if count > len(named) else ""
         in_all = (f"more than {MAX_REMEMBERED_REFUSED_KEYS}"
                   if self.refused_count > MAX_REMEMBERED_REFUSED_KEYS else str(self.refused_count))
@@ -74,14 +74,14 @@ class KeyBudget:
                   "the platform's limit; their points are not sent (%s refused in all; said at "
                   "most once a minute)", count, "" if count == 1 else "s",
                   ", ".join(map(repr, named)), more, MAX_METRIC_KEYS, in_all)
-        self._said_at = self._clock()
-        self._unsaid, self._unsaid_count = [], 0
+        self._reported_at = self._clock()
+        self._unreported, self._unreported_count = [], 0
 
-    def _say_when_due(self) -> None:
-        if not self._unsaid_count:
+    def _report_when_due(self) -> None:
+        if not self._unreported_count:
             return
-        wait_s = self._said_at + self.every_s - self._clock()
+        wait_s = self._reported_at + self.every_s - self._clock()
         if wait_s <= 0:
-            self.say()
+            self.report_refused()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(wait_s, self.say)
+            self._timer = asyncio.get_running_loop().call_later(wait_s, self.report_refused)

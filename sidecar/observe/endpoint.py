@@ -243,7 +243,7 @@ WRITE_TIMEOUT_S = 10.0  # for a client to take an answer
 MAX_CONNECTIONS = 32  # past it, the connection idle the longest is closed
 EVICTED = "closed to make room: the connection idle the longest goes first"
 READ_BYTES = 4096
-TEXT = "text/plain; charset=utf-8"
+TEXT_PLAIN = "text/plain; charset=utf-8"
 JSON = "application/json; charset=utf-8"
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
             431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
@@ -255,7 +255,7 @@ class _Answer(NamedTuple):
 
     status: int
     text: str
-    content_type: str = TEXT
+    content_type: str = TEXT_PLAIN
     headers: tuple[tuple[str, str], ...] = ()
 
 

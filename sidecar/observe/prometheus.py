@@ -23,7 +23,7 @@ from prometheus_client.core import (
 )
 
 from sidecar import __version__
-from sidecar.delivery.client import LATENCY_BUCKETS_S
+from sidecar.delivery.client import LATENCY_BUCKETS_S, ROUTES
 
 if TYPE_CHECKING:
     from sidecar.observe.endpoint import StatusSnapshot
@@ -48,7 +48,7 @@ _ROUTE_COUNTERS = (
     ("retries", "sidecar_route_retries", "attempts that were retries after a backoff"),
     ("dropped", "sidecar_route_dropped", "items given up on (points, chunks of text...)"),
 )
-_TEXT_ROUTES = ("logs", "logs/tail")  # routes whose items are text: their characters count too
+_TEXT_ROUTES = frozenset(name for name, policy in ROUTES.items() if policy.text_items)
 _ROUTE_GAUGES = (
     ("queue_depth", "sidecar_route_queue_depth", "payloads waiting in memory"),
     ("spool_bytes", "sidecar_route_spool_bytes", "bytes waiting in the on-disk spool"),

@@ -39,7 +39,7 @@ class Shape(NamedTuple):
     step: int | None
 
 
-class Verdict(NamedTuple):
+class Assessment(NamedTuple):
     """Whether a candidate that stopped changing is complete, and if not, why not."""
 
     complete: bool
@@ -276,66 +276,66 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def assess(shape: Shape, path: Path, files: tuple[str, ...]) -> Verdict:
+def assess(shape: Shape, path: Path, files: tuple[str, ...]) -> Assessment:
     """Whether the checkpoint at `path` (a folder holding `files`, relative paths, or one file)
     is complete, by its writer's rules. Call it once it stopped changing."""
     if not files and not path.is_dir():
         problem = file_problem(path)
-        return Verdict(not problem, problem)
+        return Assessment(not problem, problem)
     rule = _FOLDER_RULES.get(shape.format, _whole_files)
     return rule(shape, path, frozenset(files))
 
 
-def _whole_files(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+def _whole_files(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     problem = _index_problem(path, names) or _files_problem(path, tuple(sorted(names)))
-    return Verdict(not problem, problem)
+    return Assessment(not problem, problem)
 
 
-def _hf_export(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+def _hf_export(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     """save_pretrained writes config.json first, then the shards, then their index."""
     if any(_SHARD.search(n) for n in names) and not any(n.endswith(".index.json") for n in names):
-        return Verdict(False, "shards without their index yet")
+        return Assessment(False, "shards without their index yet")
     return _whole_files(shape, path, names)
 
 
-def _hf_trainer(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+def _hf_trainer(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     marker = "trainer_state.json"  # Trainer._save_checkpoint writes it after everything else
     if marker not in names:
-        return Verdict(False, f"no {marker} yet")
+        return Assessment(False, f"no {marker} yet")
     try:
         state = json.loads((path / marker).read_bytes())
     except (OSError, ValueError):
-        return Verdict(False, f"{marker} is not whole JSON yet")
-    verdict = _whole_files(shape, path, names)
+        return Assessment(False, f"{marker} is not whole JSON yet")
+    assessment = _whole_files(shape, path, names)
     step = state.get("global_step") if isinstance(state, dict) else None
-    return verdict._replace(step=step if isinstance(step, int) else None, marker=marker)
+    return assessment._replace(step=step if isinstance(step, int) else None, marker=marker)
 
 
-def _distcp(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+def _distcp(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     # The coordinator renames .metadata.tmp to .metadata once every rank wrote its shards.
     if ".metadata" not in names:
-        return Verdict(False, "no .metadata yet")
+        return Assessment(False, "no .metadata yet")
     if shape.format == "lightning-distcp":
         unfinished = _nemo_unfinished(path)
         if unfinished:  # NeMo's distributed .ckpt folders (Megatron's layout)
-            return Verdict(False, unfinished)
+            return Assessment(False, unfinished)
         if not {"meta.pt", "metadata.json"} & names:  # Lightning's, Megatron's, written last
-            return Verdict(False, "no meta.pt yet")
-    verdict = _whole_files(shape, path, frozenset(n for n in names if not n.endswith(".distcp")))
-    return verdict._replace(marker=".metadata")
+            return Assessment(False, "no meta.pt yet")
+    assessment = _whole_files(shape, path, frozenset(n for n in names if not n.endswith(".distcp")))
+    return assessment._replace(marker=".metadata")
 
 
-def _tracked(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+def _tracked(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     """Megatron and verl: rank 0 writes the tracker next to iter_N/ after every rank's files."""
     tracked = _read_int(path.parent / TRACKER)
     if tracked is None and shape.format == "megatron":
-        return Verdict(False, f"no {TRACKER} yet")
+        return Assessment(False, f"no {TRACKER} yet")
     if tracked is not None and shape.step is not None and tracked < shape.step:
-        return Verdict(False, f"{TRACKER} still says {tracked}")
+        return Assessment(False, f"{TRACKER} still says {tracked}")
     return _whole_files(shape, path, names)
 
 
-def _deepspeed(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+def _deepspeed(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     """rank 0 writes `latest` before the barrier the other ranks reach after their own files:
     `latest` naming this tag says rank 0 is done, each shard's zip end says its rank is. One
     naming another tag, written after every file of this one, means a later save began."""
@@ -346,11 +346,11 @@ def _deepspeed(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
             written = latest_path.stat().st_mtime_ns
             newest = max((os.stat(path / n).st_mtime_ns for n in names), default=0)
         except (OSError, UnicodeDecodeError):
-            return Verdict(False, f"{DEEPSPEED_LATEST} cannot be read yet")
+            return Assessment(False, f"{DEEPSPEED_LATEST} cannot be read yet")
         if latest != path.name and written < newest:
-            return Verdict(False, f"{DEEPSPEED_LATEST} does not name it yet")
+            return Assessment(False, f"{DEEPSPEED_LATEST} does not name it yet")
     if not any(n.endswith("model_states.pt") for n in names):
-        return Verdict(False, "no model states yet")
+        return Assessment(False, "no model states yet")
     return _whole_files(shape, path, names)
 
 
@@ -361,12 +361,12 @@ def _nemo_unfinished(path: Path) -> str:
     return f"{name} is still there" if (path.parent / name).exists() else ""
 
 
-def _nemo(shape: Shape, path: Path, names: frozenset[str]) -> Verdict:
+def _nemo(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     unfinished = _nemo_unfinished(path)
-    return Verdict(False, unfinished) if unfinished else _whole_files(shape, path, names)
+    return Assessment(False, unfinished) if unfinished else _whole_files(shape, path, names)
 
 
-_FOLDER_RULES: Mapping[str, Callable[[Shape, Path, frozenset[str]], Verdict]] = {
+_FOLDER_RULES: Mapping[str, Callable[[Shape, Path, frozenset[str]], Assessment]] = {
     "hf-trainer": _hf_trainer,
     "hf": _hf_export,
     "distcp": _distcp,

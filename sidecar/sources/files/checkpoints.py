@@ -26,8 +26,8 @@ from typing import NamedTuple
 from sidecar.aio import wait_set
 from sidecar.log import log
 from sidecar.sources.files.checkpoint_formats import (
+    Assessment,
     Shape,
-    Verdict,
     assess,
     file_shape,
     folder_shape,
@@ -201,11 +201,11 @@ class Surveyed(NamedTuple):
     path: str
     shape: Shape
     size: int
-    verdict: Verdict
+    assessment: Assessment
 
 
 def survey(root: str) -> tuple[list[Surveyed], int]:
-    """Every candidate under `root` with its verdict now, and the aliases passed over."""
+    """Every candidate under `root` with its assessment now, and the aliases passed over."""
     looks, aliases, _ = walk(root)
     found = []
     for seen in sorted(looks, key=lambda lk: lk.path):
@@ -258,20 +258,20 @@ def _signature(files: Iterable[tuple[str, int, int]]) -> str:
     return digest.hexdigest()
 
 
-def _judge(entry: Entry) -> tuple[Verdict, str]:
-    """The verdict on a settled candidate and, when complete, its fingerprint. Blocking."""
+def _judge(entry: Entry) -> tuple[Assessment, str]:
+    """The assessment of a settled candidate and, when complete, its fingerprint. Blocking."""
     path = Path(entry.path)
     try:
-        verdict = assess(entry.shape, path, entry.files)
-        if not verdict.complete:
-            return verdict, ""
-        fingerprint = (f"{verdict.marker}:{marker_identity(path / verdict.marker)}"
-                       if verdict.marker else f"files:{entry.signature}")
+        assessment = assess(entry.shape, path, entry.files)
+        if not assessment.complete:
+            return assessment, ""
+        fingerprint = (f"{assessment.marker}:{marker_identity(path / assessment.marker)}"
+                       if assessment.marker else f"files:{entry.signature}")
         if not os.path.exists(entry.path):  # deleted (rotated away) while it was judged
-            return Verdict(False, "deleted"), ""
-        return verdict, fingerprint
+            return Assessment(False, "deleted"), ""
+        return assessment, fingerprint
     except OSError as exc:
-        return Verdict(False, f"cannot be read ({exc.strerror or exc})"), ""
+        return Assessment(False, f"cannot be read ({exc.strerror or exc})"), ""
 
 
 class CheckpointWatcher:
@@ -355,9 +355,9 @@ class CheckpointWatcher:
         due = [e for e in self.entries.values()
                if e.state == "waiting" and self._settled(e, now)]
         if due:
-            verdicts = await asyncio.to_thread(lambda: [(e, *_judge(e)) for e in due])
-            for entry, verdict, fingerprint in verdicts:
-                self._decide(entry, verdict, fingerprint)
+            assessments = await asyncio.to_thread(lambda: [(e, *_judge(e)) for e in due])
+            for entry, assessment, fingerprint in assessments:
+                self._decide(entry, assessment, fingerprint)
 
     def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str]]]]:
         started = time.thread_time()
@@ -382,11 +382,11 @@ class CheckpointWatcher:
     def _settled(self, entry: Entry, now: float) -> bool:
         return now - entry.seen_at >= self.quiet_s
 
-    def _decide(self, entry: Entry, verdict: Verdict, fingerprint: str) -> None:
-        if not verdict.complete:
-            if entry.why != verdict.why:
-                log.debug("--checkpoints: %s is not complete: %s", entry.path, verdict.why)
-            entry.why = verdict.why
+    def _decide(self, entry: Entry, assessment: Assessment, fingerprint: str) -> None:
+        if not assessment.complete:
+            if entry.why != assessment.why:
+                log.debug("--checkpoints: %s is not complete: %s", entry.path, assessment.why)
+            entry.why = assessment.why
             return
         entry.fingerprint = fingerprint
         if self.known(entry.path, fingerprint):
@@ -413,7 +413,7 @@ class CheckpointWatcher:
                             "naming the object-store URI this folder mirrors", entry.root,
                             entry.path, self.paths.container, CONTAINER_HINT)
             return
-        step = verdict.step if verdict.step is not None else entry.shape.step
+        step = assessment.step if assessment.step is not None else entry.shape.step
         entry.state, entry.why = "registered", ""
         log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); registering it",
                  entry.path, entry.shape.kind, entry.shape.format,

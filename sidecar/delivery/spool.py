@@ -31,7 +31,7 @@ class SpoolFull(Exception):
     """The spool reached its size cap or the disk is full."""
 
 
-class DiskQueue:
+class Spool:
     """Ordered, durable overflow of one route."""
 
     def __init__(self, folder: Path, max_bytes: int = MAX_SPOOL_BYTES) -> None:
