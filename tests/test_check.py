@@ -163,8 +163,9 @@ def test_wrong_token_from_the_real_ingest(ingest: RunningIngest, tmp_path: Path,
 
 def test_base_url_without_api_ingest_is_a_configuration_error(
         ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """CONTRACT 3: an endpoint not ending in /api/ingest is refused before anything is tried
-    (issue 13: `run` posted the billing events to 404 and dead-lettered them)."""
+    """An endpoint not ending in /api/ingest is refused before anything is tried
+    (docs/ingest.md#the-platforms-variables; issue 13: `run` posted the billing events to 404
+    and dead-lettered them)."""
     base = ingest.base_url.removesuffix("/api/ingest")
     result = run_check(platform_env(base, tmp_path), capsys)
     assert result.code == 2

@@ -1,6 +1,6 @@
 """`--checkpoints`: real writers (torch.save, safetensors, HF Trainer and save_pretrained,
 Lightning, torch.distributed.checkpoint, DeepSpeed's and Megatron's layouts) in child processes,
-a real `sidecar watch` beside them, the contract-checking ingest receiving /artifact."""
+a real `sidecar watch` beside them, the checking ingest (`sidecar receive`) receiving /artifact."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Config resolution: options by precedence and the platform's variables (CONTRACT 2, 3)."""
+"""Config resolution: options by precedence (docs/commands.md#where-options-come-from) and the
+platform's variables (docs/ingest.md#the-platforms-variables)."""
 
 from __future__ import annotations
 
@@ -176,7 +177,7 @@ def test_config_keeps_the_command_after_the_separator() -> None:
     assert args.command[-3:] == ["./train.sh", "--lr", "3e-4"]
 
 
-# --- platform families (CONTRACT 3) ------------------------------------------------------------
+# --- platform families (docs/ingest.md#the-platforms-variables) --------------------------------
 
 
 @pytest.mark.parametrize(("environ", "header", "other"), [
@@ -503,7 +504,8 @@ def test_run_dir_is_one_component_under_the_state_dir(tmp_path: Path, run_id: st
 
 @pytest.mark.parametrize("node", ["gpu-node-7", "../escape"])
 def test_the_default_state_dir_has_a_folder_per_run_and_per_node(node: str) -> None:
-    """A home folder may be shared by every node of a run (Slurm, NFS): CONTRACT 2."""
+    """A home folder may be shared by every node of a run (Slurm, NFS):
+    docs/commands.md#the-state-folder."""
     c = cfg(**STARFORGE, NODE_NAME=node)
     run_folder = Path(HOME) / ".local" / "state" / "sidecar" / RUN_ID
     assert c.run_dir.parent == run_folder

@@ -1,6 +1,6 @@
 """What a user reads points at documents that ship: docs/ingest.md for the routes, bodies and
-failure handling, never an internal document ("CONTRACT ...") that does not. What the code's
-comments point at exists: a section of docs/, a file, a module, a name."""
+failure handling, never an internal document (INTERNAL) that does not. What the code's and the
+tests' comments point at exists: a section of docs/, a file, a module, a name."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ PACKAGE = ROOT / "sidecar"
 INGEST_DOC = ROOT / "docs" / "ingest.md"
 DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
 MODULES = sorted(PACKAGE.rglob("*.py"))
+# The tests' own text: Python, shell, C, notes (not what a run leaves: caches, built libraries).
+TEST_FILES = sorted(p for p in (ROOT / "tests").rglob("*")
+                    if p.suffix in (".py", ".sh", ".c", ".md", ".txt")
+                    and "__pycache__" not in p.parts)
 # Read by users: the README, the docs, every deployment file, the Dockerfile.
 USER_FILES = [ROOT / "README.md", ROOT / "Dockerfile",
               *sorted(p for p in (ROOT / "docs").rglob("*") if p.is_file()),
@@ -133,7 +137,7 @@ def test_anchors_are_made_as_github_makes_them() -> None:
 def test_every_pointer_of_the_code_into_the_docs_lands_on_a_section() -> None:
     pages = {page.name: anchors(page.read_text(encoding="utf-8")) for page in DOC_PAGES}
     found, wrong = 0, []
-    for path in MODULES:
+    for path in (*MODULES, *TEST_FILES):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             for page, anchor in DOC_POINTER.findall(line):
                 found += 1
@@ -143,17 +147,67 @@ def test_every_pointer_of_the_code_into_the_docs_lands_on_a_section() -> None:
     assert wrong == []
 
 
+def shipped() -> list[str]:
+    """Every file of the repository, as `/` and its path from the root."""
+    return ["/" + p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+            if p.is_file() and ".git" not in p.parts]
+
+
 def test_every_file_a_comment_names_exists() -> None:
     """A name is the file's path from the repository's root, the package's or any folder of
     it (`files/offsets.py`, `journal.py`): the end of the path of a file that exists."""
-    shipped = ["/" + p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
-               if p.is_file() and ".git" not in p.parts]
+    files = shipped()
     wrong = []
     for path in MODULES:
         for line, text in notes(path):
             for name in FILE_NAME.findall(text):
-                if not any(p.endswith("/" + name) for p in shipped):
+                if not any(p.endswith("/" + name) for p in files):
                     wrong.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert wrong == []
+
+
+# A folder of the package as the README and docs/ write it: `sidecar/delivery/`,
+# `sources/telemetry/collectors/`.
+PACKAGE_FOLDER = re.compile(r"(?<![\w/.-])(?:sidecar/)?((?:sources|delivery|observe|commands)"
+                            r"(?:/\w+)*/)")
+# A module as they write it: `sidecar/sources/files/kinds.py`, `files/offsets.py`, `follow.py`.
+MODULE_NAME = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.py)\b")
+
+
+def missing_paths(text: str, files: list[str], bare: bool) -> list[str]:
+    """The folders and modules `text` names that do not exist. A module is the end of the path
+    of a file (`files/offsets.py`); one named without a folder (`follow.py`) only where `bare`
+    says that the text is about the code, as elsewhere it may be the user's (`train.py`)."""
+    missing = [folder for folder in PACKAGE_FOLDER.findall(text) if not (PACKAGE / folder).is_dir()]
+    for name in MODULE_NAME.findall(text):
+        if ("/" in name or bare) and not any(p.endswith("/" + name) for p in files):
+            missing.append(name)
+    return missing
+
+
+def test_the_path_rule_finds_a_module_or_folder_that_is_gone() -> None:
+    text = ("`sidecar/delivery/client.py` and `files/offsets.py` under `sources/telemetry/`, but "
+            "`sources/telemetry/hardware.py`, `sidecar/sources/gone/` and `gone.py`; "
+            "python train.py")
+    files = shipped()
+    assert missing_paths(text, files, bare=False) == ["sources/gone/",
+                                                      "sources/telemetry/hardware.py"]
+    assert missing_paths(text, files, bare=True) == ["sources/gone/",
+                                                     "sources/telemetry/hardware.py",
+                                                     "gone.py", "train.py"]
+
+
+def test_every_module_and_folder_the_readme_and_docs_name_exists() -> None:
+    """Everywhere, a module named with its folder and a folder of the package; in the README's
+    "How it is built", which describes the code, every module named."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    built = readme.split("\n## How it is built\n", 1)[1].split("\n## ", 1)[0]
+    files = shipped()
+    wrong = [f"{page.relative_to(ROOT)}: {name}" for page in (ROOT / "README.md", *DOC_PAGES)
+             for name in missing_paths(page.read_text(encoding="utf-8"), files, bare=False)]
+    wrong += [f"README.md, How it is built: {name}"
+              for name in missing_paths(built, files, bare=True)]
+    assert len(MODULE_NAME.findall(built)) >= 50, "the section names the modules it describes"
     assert wrong == []
 
 
@@ -177,12 +231,18 @@ def test_every_module_and_name_a_see_names_exists() -> None:
     assert wrong == []
 
 
-def test_no_file_of_the_package_docs_or_readme_names_an_internal_document() -> None:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*")), *sorted(PACKAGE.rglob("*"))]
+def _spells_the_pattern(path: Path, line: str) -> bool:
+    """The one line that must spell what it forbids: this module's INTERNAL."""
+    return path == Path(__file__) and line.startswith("INTERNAL = re.compile(")
+
+
+def test_no_file_of_the_package_docs_readme_or_tests_names_an_internal_document() -> None:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*")), *sorted(PACKAGE.rglob("*")),
+             *TEST_FILES]
     found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
              for path in files if path.is_file() and path.suffix != ".pyc"
              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if INTERNAL.search(line)]
+             if INTERNAL.search(line) and not _spells_the_pattern(path, line)]
     assert found == []
 
 

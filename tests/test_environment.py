@@ -1,5 +1,5 @@
 """The environment snapshot: the trainer's packages read (never imported) from its interpreter's
-folders, the host facts, and which node posts what (CONTRACT 6)."""
+folders, the host facts, and which node posts what (docs/ingest.md#nodes-and-ranks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""JsonlParser: JSONL metric logs -> /metrics points (CONTRACT 5, JSONL)."""
+"""JsonlParser: JSONL metric logs -> /metrics points (docs/ingest.md#jsonl)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The lifecycle is a state machine, enforced where events are recorded: `starting` once,
 `running` once, then one end event, nothing after it; one process writes a run's journal. Each
-case through the real `sidecar` process, its real child and the contract-checking ingest."""
+case through the real `sidecar` process, its real child and the checking ingest."""
 
 from __future__ import annotations
 

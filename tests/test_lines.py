@@ -1,4 +1,4 @@
-"""LineAssembler: bytes of one output stream -> text for /logs (CONTRACT 5, Logs)."""
+"""LineAssembler: bytes of one output stream -> text for /logs (docs/ingest.md#logs)."""
 
 from __future__ import annotations
 

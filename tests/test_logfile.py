@@ -1,4 +1,4 @@
-"""LogFileParser: `--log` files -> /logs text, plain or Kubernetes CRI (CONTRACT 5, Logs)."""
+"""LogFileParser: `--log` files -> /logs text, plain or Kubernetes CRI (docs/ingest.md#logs)."""
 
 from __future__ import annotations
 

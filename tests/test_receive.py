@@ -1,4 +1,5 @@
-"""The local ingest server: the contract it enforces, what it stores, its faults, and serve()."""
+"""The local ingest server: the rules of docs/ingest.md it enforces, what it stores, its faults,
+and serve()."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Everything `run` and `watch` need is validated before the command is spawned or anything is
-posted (CONTRACT 2; issue 13, cause 2): a fault exits 2 with one line naming the option or
-variable and the fix, never the token, and the command never runs."""
+posted (docs/commands.md#checked-before-anything-starts; issue 13, cause 2): a fault exits 2
+with one line naming the option or variable and the fix, never the token, and the command never
+runs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Every file read back from the state dir is checked before it is trusted (issue 13, cause 3):
 a malformed one is moved aside with one WARNING and the run carries on as if it were absent
-(CONTRACT 4: nothing lost, repeats allowed). Never a crash, never a silent stop."""
+(docs/ingest.md#at-least-once: nothing lost, repeats allowed). Never a crash, never a silent
+stop."""
 
 from __future__ import annotations
 
@@ -253,7 +254,8 @@ def test_replay_names_a_file_it_cannot_read_again(ingest: RunningIngest, tmp_pat
 
 
 def test_sidecar_status_finds_the_address_in_a_per_node_folder(tmp_path: Path) -> None:
-    """The default state dir has a folder per run id and per node (CONTRACT 2, --state-dir)."""
+    """The default state dir has a folder per run id and per node
+    (docs/commands.md#the-state-folder)."""
     from sidecar.commands.status import find_addresses
 
     folder = tmp_path / RUN_ID / "gpu-node-7"

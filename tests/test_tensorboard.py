@@ -1,6 +1,6 @@
-"""TensorBoard event files (CONTRACT 5): files from real writers, read by our parser and by the
-`tensorboard` package's own loader as the oracle, compared point by point; the file growing,
-cut at every byte, corrupted and replaced by garbage."""
+"""TensorBoard event files (docs/ingest.md#tensorboard): files from real writers, read by our
+parser and by the `tensorboard` package's own loader as the oracle, compared point by point; the
+file growing, cut at every byte, corrupted and replaced by garbage."""
 
 from __future__ import annotations
 

@@ -127,7 +127,8 @@ from pathlib import Path
 work, watch_status, load, compute = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 problems = []
 
-# Keys every whole GPU sends with this driver (CONTRACT 6; nvml/queries.py's QUERIES), GPM's on Hopper+.
+# Keys every whole GPU sends with this driver (docs/ingest.md#nodes-and-ranks; nvml/queries.py's
+# QUERIES), GPM's on Hopper+.
 KEYS = ["utilization_percent", "memory_utilization_percent", "memory_used_bytes",
         "memory_total_bytes", "temperature_celsius", "power_watts", "power_limit_watts",
         "energy_joules", "sm_clock_hertz", "memory_clock_hertz", "pcie_tx_bytes_per_second",
