@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from sidecar import __version__
 from sidecar.config import (
@@ -310,10 +310,39 @@ def _json_error(command: str, message: str, concerns: str = "") -> None:
     log.error("%s", message, extra={"command": command, "concerns": concerns or message})
 
 
+class _StoreOnce(argparse._StoreAction):
+    """An option that takes one value: given again, a usage error. argparse keeps the last
+    value, so `--drain-timeout 5 --drain-timeout 9` ran with 9 and never said so; which one was
+    meant is for the user to say (the repeatable options append instead)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None,
+                 option_string: str | None = None) -> None:
+        given = parser._given if isinstance(parser, _Parser) else {}
+        if self.dest in given:
+            parser.error(f"{option_string} is given twice ({given[self.dest]!r}, then "
+                         f"{values!r}) and takes one value: give it once")
+        given[self.dest] = values
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, saying its errors as a JSON message when those are asked for."""
+    """argparse's parser, saying its errors as a JSON message when those are asked for, and
+    refusing an option that takes one value given twice (`_StoreOnce`)."""
 
     json_errors = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "store", _StoreOnce)
+        self.register("action", None, _StoreOnce)
+        self._given: dict[str, object] = {}  # this parse's values of the options taking one
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = {}
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         if not self.json_errors:
@@ -332,6 +361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(parser, args.cmd, unknown)
+    if args.cmd == "run":
+        try:
+            args.command = command_of(args.command, argv)
+        except ValueError as exc:
+            subparser(parser, "run").error(str(exc))
     try:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
@@ -370,7 +404,7 @@ def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argumen
 
 
 def _run(args: argparse.Namespace) -> int:
-    command = command_of(args.command)
+    command: list[str] = args.command
     if not command:
         raise ConfigError("no command to run: put it after --, as in "
                           "`sidecar run -- ./train.sh`")

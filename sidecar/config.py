@@ -704,10 +704,36 @@ def _safe_name(run_id: str) -> str:
     return cleaned.lstrip(".") or "_"
 
 
-def command_of(argv: Sequence[str]) -> list[str]:
-    """The child's command after `--`, with the separator itself removed."""
-    args = list(argv)
-    return args[1:] if args and args[0] == "--" else args
+def command_of(words: Sequence[str], argv: Sequence[str]) -> list[str]:
+    """The child's command: `words`, what `run`'s parser left after its options from the
+    command line `argv`, without the `--` they must start with. ValueError, its message naming
+    the cause and the fix, when they start before it: a word of the sidecar's own taken for the
+    command (a glob the shell expanded for a list option: `--jsonl out/*.jsonl`) would post
+    `starting` and `failed` for a command nobody meant, and use up the run."""
+    if not words or words[0] == "--":
+        return list(words[1:])
+    stray = words[0]
+    where = "before --" if "--" in words else "where -- belongs"
+    message = (f"{stray!r} stands {where}: the command goes after --, as in "
+               "`sidecar run [OPTIONS] -- COMMAND [ARG...]`")
+    flag = _list_option_before(argv, len(argv) - len(words))
+    if flag:
+        pattern = str(Path(stray).parent / f"*{Path(stray).suffix}")
+        message += (f"; {flag} takes one pattern each time it is given, so a glob the shell "
+                    f"expanded leaves its other matches here: quote it ({flag} '{pattern}') "
+                    "and the sidecar expands it")
+    raise ValueError(message)
+
+
+def _list_option_before(argv: Sequence[str], index: int) -> str:
+    """The repeatable option whose value stands just before `argv[index]` (`--jsonl a.jsonl`,
+    `--jsonl=a.jsonl`), or ""."""
+    lists = {"--" + opt.name for opt in OPTIONS if opt.kind == "list"}
+    if index >= 1 and argv[index - 1].partition("=")[0] in lists and "=" in argv[index - 1]:
+        return argv[index - 1].partition("=")[0]
+    if index >= 2 and argv[index - 2] in lists:
+        return argv[index - 2]
+    return ""
 
 
 def fallback_state_dir(cfg: Config) -> tuple[Config, str]:

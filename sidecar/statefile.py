@@ -64,11 +64,21 @@ def clear_way(path: Path) -> bool:
     return set_aside(path, f"{_kind(kind)} where a file belongs") is not None
 
 
+def open_checked(path: Path, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of state file `path`, the one way every file of the state folder is opened:
+    anything else than a regular file there (a symbolic link, a directory, a FIFO) is first set
+    aside with one WARNING (`clear_way`), and the open neither follows a link nor blocks
+    (`open_regular`: NotAFile for one swapped in since). OSError when it cannot be opened."""
+    clear_way(path)
+    return open_regular(path, flags, mode)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves either the old or the new content."""
+    """Replace `path` with `data` so that a crash leaves either the old or the new content;
+    a directory or a link in its place is set aside first (`clear_way`), never written through."""
     tmp = path.with_name(path.name + ".tmp")
-    clear_way(tmp)
-    with open(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as fh:
+    clear_way(path)
+    with open(open_checked(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -105,8 +115,7 @@ def hold(path: Path) -> int:
     """Hold the lock file `path` for this process's life (an exclusive flock; the file names
     our PID); returns its descriptor, closed by `release`. Busy, naming the holder's PID, when
     another process holds it; OSError when it cannot be created."""
-    clear_way(path)
-    fd = open_regular(path, os.O_RDWR | os.O_CREAT)
+    fd = open_checked(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -128,7 +137,7 @@ def claim_folder(folder: Path, *, lock: bool = True) -> int | None:
     folder.mkdir(parents=True, exist_ok=True)
     probe = folder / f".probe.{os.getpid()}"
     try:
-        with open(probe, "wb") as fh:
+        with open(open_checked(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as fh:
             fh.write(b"probe")
         probe.unlink()
         return hold(folder / LOCK_FILE) if lock else None

@@ -208,3 +208,58 @@ def test_an_unwritable_state_dir_given_explicitly_stays_an_error(
     assert "--state-dir (SIDECAR_STATE_DIR)" in done.stderr
     assert not (tmp_path / "ran").exists()
     assert not list(tmp_path.glob("sidecar-*"))
+
+
+# -- usage errors: said before anything is posted or the journal is opened -----------------------
+
+
+def test_a_glob_the_shell_expanded_is_a_usage_error_and_leaves_the_run_unused(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """`--jsonl gl/*.jsonl` unquoted, two files matching: the second was taken for the command,
+    `starting` and `failed` were posted (exit 127), and the corrected start posted nothing."""
+    (tmp_path / "gl").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "gl" / name).write_text("")
+    env = _platform(ingest, SIDECAR_STATE_DIR=str(tmp_path / "state"))
+    trainer = [sys.executable, "-c", "open('ran', 'w')"]
+    expanded = ["run", "--jsonl", "gl/a.jsonl", "gl/b.jsonl", "--", *trainer]
+    done = subprocess.run([*SIDECAR, *expanded], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("usage: sidecar run"), done.stderr
+    assert ("sidecar run: error: 'gl/b.jsonl' stands before --" in done.stderr
+            and "quote it (--jsonl 'gl/*.jsonl')" in done.stderr), done.stderr
+    assert not (tmp_path / "ran").exists()
+    assert not (tmp_path / "state").exists()  # no journal, no folder
+    assert ingest.records("lifecycle") == []
+    quoted = subprocess.run([*SIDECAR, "run", "--jsonl", "gl/*.jsonl", "--", *trainer], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert quoted.returncode == 0, quoted.stderr
+    assert [r["event"] for r in ingest.records("lifecycle")] == [
+        "starting", "running", "succeeded"]
+
+
+@pytest.mark.parametrize("given", [["--drain-timeout", "5", "--drain-timeout", "9"],
+                                   ["--drain-timeout=5", "--drain-timeout", "9"],
+                                   ["--hparams", "a.yaml", "--hparams", "b.yaml"]])
+def test_an_option_that_takes_one_value_given_twice_is_a_usage_error(
+        ingest: RunningIngest, tmp_path: Path, given: list[str]) -> None:
+    env = _platform(ingest, SIDECAR_STATE_DIR=str(tmp_path / "state"))
+    done = subprocess.run([*SIDECAR, "run", *given, "--", sys.executable, "-c",
+                           "open('ran', 'w')"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    flag = given[0].partition("=")[0]
+    assert (f"sidecar run: error: {flag} is given twice ({given[0].partition('=')[2] or given[1]!r}"
+            f", then {given[-1]!r}) and takes one value: give it once") in done.stderr, done.stderr
+    assert not (tmp_path / "ran").exists()
+    assert not (tmp_path / "state").exists()
+    assert ingest.records("lifecycle") == []
+
+
+def test_a_command_without_its_separator_is_a_usage_error() -> None:
+    done = cli("run", "python", "train.py")
+    assert done.returncode == 2
+    assert ("sidecar run: error: 'python' stands where -- belongs: the command goes after --"
+            in done.stderr), done.stderr

@@ -124,19 +124,23 @@ def test_a_journal_record_that_is_no_event_of_this_run_is_skipped_never_posted(
     assert [e for e, _ in events[1:]] == ["running", "succeeded"]  # `starting` is recorded once
 
 
-@pytest.mark.parametrize("kind", ["directory", "FIFO"])
+@pytest.mark.parametrize("kind", ["directory", "FIFO", "symbolic link"])
 @pytest.mark.parametrize("name", ["lifecycle.journal", "lifecycle.journal.acked",
                                   "logs-tail.journal", "lock"])
 def test_what_is_no_file_in_the_state_folder_is_set_aside_and_the_command_runs_at_once(
         ingest: RunningIngest, tmp_path: Path, name: str, kind: str) -> None:
     """A journal as a directory gave a traceback and the command never started; as a FIFO the
-    wrapper waited for a writer for good, before the spawn."""
+    wrapper waited for a writer for good, before the spawn; a link is never written through."""
     run_dir = tmp_path / "state" / RUN_ID
     run_dir.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the sidecar's\n")
     if kind == "directory":
         (run_dir / name).mkdir()
-    else:
+    elif kind == "FIFO":
         os.mkfifo(run_dir / name)
+    else:
+        (run_dir / name).symlink_to(outside)
     env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
     done = sidecar(["run", "--", *python_child("print('trained')")], env, tmp_path / "out",
                    timeout=20)
@@ -146,8 +150,37 @@ def test_what_is_no_file_in_the_state_folder_is_set_aside_and_the_command_runs_a
     warnings = [line for line in err.splitlines() if " WARNING " in line]
     assert len(warnings) == 1 and f"{name} is malformed (a {kind} " in warnings[0], err
     assert list(run_dir.glob(f"{name}.bad-*")), sorted(run_dir.iterdir())
+    assert outside.read_bytes() == b"not the sidecar's\n"
     assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running",
                                                                  "succeeded"]
+
+
+def test_a_link_at_the_dead_letter_file_is_set_aside_and_the_letter_kept_inside(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """dead-letter.jsonl was opened for appending as any file: a symbolic link there was
+    followed, and the refused payload (225 B) written wherever it pointed."""
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text(json.dumps({"key": "poison", "step": 0, "value": 1.0}) + "\n")
+    run_dir = tmp_path / "state" / RUN_ID
+    run_dir.mkdir(parents=True)
+    outside = tmp_path / "elsewhere" / "letters.jsonl"
+    outside.parent.mkdir()
+    (run_dir / "dead-letter.jsonl").symlink_to(outside)
+    ingest.add_fault(Fault(route="metrics", reject_if_contains="poison"))
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--jsonl", str(jsonl), "--", *python_child("print('trained')")], env,
+                   tmp_path / "out")
+    err = done.stderr.decode()
+    assert done.status == 0 and "Traceback" not in err, err
+    assert not outside.exists(), outside.read_text()
+    assert list(outside.parent.iterdir()) == []
+    [aside] = run_dir.glob("dead-letter.jsonl.bad-*")
+    assert aside.is_symlink()
+    assert "dead-letter.jsonl is malformed (a symbolic link " in err, err
+    letter = run_dir / "dead-letter.jsonl"
+    assert letter.is_file() and not letter.is_symlink()
+    [kept] = [json.loads(line) for line in letter.read_text().splitlines()]
+    assert kept["route"] == "metrics" and kept["status"] == 400 and "poison" in kept["body"]
 
 
 def test_a_spooled_payload_that_is_not_json_is_skipped(ingest: RunningIngest,

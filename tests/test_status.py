@@ -445,15 +445,18 @@ async def test_off_starts_nothing(tmp_path: Path) -> None:
 
 @dataclass
 class Counters:
-    """What the test's snapshot serves; the test changes it while `sidecar status` watches."""
+    """What the test's snapshot serves; the test changes it while `sidecar status` watches.
+    Both counters are one value, set and read at once: set one after the other, a snapshot
+    taken between the two (the server runs in a thread) showed the new requests beside the old
+    bytes, and the test found a byte rate of 0 on a busy machine."""
 
-    requests: int = 40
-    bytes_read: int = 1000
+    counts: tuple[int, int] = (40, 1000)  # (the logs route's requests, stdout's bytes read)
 
     def snapshot(self) -> StatusSnapshot:
+        requests, bytes_read = self.counts
         snap = sample()
-        logs = snap.routes[1]._replace(requests=self.requests)
-        stdout = snap.sources[0]._replace(bytes_read=self.bytes_read)
+        logs = snap.routes[1]._replace(requests=requests)
+        stdout = snap.sources[0]._replace(bytes_read=bytes_read)
         return sample(taken_at=time.time(), routes=(snap.routes[0], logs, snap.routes[2]),
                       sources=(stdout, snap.sources[1]))
 
@@ -583,7 +586,7 @@ def test_json_is_the_status_document(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert StatusSnapshot.from_json(doc).run_id == RUN_ID
-    assert doc["routes"][1]["requests"] == counters.requests
+    assert doc["routes"][1]["requests"] == counters.counts[0]
     assert doc["ready"] is True and "version" in doc
 
 
@@ -708,7 +711,9 @@ class Terminal:
         self.master = master
         self.output = b""
 
-    def read_until(self, condition: Callable[[str], bool], timeout: float = 10.0) -> str:
+    # A deadline for a busy machine: the first frame waits on an interpreter that, in a fresh
+    # clone, compiles every module it imports, beside other suites on two cores.
+    def read_until(self, condition: Callable[[str], bool], timeout: float = 60.0) -> str:
         deadline = time.monotonic() + timeout
         while not condition(self.text):
             left = deadline - time.monotonic()
@@ -753,12 +758,14 @@ def test_live_table_refreshes_in_place_until_ctrl_c(tmp_path: Path) -> None:
         try:
             terminal.read_until(lambda _: any(logs_requests(f) == 40
                                               for f in terminal.frames()))
-            counters.requests, counters.bytes_read = 46, 1000 + 4096
+            counters.counts = (46, 1000 + 4096)
             terminal.read_until(lambda _: any(logs_requests(f) == 46
                                               for f in terminal.frames()))
             terminal.proc.send_signal(signal.SIGINT)
-            assert terminal.proc.wait(10) == 0
+            # the screen read to its end before the wait: a terminal nobody reads can hold the
+            # last frames' writes, and the process with them
             terminal.read_until(lambda text: LEAVE_SCREEN in text)
+            assert terminal.proc.wait(60) == 0
         finally:
             terminal.close()
     frames = terminal.frames()

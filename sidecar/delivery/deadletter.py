@@ -5,9 +5,11 @@ line each, for a person to look at (docs/ingest.md#answers-and-what-the-sidecar-
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from sidecar.log import state_write_failed
+from sidecar.statefile import open_checked
 
 FILE_NAME = "dead-letter.jsonl"
 
@@ -20,7 +22,7 @@ def dead_letter(run_dir: Path, route: str, status: int | None, body: bytes) -> P
     line = json.dumps({"route": route, "status": status,
                        "body": body.decode("utf-8", "replace")}).encode() + b"\n"
     try:
-        with open(path, "ab") as fh:
+        with open(open_checked(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as fh:
             fh.write(line)
     except OSError as exc:
         state_write_failed(path, exc)

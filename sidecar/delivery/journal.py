@@ -24,7 +24,7 @@ from sidecar.statefile import (
     Malformed,
     hold,
     load_checked,
-    open_regular,
+    open_checked,
     read_state,
     release,
     set_aside,
@@ -78,7 +78,7 @@ class Journal:
             self.torn_bytes = len(data) - good
             log.warning("%s: dropped a torn tail of %d bytes left by a crash; the %d records "
                         "before it are kept", self.path, self.torn_bytes, len(self._records))
-            with open(open_regular(self.path, os.O_RDWR), "r+b") as fh:
+            with open(open_checked(self.path, os.O_RDWR), "r+b") as fh:
                 fh.truncate(good)
                 os.fsync(fh.fileno())
         stored = self._read_acked()
@@ -160,8 +160,9 @@ def frame(payload: bytes) -> bytes:
 
 def append_frames(path: Path, frames: bytes) -> None:
     """Append and fsync; on failure (ENOSPC...) cut the file back so no partial frame stays.
-    Something else than a regular file at `path` is an OSError, never a wait."""
-    with open(open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as fh:
+    Something else than a regular file at `path` is set aside first (`open_checked`), never
+    followed or waited on."""
+    with open(open_checked(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as fh:
         size = fh.tell()
         try:
             fh.write(frames)

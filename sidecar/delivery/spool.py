@@ -12,6 +12,8 @@ lands here only when the ingest is already failing, at the rate of a few a secon
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import re
 import struct
 import zlib
@@ -19,7 +21,15 @@ from pathlib import Path
 
 from sidecar.delivery.journal import append_frames, frame
 from sidecar.log import log, state_write_failed
-from sidecar.statefile import Malformed, clear_way, load_checked, set_aside, write_atomic
+from sidecar.statefile import (
+    Malformed,
+    clear_way,
+    load_checked,
+    open_checked,
+    read_state,
+    set_aside,
+    write_atomic,
+)
 
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 4 << 20
@@ -54,14 +64,14 @@ class Spool:
             self._segments.remove(number)
         for number in self._segments:
             path = self._path(number)
-            data = path.read_bytes()
+            data = self._read(number)
             start = self._cursor[1] if number == self._cursor[0] else 0
             good, count = _scan(data, start)
             if good < len(data):
                 self.torn_bytes += len(data) - good
                 log.warning("%s: dropped a torn tail of %d bytes left by a crash", path,
                             len(data) - good)
-                with open(path, "r+b") as fh:
+                with open(open_checked(path, os.O_RDWR), "r+b") as fh:
                     fh.truncate(good)
             self._bytes += good - start
             self._records += count
@@ -96,7 +106,7 @@ class Spool:
         out: list[bytes] = []
         segment, offset = self._cursor
         for number in (n for n in self._segments if n >= segment):
-            data = self._path(number).read_bytes()
+            data = self._read(number)
             pos = offset if number == segment else 0
             while pos + _HEADER.size <= len(data) and len(out) < limit:
                 length, _ = _HEADER.unpack_from(data, pos)
@@ -110,7 +120,7 @@ class Spool:
         """Forget the first `count` payloads (they were acknowledged)."""
         segment, offset = self._cursor
         while count > 0 and self._segments:
-            data = self._path(segment).read_bytes()
+            data = self._read(segment)
             while count > 0 and offset + _HEADER.size <= len(data):
                 length, _ = _HEADER.unpack_from(data, offset)
                 offset += _HEADER.size + length
@@ -140,6 +150,15 @@ class Spool:
 
     def _path(self, number: int) -> Path:
         return self.folder / f"{number:08d}.seg"
+
+    def _read(self, number: int) -> bytes:
+        """Segment `number`'s bytes, read the state folder's checked way; one that is gone, or
+        was something else than a file (set aside), is the OSError a vanished file gives."""
+        path = self._path(number)
+        data = read_state(path)
+        if data is None:
+            raise FileNotFoundError(errno.ENOENT, "a spool segment is gone", str(path))
+        return data
 
     def _segment_numbers(self) -> list[int]:
         """The numbers of the segments here; anything else named *.seg (a stray backup.seg) is

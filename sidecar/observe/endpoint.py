@@ -21,7 +21,6 @@ import copy
 import importlib
 import ipaddress
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -35,7 +34,7 @@ from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import RouteStats
 from sidecar.log import log
 from sidecar.masking import mask
-from sidecar.statefile import read_state
+from sidecar.statefile import read_state, write_atomic
 from sidecar.supervise import SUPERVISOR
 
 _FALLBACK_HOSTS = {4: "127.0.0.1", 6: "::1"}
@@ -545,11 +544,9 @@ def _reason(exc: OSError) -> str:
 def _write_addr_file(run_dir: Path, address: str) -> Path | None:
     """Write `address` to <run_dir>/status-addr atomically; a failure only costs a WARNING."""
     path = run_dir / ADDR_FILE
-    partial = run_dir / f".{ADDR_FILE}.{os.getpid()}.tmp"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        partial.write_text(address + "\n", encoding="utf-8")
-        os.replace(partial, path)
+        write_atomic(path, f"{address}\n".encode())
     except OSError as exc:
         log.warning("cannot write %s (%s): `sidecar status` will need --status-addr %s",
                     path, _reason(exc), address)
