@@ -122,12 +122,10 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     await cancel(stall_ticker)
     refused = client.never_accepted
     if refused is not None:  # no wait would change that: say what is kept instead
-        fix = ("once the token is accepted" if "token" in refused
-               else "once the ingest is reachable")
         log.warning("stopping: no payload of this run was accepted, every answer was %s, so "
                     "the drain is not waited out; the files' data past their acknowledged "
                     "offsets and the spooled payloads are kept in %s for the next start or "
-                    "`sidecar replay` (%s)", refused, cfg.run_dir, fix)
+                    "`sidecar replay` (once the token is accepted)", refused, cfg.run_dir)
         pipeline.shipper.stop_reason = f"no answer of the ingest was accepted ({refused})"
         await pipeline.stop_reading()
     else:

@@ -153,6 +153,7 @@ class Pipeline(Sink):
         self._sampler_task: asyncio.Task[None] | None = None
         self._hparams_task: asyncio.Task[None] | None = None
         self._checkpoints_task: asyncio.Task[None] | None = None
+        self.read = asyncio.Event()  # the drain read the files to their end (or gave up)
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
         self.shipper = log_shipper or LogShipper(
             client, run_id, prefix=cfg.log_prefix.format(node=node.name, rank=node.rank))
@@ -320,9 +321,12 @@ class Pipeline(Sink):
     # -- shutdown -------------------------------------------------------------------------------
 
     async def drain(self, deadline: float) -> None:
-        """Read every file to its end and deliver what can be delivered by `deadline`."""
+        """Read every file to its end and deliver what can be delivered by `deadline`; `read`
+        is set once the files' text is all with the log shipper (`run`'s crash tail goes
+        after it)."""
         self.key_budget.report_refused()  # what a minute held back
-        await self._stop_telemetry()
+        # beside the files: a snapshot still being taken must not hold up their text
+        telemetry = asyncio.create_task(self._stop_telemetry())
         if self.hparams_file is not None:
             await cancel(self._hparams_task)
             await self.hparams_file.check(final=True)
@@ -335,6 +339,8 @@ class Pipeline(Sink):
                 if await self.follower.drain():
                     break
                 await asyncio.sleep(DRAIN_READ_STEP_S)
+        self.read.set()
+        await telemetry
         remaining = max(deadline - time.monotonic(), 0.0)
         await asyncio.gather(self.shipper.flush(remaining), checkpoints,
                              *(b.flush(remaining) for b in self.batchers))

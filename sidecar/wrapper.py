@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from sidecar.aio import cancel, wait_set
@@ -56,16 +56,20 @@ if TYPE_CHECKING:  # imported once the command runs: it is spawned before these
     from sidecar.observe.endpoint import StatusServer
     from sidecar.pipeline import Pipeline
 
-# the share of --drain-timeout the output may take, so that a hung /logs cannot starve the end
-# event that waits behind it
-LOGS_DRAIN_SHARE = 0.5
-# the share of the output's share during which the output is still forwarded while a process the
-# command left (a background writer) holds it open, as `tee` would; then one line names them and
-# what they write is not forwarded
-HOLDERS_SHARE = 0.5
-TAIL_DRAIN_SHARE = 0.5  # of the output's share kept for the crash tail when older text waits
-# how long the drain waits for the run's first answer when none came yet: a refused connection
-# or a 401 is known then, and not waited out
+# The drain is one budget, --drain-timeout from the command's exit, spent in order
+# (docs/lifecycle.md#the-drain): what one part leaves is there for the next.
+# After the exit, the time the command's output has to reach its end in the pipes: a process
+# still holding them open past it is a writer the command left behind, forwarded beside the
+# drain, and the crash tail and the end event do not wait for it.
+OUTPUT_SETTLE_S = 1.0
+# kept at the end of the budget for the end event, and before that for the crash tail, so that
+# older output on a slow /logs cannot take their time (at most a quarter of the budget each)
+RESERVE_S = 2.0
+# a writer left behind is forwarded until this long before the deadline: its last lines and the
+# line that names it are sent in what is left
+FINAL_FLUSH_S = 1.0
+# how long the drain waits for the run's first answer when none came yet: a token refused on
+# every attempt is known then, and not waited out
 FIRST_ANSWER_WAIT_S = 1.0
 EXIT_CANNOT_START = 127
 BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
@@ -75,6 +79,28 @@ MAX_BACKLOG_CHARS = 64 << 10
 # the pump threads get the GIL back quickly after each read and write, so the loop's work on one
 # block never holds up the child's pipe
 GIL_SWITCH_S = 0.0005
+# characters a writer the command left behind may write while the crash tail, taken before
+# them, is delivered; more is dropped and counted
+MAX_BEHIND_TAIL_CHARS = 1 << 20
+
+
+class _BehindTail:
+    """What the streams put once the crash tail was taken (a writer the command left behind)
+    waits here until the crash tail is delivered or given up: it was written after it, and
+    /logs keeps the order it was written in."""
+
+    def __init__(self) -> None:
+        self.texts: list[tuple[_Stream, str]] = []
+        self.chars = 0  # read in the pump threads
+
+    def release(self, streams: Sequence[_Stream]) -> None:
+        """The crash tail went (or was given up): what waits goes on, and so what comes."""
+        for stream in streams:
+            stream.behind = None
+        for stream, text in self.texts:
+            stream.ship(text)
+        self.texts.clear()
+        self.chars = 0
 
 
 class _Budget:
@@ -125,6 +151,7 @@ class _Stream:
         self.closed = asyncio.Event()  # the pipe's end: no process holds it any more
         self.ended = False  # finished for /logs: what comes after is not forwarded
         self.others: Sequence[_Stream] = ()  # the command's other streams (none with --tty)
+        self.behind: _BehindTail | None = None  # set while the crash tail goes first
         self._skipped = 0
         self._resuming = False  # a call to draw the terminal's backlog is scheduled
 
@@ -137,6 +164,9 @@ class _Stream:
             return 0, "the command exited and its output's time is up"
         if not shipper.has_room:
             return 0, "the log buffer is full while the ingest is slow"
+        behind = self.behind
+        if behind is not None and behind.chars >= MAX_BEHIND_TAIL_CHARS:
+            return 0, "the log buffer is full while the command's last output is delivered"
         granted = self.budget.grant()
         if not granted:
             return 0, "the command writes faster than --log-rate forwards"
@@ -199,7 +229,7 @@ class _Stream:
             self.shipper.count_dropped(size, why)
 
     def tick(self) -> None:
-        if self.shipper is not None:
+        if self.shipper is not None and not self.ended:
             self._put(self.assembler.tick(time.monotonic()))
 
     def finish(self) -> None:
@@ -223,8 +253,17 @@ class _Stream:
         self._put(self.assembler.own_line(line))
 
     def _put(self, text: str) -> None:
-        if text and self.shipper is not None:
-            self.shipper.put(text, piece=self.tail.add(text))
+        if not text or self.shipper is None:
+            return
+        if self.behind is not None:
+            self.behind.texts.append((self, text))
+            self.behind.chars += len(text)
+            return
+        self.ship(text)
+
+    def ship(self, text: str) -> None:
+        assert self.shipper is not None
+        self.shipper.put(text, piece=self.tail.add(text))
 
 
 def _announce(streams: Sequence[_Stream], line: str) -> None:
@@ -278,6 +317,7 @@ class _Run:
         self.pipeline: Pipeline | None = None
         self.status: StatusServer | None = None
         self.interrupted = asyncio.Event()
+        self.behind: _BehindTail | None = None
 
     async def open_journals(self) -> None:
         """The crash tail's and the lifecycle's journals: what an earlier start left goes
@@ -356,7 +396,8 @@ class _Run:
             failure = Failure(EXIT_CANNOT_START, 0.0, str(exc), "cannot_start", node=node.name,
                               rank=node.rank, multi_node=node.multi_node)
             await self.crash_tail.add([mask(self.prefix + failure.line() + "\n")])
-        await _drain(self.cfg, self.lifecycle, None, crash_tail=self.crash_tail)
+        await _drain(self.cfg, self.lifecycle, None, crash_tail=self.crash_tail,
+                     deadline=time.monotonic() + self.cfg.drain_timeout)
         await self.close()
         return EXIT_CANNOT_START
 
@@ -396,8 +437,9 @@ class _Run:
         # When it exited, not when the loop saw it.
         self.ended_at = self.child.exited_at or time.time()
         self.exited.set()
-        # The drain's deadlines count from here.
+        # The drain's budget counts from here.
         self.exited_at = self.child.exited_monotonic or time.monotonic()
+        self.deadline = self.exited_at + self.cfg.drain_timeout
         if self.client is not None:
             # A backoff of the request in flight ends now.
             self.client.hurry()
@@ -418,20 +460,19 @@ class _Run:
                                     self.ended_at)
 
     async def finish_output(self, exit_status: int) -> None:
-        """The command's output to its end (or the holders' wait), the failure summary last,
-        and what /logs did not acknowledge of it into the crash tail's journal."""
-        cfg, streams, exited_at = self.cfg, self.streams, self.exited_at
-        output_deadline = exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
-        await _until(_all_closed(streams), exited_at + cfg.drain_timeout * LOGS_DRAIN_SHARE
-                     * HOLDERS_SHARE, self.interrupted)
-        self.ticker.cancel()
-        holding = not all(stream.closed.is_set() for stream in streams)
+        """The command's output to its end (a writer it left behind goes on beside the drain),
+        the failure summary last, and what /logs did not acknowledge of it into the crash
+        tail's journal."""
+        streams, exited_at = self.streams, self.exited_at
+        await _until(_all_closed(streams), min(exited_at + OUTPUT_SETTLE_S, self.deadline),
+                     self.interrupted)
         for stream in streams:
             await stream.drawn()
-            stream.finish()
-        if holding:
-            _announce_holders(streams, await asyncio.to_thread(self.child.output_holders),
-                              time.monotonic() - exited_at)
+            if stream.closed.is_set():
+                stream.finish()
+            else:
+                # a line it left open is taken as complete: the summary may quote it
+                self.scanner.finish(stream.name)
         pipeline = self.pipeline
         if exit_status != 0:
             duration_s = max(exited_at - self.spawned_at, 0.0)
@@ -443,16 +484,45 @@ class _Run:
             # The crash tail's last line.
             _announce(streams, self.report.failure.line())
         if pipeline is not None and self.crash_tail is not None:
-            now = time.monotonic()
-            await _journal_tail(pipeline.shipper, self.crash_tail, streams,
-                                now + max(output_deadline - now, 0.0) * (1 - TAIL_DRAIN_SHARE))
+            held = not all(stream.closed.is_set() for stream in streams)
+            self.behind = _BehindTail() if held else None
+            await _journal_tail(pipeline.shipper, self.crash_tail, streams, self.behind,
+                                _logs_by(self.cfg, self.deadline))
 
     async def drain(self) -> None:
-        """Deliver what is left within --drain-timeout; our signals are ours again after."""
-        await _drain(self.cfg, self.lifecycle, self.pipeline, self.interrupted, self.crash_tail,
-                     self.exited_at)
+        """Deliver what is left by the deadline, beside the output of a writer the command
+        left behind; our signals are ours again after."""
+        await asyncio.gather(
+            _drain(self.cfg, self.lifecycle, self.pipeline, self.interrupted, self.crash_tail,
+                   deadline=self.deadline, after_tail=self._after_tail),
+            self._forward_held())
         for signum in FORWARDED_SIGNALS:
             self.loop.remove_signal_handler(signum)
+
+    def _after_tail(self) -> None:
+        if self.behind is not None:
+            self.behind.release(self.streams)
+            self.behind = None
+
+    async def _forward_held(self) -> None:
+        """What a process the command left behind writes to its output goes on, as under `tee`,
+        until it closes the output or the drain's deadline is near; then one line names the
+        processes that still hold it, and what is left of the output is sent by the deadline.
+        Never killed, nor its pipe closed: once the sidecar has exited, its next write fails."""
+        streams = self.streams
+        await _until(_all_closed(streams), self.deadline - FINAL_FLUSH_S, self.interrupted)
+        self.ticker.cancel()
+        holding = not all(stream.closed.is_set() for stream in streams)
+        for stream in streams:
+            if not stream.ended:
+                await stream.drawn()
+                stream.finish()
+        if holding:
+            holders = await asyncio.to_thread(lambda: _named(self.child.output_holders()))
+            _announce_holders(streams, holders, time.monotonic() - self.exited_at)
+        if self.pipeline is not None:
+            await _until(self.pipeline.shipper.flush(self.deadline - time.monotonic()),
+                         self.deadline, self.interrupted)
 
     async def close(self) -> None:
         """Close what the run opened and release the claim on its state folder."""
@@ -501,44 +571,65 @@ async def _tick(streams: Sequence[_Stream], stall: StallWatch) -> None:
 
 async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                  interrupted: asyncio.Event | None = None, crash_tail: CrashTail | None = None,
-                 started: float | None = None) -> None:
-    """Deliver what is left within --drain-timeout from `started` (default now): the output
-    first (what was queued before the crash tail, then the crash tail), then the end event."""
-    started = time.monotonic() if started is None else started
-    deadline = started + cfg.drain_timeout
+                 *, deadline: float, after_tail: Callable[[], None] = lambda: None) -> None:
+    """Deliver what is left by `deadline`, in order, each part with what the parts before it
+    left of the budget (docs/lifecycle.md#the-drain): the output (what was queued before the
+    crash tail, then the crash tail), then the end event; the files, metrics, hparams,
+    artifacts and documents beside them, until the deadline too. `after_tail` is called once
+    the crash tail went, or was given up."""
     client = (pipeline.client if pipeline is not None
               else crash_tail.client if crash_tail is not None else lifecycle.client)
     if client is not None and not client.answered.is_set():  # a command that exits at once:
-        await wait_set(client.answered, FIRST_ANSWER_WAIT_S)  # is the ingest there at all?
+        await wait_set(client.answered, FIRST_ANSWER_WAIT_S)  # is the token taken at all?
     refused = client.never_accepted if client is not None else None
     if refused is not None:  # the drain would wait out its deadline: say what is kept instead
         _warn_kept(cfg, lifecycle, crash_tail, pipeline, refused)
+        after_tail()
         if pipeline is not None:
             await pipeline.stop_reading()
         return
     if client is not None and client.failing:
-        log.info("waiting up to %s (--drain-timeout) for the ingest to take what is left "
-                 "(failing now: %s)", format_duration(max(deadline - time.monotonic(), 0.0)),
-                 ", ".join(client.failing))
+        log.warning("waiting up to %s (--drain-timeout) for the ingest to take what is left "
+                    "(failing now: %s)", format_duration(max(deadline - time.monotonic(), 0.0)),
+                    ", ".join(client.failing))
+    stop = interrupted or asyncio.Event()
+    sources = None
     if pipeline is not None:
         pipeline.client.hurry()
-    stop = interrupted or asyncio.Event()
-    output_deadline = started + cfg.drain_timeout * LOGS_DRAIN_SHARE
-    if pipeline is not None:
-        backlog_deadline = output_deadline
-        if crash_tail is not None and crash_tail.pending:
-            backlog_deadline -= (output_deadline - time.monotonic()) * TAIL_DRAIN_SHARE
-        await _until(_drained(pipeline, backlog_deadline), backlog_deadline, stop)
-    if crash_tail is not None and not await _until(
-            crash_tail.deliver(output_deadline), output_deadline, stop):
+        sources = asyncio.ensure_future(pipeline.drain(deadline))
+        logs_by = _logs_by(cfg, deadline)
+        await _until(_logs_sent(pipeline, logs_by), logs_by, stop)
+    tail_by = deadline - _reserve_s(cfg)
+    if crash_tail is not None and not await _until(crash_tail.deliver(tail_by), tail_by, stop):
+        # journaled before the end event goes: the next start or replay sends it
         log.warning("the command's last output is not yet delivered to /logs; kept in %s for "
                     "the next start or `sidecar replay`", cfg.run_dir)
+    after_tail()
     delivered = await _until(lifecycle.drain(max(deadline - time.monotonic(), 0.0)), deadline,
                              stop)
     if not delivered and lifecycle.pending:
         log.warning("drain deadline reached: %d lifecycle event(s) (%s) not yet delivered, "
                     "kept in %s; the next start or `sidecar replay` delivers them",
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
+    if sources is not None:
+        await _until(_done(sources), deadline, stop)
+
+
+def _reserve_s(cfg: Config) -> float:
+    """What the end of the budget keeps for the end event, and before it for the crash tail."""
+    return min(RESERVE_S, cfg.drain_timeout / 4)
+
+
+def _logs_by(cfg: Config, deadline: float) -> float:
+    """Until when the output queued before the crash tail may be sent, ahead of it."""
+    return deadline - 2 * _reserve_s(cfg)
+
+
+async def _logs_sent(pipeline: Pipeline, deadline: float) -> bool:
+    """Whether the output before the crash tail (the followed files' too) was sent by
+    `deadline`."""
+    await pipeline.read.wait()
+    return await pipeline.shipper.flush(deadline - time.monotonic())
 
 
 def _warn_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
@@ -555,22 +646,25 @@ def _warn_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
         pipeline.shipper.stop_reason = f"no answer of the ingest was accepted ({refused})"
         if any(pipeline.cfg.files.get(kind.name) for kind in FILE_KINDS if kind.metrics):
             kept.append("the metric points past the files' acknowledged offsets")
-    fix = "once the token is accepted" if "token" in refused else "once the ingest is reachable"
-    what = (f"; kept in {cfg.run_dir} for the next start or `sidecar replay` ({fix}): "
-            + "; ".join(kept)) if kept else ""
+    what = (f"; kept in {cfg.run_dir} for the next start or `sidecar replay` (once the token "
+            "is accepted): " + "; ".join(kept)) if kept else ""
     log.warning("no payload of this run was accepted: every answer was %s, so the exit does "
                 "not wait for the drain%s", refused, what)
 
 
 async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[_Stream],
-                        deadline: float) -> None:
+                        behind: _BehindTail | None, deadline: float) -> None:
     """Once the request in flight was answered (or `deadline` passed with no answer), take
     what the ingest did not acknowledge of the streams' last 64 KiB (the failure summary last)
     out of the best-effort queue into the crash tail's journal; the queue's older text is then
-    sent on, best-effort, before it: a slow answer is waited for within the drain's share for
-    it, so that no request of it is still in flight (and stored later, or cut) meanwhile."""
+    sent on, best-effort, before it: a slow answer is waited for until `deadline`, so that no
+    request of it is still in flight (and stored later, or cut) meanwhile; what the streams
+    put from then on waits in `behind` (None: no stream is still open)."""
     await shipper.settle(deadline - time.monotonic())
     tail = take_tail([stream.tail for stream in streams])
+    # a writer left behind goes on: what it writes from now on is not in this tail
+    for stream in streams:
+        stream.behind = behind
     shipper.forget(tail.carried_from)
     gap = shipper.take_gap_line() if tail.texts else ""  # what was dropped before it
     await crash_tail.add([gap, *tail.texts] if gap else tail.texts)
@@ -592,8 +686,8 @@ def _send_earlier_tail(crash_tail: CrashTail | None,
     return supervise("earlier-crash-tail", send)
 
 
-async def _drained(pipeline: Pipeline, deadline: float) -> bool:
-    await pipeline.drain(deadline)
+async def _done(work: Awaitable[None]) -> bool:
+    await work
     return True
 
 
@@ -614,17 +708,30 @@ async def _all_closed(streams: Sequence[_Stream]) -> bool:
     return True
 
 
-def _announce_holders(streams: Sequence[_Stream], pids: Sequence[int], waited_s: float) -> None:
-    """The output is still held open past its wait (a background process the command left):
-    say by whom, in the log and in our own, and that what comes later is not forwarded."""
-    if pids:
-        who = (f"{len(pids)} process{'es' if len(pids) > 1 else ''} "
-               f"(PID{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))})")
+def _named(pids: Sequence[int]) -> list[str]:
+    """Each process as `PID name`, the name as /proc gives it (blocking: small reads)."""
+    named = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
+                named.append(f"{pid} {comm.read().strip()}")
+        except OSError:  # gone meanwhile
+            named.append(str(pid))
+    return named
+
+
+def _announce_holders(streams: Sequence[_Stream], holders: Sequence[str], waited_s: float) -> None:
+    """The output is still held open at the drain's end (a background process the command
+    left): say by whom, in the log and in our own, and that what comes later is not
+    forwarded."""
+    if holders:
+        who = (f"{len(holders)} process{'es' if len(holders) > 1 else ''} "
+               f"(PID{'s' if len(holders) > 1 else ''} {', '.join(holders)})")
     else:
         who = "processes that /proc does not show"
     line = (f"[sidecar] the command's output is still held open by {who} "
-            f"{format_duration(waited_s)} after the command exited; what they write from now "
-            "on is not forwarded")
+            f"{format_duration(waited_s)} after the command exited, at the end of the drain "
+            "(--drain-timeout); it was forwarded until now, what they write from now on is not")
     log.warning("%s", line.removeprefix("[sidecar] "))
     if streams[-1].shipper is not None:
         _announce(streams, line)

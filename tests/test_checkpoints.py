@@ -883,3 +883,25 @@ def test_a_checkpoint_busy_at_the_stop_leaves_the_files_their_drain(
     assert watch.stop().status == 0
     text = "".join(c for r in ingest.records("logs") for c in r["chunks"])
     assert text.count("last ") == 200, text[-300:]
+
+
+def test_a_slow_artifact_route_is_given_the_whole_drain(ingest: RunningIngest, quick: None,
+                                                        tmp_path: Path) -> None:
+    """30 checkpoints saved just before the exit, /artifact answering in 0.6 s: all 30 are
+    registered within a 30 s drain (the wrapper left at half of it, a dozen short)."""
+    from tests.conftest import python_child, sidecar
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    child = python_child(
+        "import zipfile\n"
+        "for step in range(30):\n"
+        f"    with zipfile.ZipFile(f'{root}/step_{{step}}.pt', 'w') as z:\n"
+        "        z.writestr('archive/data.pkl', b'x' * 64)\n")
+    ingest.add_fault(Fault(route="artifact", slow_answer_s=0.6))
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--drain-timeout", "30", "--checkpoints", str(root),
+                    "--artifact-uri", f"{root}={BUCKET}", "--", *child], env, tmp_path / "run",
+                   timeout=90)
+    assert done.status == 0, done.stderr
+    assert paths(ingest) == Counter(f"{BUCKET}/step_{step}.pt" for step in range(30))

@@ -188,3 +188,46 @@ async def test_a_dead_letter_the_state_dir_refuses_does_not_end_the_delivery(
     assert [r["chunks"] for r in ingest.records("logs")] == [["the last words\n"]]
     assert crash_tail.pending == 0
     assert not (run_dir / JOURNAL_NAME).exists()  # both acknowledged, the journal cleared
+
+
+def test_a_503_until_late_in_the_drain_still_puts_the_tail_before_the_end(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """/logs answers 503 for 16 s of a 30 s drain: the traceback goes when it is back, and
+    `failed` after it (the end event went out once half the drain was spent, the tail never)."""
+    proc, go = start_crashing(ingest, tmp_path, "30")
+    ingest.add_fault(Fault(route="logs", status=503))
+    heal = threading.Timer(16.0, ingest.clear_faults)  # the outage's length, not a wait
+    heal.start()
+    try:
+        go.touch()
+        done = proc.wait(90)
+    finally:
+        heal.cancel()
+    assert done.status == 1
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running", "failed"]
+    assert_tail_once_before_the_end_event(ingest)
+
+
+def test_with_logs_down_for_good_the_tail_is_journaled_before_the_end_and_replayed(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """/logs never answers: the tail is journaled before `failed` is posted (a broken /logs
+    never costs the lifecycle), and replay sends the tail, once, after nothing else."""
+    proc, go = start_crashing(ingest, tmp_path, "6")
+    ingest.add_fault(Fault(route="logs", status=503))
+    go.touch()
+    done = proc.wait(60)
+    assert done.status == 1
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running", "failed"]
+    journal = tmp_path / "state" / RUN_ID / JOURNAL_NAME
+    assert b"run failed" in journal.read_bytes()
+    said = done.stderr.decode()
+    assert said.index("the command's last output is not yet delivered to /logs; kept in") < (
+        said.index("lifecycle: failed accepted by the ingest"))
+    ingest.clear_faults()
+    before = len(ingest.stats.arrivals)
+    assert sidecar(["replay"], platform_env(ingest, tmp_path / "state"),
+                   tmp_path / "replay").status == 0
+    assert ingest.stats.arrivals[before:] == ["logs"]
+    everything = log_lines(ingest.records("logs"))
+    for line in TRACEBACK.splitlines():
+        assert everything.count(line) == 1, line

@@ -143,7 +143,8 @@ def test_the_failure_summary_is_never_spliced_into_the_last_line(ingest: Running
 
 
 # The command leaves a writer behind and exits at once: the writer prints for `seconds` (or
-# until killed), its pid first in a file, then its last line.
+# until killed), its pid first in a file, then its last line; a write that fails is written down
+# beside the pid file.
 LEAVES_A_WRITER = """
 import subprocess, sys
 writer = '''
@@ -151,46 +152,68 @@ import os, sys, time
 open(sys.argv[1], "w").write(str(os.getpid()))
 deadline = time.monotonic() + float(sys.argv[2])
 i = 0
-while time.monotonic() < deadline:
-    print(f"background {i}", flush=True)
-    i += 1
-    time.sleep(0.1)
-print("background: last line", flush=True)
+try:
+    while time.monotonic() < deadline:
+        print(f"background {i}", flush=True)
+        i += 1
+        time.sleep(0.1)
+    print("background: last line", flush=True)
+except BrokenPipeError as exc:
+    open(sys.argv[1] + ".broken", "w").write(repr(exc))
 '''
 subprocess.Popen([sys.executable, "-c", writer, sys.argv[1], sys.argv[2]])
 print("the command exits", flush=True)
 """
 
 
+def background_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("background")]
+
+
 def test_a_background_writer_runs_to_its_end(ingest: RunningIngest, tmp_path: Path) -> None:
-    """It writes for 2.5 s after the command exited, past the 2 s a fixed grace gave it."""
+    """It writes for 7 s after the command exited, past the 5 s a share of the drain gave it:
+    every line is passed through and reaches /logs, in order, and none of its writes fails."""
     env = platform_env(ingest, tmp_path / "state")
     done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "20", "--",
-                    *python_child(LEAVES_A_WRITER), str(tmp_path / "pid"), "2.5"],
+                    *python_child(LEAVES_A_WRITER), str(tmp_path / "pid"), "7"],
                    env, tmp_path / "sc")
     assert done.status == 0, done.stderr
     assert done.stdout.endswith(b"background: last line\n")  # passed through, as by tee
-    assert log_text(ingest).endswith("background: last line\n")
+    written = background_lines(done.stdout.decode())
+    assert written[:-1] == [f"background {i}" for i in range(len(written) - 1)]
+    text = log_text(ingest)
+    assert background_lines(text) == written
+    assert text.index("the command exits") < text.index("background 0")
+    assert not (tmp_path / "pid.broken").exists()
     assert b"still held open" not in done.stderr
+    assert [r["event"] for r in ingest.records("lifecycle")] == [
+        "starting", "running", "succeeded"]
 
 
-def test_a_writer_past_the_drain_is_named_and_cut(ingest: RunningIngest, tmp_path: Path) -> None:
+def test_a_writer_past_the_drain_is_named_and_left_alone(ingest: RunningIngest,
+                                                         tmp_path: Path) -> None:
+    """It is forwarded until the drain's end is near (it was cut after a quarter of it), then
+    named, with its command, in the last line; nothing of ours kills it."""
     env = platform_env(ingest, tmp_path / "state")
     pid_file = tmp_path / "pid"
     try:
-        done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "4", "--",
+        done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "8", "--",
                         *python_child(LEAVES_A_WRITER), str(pid_file), "60"],
                        env, tmp_path / "sc")
         pid = int(pid_file.read_text())
         assert done.status == 0, done.stderr
-        said = re.compile(rf"the command's output is still held open by 1 process \(PID {pid}\) "
-                          r"\d+s after the command exited; what they write from now on is not "
-                          r"forwarded\n")
+        said = re.compile(rf"the command's output is still held open by 1 process \(PID {pid} "
+                          r"python[^)]*\) \d+s after the command exited, at the end of the "
+                          r"drain \(--drain-timeout\); it was forwarded until now, what they "
+                          r"write from now on is not\n")
         assert said.search(done.stderr.decode())
         text = log_text(ingest)
         last = text.splitlines(keepends=True)[-1]
         assert last.startswith("[sidecar] ") and said.fullmatch(last.removeprefix("[sidecar] "))
-        assert "background 5" in text  # forwarded for the second it was given
+        forwarded = background_lines(text)
+        assert forwarded == [f"background {i}" for i in range(len(forwarded))]
+        assert len(forwarded) > 30  # of the ~70 written in the 7 s it was given
+        os.kill(pid, 0)  # alive
         assert [r["event"] for r in ingest.records("lifecycle")] == [
             "starting", "running", "succeeded"]
     finally:

@@ -150,3 +150,29 @@ def test_hand_off_clients_that_leave_before_their_answer_cost_a_line_at_most(
     assert err.count("went away before its answer") <= 2, err
     assert all(" sidecar " in line for line in err.splitlines()), err  # each line one of ours
     assert events(ingest) == ["starting", "running", "succeeded"]
+
+
+def test_a_short_run_against_an_ingest_that_restarts_posts_its_whole_lifecycle(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """The ingest refuses connections (a pod of it restarting) while a 1 s command runs and
+    exits 0: the exit waits it out, says so at once with how long, and every event arrives,
+    in order (the wrapper used to leave at once, keeping them for a `replay` that a pod's
+    state folder does not live to see)."""
+    ingest.stop_listening()
+    run = Sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "30", "--",
+                   *python_child("import time\nprint('hi', flush=True)\ntime.sleep(1)\n"
+                                 "print('bye')\n")],
+                  platform_env(ingest, tmp_path / "state"), tmp_path / "sc")
+    stderr = tmp_path / "sc" / "stderr"
+    try:
+        wait_until(lambda: b"waiting up to" in stderr.read_bytes(), 30,
+                   "the wait said at the exit")
+    finally:
+        ingest.start_listening()
+    done = run.wait(60)
+    assert done.status == 0, done.stderr
+    [waits] = [line for line in done.stderr.decode().splitlines() if "waiting up to" in line]
+    assert "(--drain-timeout) for the ingest to take what is left (failing now: " in waits
+    assert "no payload of this run was accepted" not in done.stderr.decode()
+    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert "bye" in "".join(c for body in ingest.records("logs") for c in body["chunks"])

@@ -253,19 +253,20 @@ def test_a_rejected_token_says_what_is_kept_and_does_not_wait_out_the_drain(
         assert log_lines(ingest) == []
 
 
-def test_an_ingest_never_reachable_says_what_is_kept_without_waiting_out_the_drain(
+def test_an_ingest_never_reachable_is_waited_for_and_what_is_kept_said(
         ingest: RunningIngest, tmp_path: Path) -> None:
+    """A refused connection is transient (an ingest restarting): the drain waits for it, says
+    so at once, and at its deadline says what is kept, for what."""
     ingest.stop_listening()  # every connection refused, for the whole run
-    env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="30")
-    started = time.monotonic()
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_DRAIN_TIMEOUT="4")
     done = sidecar(["run", "--", *python_child("print('hi')")], env, tmp_path / "sc")
-    took_s = time.monotonic() - started
     assert done.status == 0, done.stderr
-    assert took_s < 15, f"waited out the drain: {took_s:.1f} s"
-    [kept] = lines_with(done.stderr, "no payload of this run was accepted")
-    assert "every answer was a refused connection" in kept
-    assert "`sidecar replay` (once the ingest is reachable)" in kept
-    assert "the lifecycle events starting, running, succeeded" in kept
+    assert not lines_with(done.stderr, "no payload of this run was accepted")
+    [waits] = lines_with(done.stderr, "waiting up to")
+    assert "(--drain-timeout) for the ingest to take what is left (failing now: " in waits
+    [kept] = lines_with(done.stderr, "drain deadline reached")
+    assert "3 lifecycle event(s) (starting, running, succeeded) not yet delivered" in kept
+    assert "`sidecar replay` delivers them" in kept
 
 
 def test_a_drain_that_waits_says_what_for(ingest: RunningIngest, tmp_path: Path) -> None:

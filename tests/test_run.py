@@ -467,3 +467,28 @@ def test_as_pid1_it_reaps_orphans(ingest: RunningIngest, tmp_path: Path) -> None
                     *SIDECAR, "run", "--", "sh", "-c", script], env, tmp_path / "sc")
     assert done.status == 0, done.stderr
     assert b"reaped" in done.stdout, done.stdout
+
+
+# 14 full requests of /metrics (2,048 points each), written at once, then the exit.
+MANY_POINTS = """
+import sys
+with open(sys.argv[1], "w") as out:
+    for step in range(14 * 2048):
+        out.write(f'{{"step": {step}, "loss": 0.5}}\\n')
+"""
+
+
+def test_a_slow_metrics_route_is_given_the_whole_drain(ingest: RunningIngest,
+                                                      tmp_path: Path) -> None:
+    """/metrics answers in 1 s: the 14 requests take 14 s of a 20 s drain, and all of them
+    arrive before the wrapper exits (it left at half the drain, 4,000 points short)."""
+    ingest.add_fault(Fault(route="metrics", slow_answer_s=1.0))
+    metrics = tmp_path / "metrics.jsonl"
+    done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "20", "--jsonl",
+                    str(metrics), "--", *python_child(MANY_POINTS), str(metrics)],
+                   platform_env(ingest, tmp_path / "state"), tmp_path / "sc", timeout=90)
+    assert done.status == 0, done.stderr
+    steps = sorted(p["step"] for body in ingest.records("metrics") for p in body["points"])
+    assert steps == list(range(14 * 2048))
+    assert [r["event"] for r in ingest.records("lifecycle")] == [
+        "starting", "running", "succeeded"]

@@ -233,7 +233,8 @@ async def test_nothing_listening_is_a_failure_to_connect_which_the_client_calls_
     finally:
         await client.close()
     assert answer.failure is TransportFailure.CONNECT and answer.detail == str(info.value)
-    assert client.never_accepted == "a refused connection"
+    # transient: an ingest restarting refuses connections for a few seconds
+    assert client.never_accepted is None
 
 
 @pytest.mark.parametrize(("answer", "kind"), [

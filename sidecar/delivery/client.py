@@ -255,7 +255,7 @@ class IngestClient:
         self._hurry = asyncio.Event()
         self._spells: dict[str, _Spell] = {}  # per route, while its payloads fail
         self._accepted = 0  # payloads the ingest took, all routes together
-        # what the failed attempts were: "token", "refused" (a refused connection) or "other"
+        # what the failed attempts were: "token" (401/403) or "other"
         self._refusals: set[str] = set()
         self.answered = asyncio.Event()  # an attempt of any route has had its outcome
 
@@ -317,8 +317,7 @@ class IngestClient:
             self._accepted += 1
             self._end_spell(route)
             return
-        self._refusals.add("token" if answer.verdict is Verdict.AUTH else "refused"
-                           if answer.failure is TransportFailure.CONNECT else "other")
+        self._refusals.add("token" if answer.verdict is Verdict.AUTH else "other")
         if answer.verdict in (Verdict.RETRY, Verdict.AUTH, Verdict.REDIRECT):
             spell = self._spells.setdefault(route, _Spell())
             spell.attempts += 1
@@ -363,13 +362,12 @@ class IngestClient:
     @property
     def never_accepted(self) -> str | None:
         """When no payload of this client was ever accepted and every attempt was refused for
-        the token (401/403) or by a refused connection: what they were, for a message; else
-        None (an ingest that answered once, or failed otherwise, may still answer)."""
-        if self._accepted or not self._refusals or "other" in self._refusals:
+        the token (401/403): what they were, for a message; else None. A refused connection,
+        a reset, a timeout or a 5xx is transient (an ingest restarting): it may yet answer
+        (docs/ingest.md#answers)."""
+        if self._accepted or self._refusals != {"token"}:
             return None
-        return " or ".join(
-            {"token": "HTTP 401/403 (the token was rejected)",
-             "refused": "a refused connection"}[kind] for kind in sorted(self._refusals))
+        return "HTTP 401/403 (the token was rejected)"
 
     def _reread_token(self) -> None:
         try:
