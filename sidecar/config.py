@@ -211,8 +211,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("log-format", "str", "auto", "--log files as plain text or CRI container logs",
            choices=("plain", "cri", "auto")),
     Option("log-rate", "float", 5.0, "run only: MB a second of the command's output forwarded "
-           "to /logs at most (beyond, dropped and counted, so that forwarding a flood never "
-           "takes the trainer's CPU); 0: no limit", only="run", metavar="MB/S", at_least=0),
+           "to /logs at most (beyond, dropped for /logs, counted and marked; the failure "
+           "summary and the crash tail still see it); 0: no limit", only="run",
+           metavar="MB/S", at_least=0),
     Option("file-watch", "str", "auto", "notice file changes by inotify with a safety poll "
            "(auto), or by polling alone (poll: NFS, FUSE)", choices=("auto", "poll")),
     Option("node-name", "str", None, "this node's name", metavar="NAME",

@@ -19,7 +19,6 @@ import asyncio
 import math
 import signal
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -72,7 +71,6 @@ FINAL_FLUSH_S = 1.0
 # every attempt is known then, and not waited out
 FIRST_ANSWER_WAIT_S = 1.0
 EXIT_CANNOT_START = 127
-BUDGET_BATCH_S = 0.1  # --log-rate: output is read for /logs once this long's worth is available
 # characters of output the terminal model may have still to draw: more is dropped (a flood of
 # escape sequences it draws at a few microseconds a character)
 MAX_BACKLOG_CHARS = 64 << 10
@@ -104,36 +102,24 @@ class _BehindTail:
 
 
 class _Budget:
-    """A token bucket of output bytes a second, shared by the command's two streams (and so by
-    their two pump threads)."""
+    """--log-rate: a token bucket of output characters a second forwarded to /logs, shared by
+    the command's streams."""
 
     def __init__(self, rate: float) -> None:
-        self.rate = rate  # bytes a second; 0: no limit
+        self.rate = rate  # characters a second; 0: no limit
         self._tokens = rate  # a second's worth at the start
         self._at = time.monotonic()
-        self._lock = threading.Lock()
 
-    def grant(self) -> int:
-        """Bytes that may be read for /logs now: none until a batch's worth has built up (a
-        tenth of a second of the rate, at most one read), so that a flood is forwarded in a few
-        large blocks, not in many small ones between splices."""
+    def take(self, size: int) -> int:
+        """How many of `size` characters may go to /logs now (spent)."""
         if not self.rate:
-            return READ_BYTES
-        with self._lock:
-            available = self._refill()
-        batch = min(self.rate * BUDGET_BATCH_S, READ_BYTES)
-        return int(min(available, READ_BYTES)) if available >= batch else 0
-
-    def spend(self, size: int) -> None:
-        if self.rate:
-            with self._lock:
-                self._tokens = self._refill() - size
-
-    def _refill(self) -> float:
+            return size
         now = time.monotonic()
         self._tokens = min(self._tokens + (now - self._at) * self.rate, self.rate)
         self._at = now
-        return self._tokens
+        taken = int(min(max(self._tokens, 0.0), size))
+        self._tokens -= taken
+        return taken
 
 
 class _Stream:
@@ -156,48 +142,44 @@ class _Stream:
         self._resuming = False  # a call to draw the terminal's backlog is scheduled
 
     def allowance(self) -> tuple[int, str]:
-        """In the pump thread: drop before spending CPU on it, the trainer's cores are not ours."""
-        shipper = self.shipper
-        if shipper is None:
+        """In the pump thread: every block is read while reporting is on, whatever /logs will
+        take of it, so that the failure scanner and the crash tail see every byte; only after
+        the output's time it goes by splice(2)."""
+        if self.shipper is None:
             return 0, "reporting is off"
         if self.ended:
             return 0, "the command exited and its output's time is up"
-        if not shipper.has_room:
-            return 0, "the log buffer is full while the ingest is slow"
-        behind = self.behind
-        if behind is not None and behind.chars >= MAX_BEHIND_TAIL_CHARS:
-            return 0, "the log buffer is full while the command's last output is delivered"
-        granted = self.budget.grant()
-        if not granted:
-            return 0, "the command writes faster than --log-rate forwards"
-        if not self.assembler.drawing:
-            return granted, ""
         room = MAX_BACKLOG_CHARS - self.assembler.backlog  # read, as it says, in this thread
-        if room <= 0:
-            return 0, "the sidecar fell behind the command's output"
-        return min(granted, room), ""
+        if not self.assembler.drawing or room <= 0:
+            return READ_BYTES, ""
+        return min(READ_BYTES, room), ""
 
     def taken(self, size: int) -> None:
-        self.budget.spend(size)
+        """The rate is spent on what goes to /logs, in `_put`."""
 
     def feed(self, block: bytes) -> None:
+        """The block to the failure scanner first, then to the crash tail's ledger and /logs
+        (best-effort: what /logs gives up, the ledger still holds)."""
         if self.ended:
             return
         self.stall.activity()
         if self.shipper is None:
             return
         self.scanner.feed(self.name, block)
+        if self.assembler.drawing and self.assembler.backlog >= MAX_BACKLOG_CHARS:
+            self.skip(len(block), "the sidecar fell behind the command's output")
+            return
         now = time.monotonic()
         for other in self.others:  # what they hold was written first
             other.commit(now)
         self._mark_gap()
-        self._put(self.assembler.feed(block, now))
+        self._put(self.assembler.feed(block, now), metered=True)
         self._resume_soon()
 
     def commit(self, now: float) -> None:
         """Another stream wrote: the whole lines this one holds go first."""
         if self.shipper is not None:
-            self._put(self.assembler.commit(now))
+            self._put(self.assembler.commit(now), metered=True)
 
     def _resume_soon(self) -> None:
         """The terminal draws a slice a call: the rest once the loop has run what waits."""
@@ -208,7 +190,7 @@ class _Stream:
     def _resume(self) -> None:
         self._resuming = False
         if self.shipper is not None:
-            self._put(self.assembler.resume(time.monotonic()))
+            self._put(self.assembler.resume(time.monotonic()), metered=True)
             self._resume_soon()
 
     async def drawn(self) -> None:
@@ -230,7 +212,7 @@ class _Stream:
 
     def tick(self) -> None:
         if self.shipper is not None and not self.ended:
-            self._put(self.assembler.tick(time.monotonic()))
+            self._put(self.assembler.tick(time.monotonic()), metered=True)
 
     def finish(self) -> None:
         self.ended = True
@@ -252,18 +234,28 @@ class _Stream:
         """A line of ours (`[sidecar] ...`, masked) in the stream, as its own line, prefixed."""
         self._put(self.assembler.own_line(line))
 
-    def _put(self, text: str) -> None:
+    def _put(self, text: str, metered: bool = False) -> None:
+        """Text to the crash tail's ledger and to /logs, or, while the crash tail goes, behind
+        it; of the command's output (`metered`), what is beyond --log-rate is given up in /logs
+        only."""
         if not text or self.shipper is None:
             return
-        if self.behind is not None:
-            self.behind.texts.append((self, text))
-            self.behind.chars += len(text)
+        behind = self.behind
+        if behind is not None:
+            if behind.chars >= MAX_BEHIND_TAIL_CHARS:
+                self.shipper.count_dropped(len(text), "the log buffer is full while the "
+                                           "command's last output is delivered")
+                return
+            behind.texts.append((self, text))
+            behind.chars += len(text)
             return
-        self.ship(text)
+        self.ship(text, metered)
 
-    def ship(self, text: str) -> None:
+    def ship(self, text: str, metered: bool = False) -> None:
         assert self.shipper is not None
-        self.shipper.put(text, piece=self.tail.add(text))
+        over = len(text) - self.budget.take(len(text)) if metered else 0
+        self.shipper.put(text, piece=self.tail.add(text), over_chars=over,
+                         over_why="the command writes faster than --log-rate forwards")
 
 
 def _announce(streams: Sequence[_Stream], line: str) -> None:
@@ -600,6 +592,10 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
         logs_by = _logs_by(cfg, deadline)
         await _until(_logs_sent(pipeline, logs_by), logs_by, stop)
     tail_by = deadline - _reserve_s(cfg)
+    if pipeline is not None and crash_tail is not None and crash_tail.pending:
+        # nothing older may follow the crash tail: what is left is given up, and marked
+        crash_tail.lead(await pipeline.shipper.yield_to_tail(
+            max(tail_by - time.monotonic(), 0.0) / 2))
     if crash_tail is not None and not await _until(crash_tail.deliver(tail_by), tail_by, stop):
         # journaled before the end event goes: the next start or replay sends it
         log.warning("the command's last output is not yet delivered to /logs; kept in %s for "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -105,7 +106,9 @@ def test_log_rate_caps_a_flood_and_forwards_what_follows_it(ingest: RunningInges
     text = log_text(ingest)
     forwarded = text.count("x" * 99)
     assert 0 < forwarded < 20000 // 4, forwarded  # 0.1 MB of 2 MB, and a little refill
-    assert "bytes of output were dropped here" in text
+    marked = re.findall(r"\[sidecar\] (\d+) characters of output were dropped here: the "
+                        r"command writes faster than --log-rate forwards\n", text)
+    assert sum(map(int, marked)) == (20000 - forwarded) * 100
     assert text.endswith("the last line\n")
 
 

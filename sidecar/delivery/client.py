@@ -33,7 +33,8 @@ MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
 class Guarantee(enum.Enum):
     """What a route promises about a payload handed to it."""
 
-    BEST_EFFORT = "best-effort"  # retried a little, then dropped and counted
+    # retried while its buffer has room, then the oldest dropped and counted
+    BEST_EFFORT = "best-effort"
     STRICT = "strict"  # persisted first, delivered in order, retried until acknowledged
     AT_LEAST_ONCE = "at-least-once"  # retried and spooled until acknowledged
 
@@ -66,7 +67,7 @@ ROUTES: dict[str, RoutePolicy] = {
         path="/lifecycle", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
     "logs": RoutePolicy(
-        path="/logs", guarantee=Guarantee.BEST_EFFORT, max_attempts=3,
+        path="/logs", guarantee=Guarantee.BEST_EFFORT, max_attempts=None,
         first_backoff_s=0.2, max_backoff_s=1.0, timeout_s=10.0, text_items=True),
     # the crash tail
     "logs/tail": RoutePolicy(
@@ -329,7 +330,7 @@ class IngestClient:
             self._reread_token()
         if answer.verdict in (Verdict.AUTH, Verdict.REDIRECT, Verdict.REJECTED):
             self._error_once_a_minute(route, answer)
-        elif ROUTES[route].guarantee is not Guarantee.BEST_EFFORT:
+        else:
             self._unreachable_once_a_minute(route, answer)
 
     def gave_up(self, route: str) -> None:
@@ -410,10 +411,13 @@ class IngestClient:
                     ROUTES[route].path,
                     answer.detail or f"HTTP {answer.status}", more)
 
-    async def deliver(self, route: str, body: bytes) -> Answer:
+    async def deliver(self, route: str, body: bytes,
+                      give_up: Callable[[], bool] | None = None) -> Answer:
         """POST with the route's retry policy; returns the final answer (accepted or given up).
-        The retry machinery is set up only once the first attempt failed: it cost more CPU
-        per request than the request itself on the bulk /logs path."""
+        `give_up`, asked after each failed attempt: True ends the retries there (the /logs
+        buffer behind the payload is full). The retry machinery is set up only once the first
+        attempt failed: it cost more CPU per request than the request itself on the bulk /logs
+        path."""
         policy = ROUTES[route]
         first = await self.post(route, body)
         if first.ok or not _retryable(policy, first) or policy.max_attempts == 1:
@@ -422,12 +426,12 @@ class IngestClient:
             AsyncRetrying,
             RetryCallState,
             retry_if_result,
-            stop_after_attempt,
-            stop_never,
         )
 
-        stop = stop_never if policy.max_attempts is None else stop_after_attempt(
-            policy.max_attempts)
+        def stop(state: RetryCallState) -> bool:
+            return ((policy.max_attempts is not None
+                     and state.attempt_number >= policy.max_attempts)
+                    or (give_up is not None and give_up()))
 
         def wait(state: RetryCallState) -> float:
             answer = state.outcome.result() if state.outcome else None

@@ -159,8 +159,10 @@ class CrashTail:
         self.run_id = run_id
         self.client = client
         # dead-lettered as /logs; the journal holds only what is not yet delivered
+        self._lead = ""  # see `lead`
         self._sender = StrictSender(client, ROUTE, Journal(run_dir / JOURNAL_NAME), run_dir,
-                                    letter_route="logs", refused=_refused, clear_when_done=True)
+                                    letter_route="logs", refused=_refused, clear_when_done=True,
+                                    body_of=self._body_of, accepted=self._accepted)
         self._lock = asyncio.Lock()
 
     @property
@@ -184,6 +186,21 @@ class CrashTail:
         # a full disk: still delivered from memory during this drain
         await self._sender.add(json_body({"run_id": self.run_id, "chunks": chunks,
                                           "eof": False}))
+
+    def lead(self, line: str) -> None:
+        """`line` goes first in the next body delivered, from memory (not journaled): the gap
+        marker of the best-effort text given up before the crash tail."""
+        self._lead = line
+
+    def _body_of(self, record: bytes) -> bytes:
+        if not self._lead:
+            return record
+        doc = json.loads(record)
+        doc["chunks"].insert(0, self._lead)
+        return json_body(doc)
+
+    def _accepted(self, body: bytes) -> None:
+        self._lead = ""
 
     async def deliver(self, deadline: float | None = None) -> bool:
         """Deliver the bodies in order until none is left (True) or `deadline` passes."""

@@ -1,10 +1,12 @@
 """The `/logs` batcher: text pieces in, chunked POSTs out, best-effort (docs/ingest.md#best-effort).
 
 `put` never blocks and never raises: when the ingest is slow or down, text waits in a buffer of
-bounded size and the oldest is dropped (and counted) once it is full. One request is in flight
-at a time so the console sees the text in order. Requests are paced as the item routes'
-(batcher.Pace): text after a quiet spell goes at once, a steady trickle in about one request a
-second, a batch worth its request (LINGER_BELOW_CHARS) without waiting.
+bounded size and a failed request is retried for as long as the buffer has room; once it is
+full the oldest text is dropped, counted, and marked where it was by a line of ours that names
+every character dropped there. One request is in flight at a time so the console sees the text
+in order. Requests are paced as the item routes' (batcher.Pace): text after a quiet spell goes
+at once, a steady trickle in about one request a second, a batch worth its request
+(LINGER_BELOW_CHARS) without waiting.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from sidecar.records import LOG_BLOCK, Ticket
 from sidecar.supervise import fault_point, supervise
 
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
+# a text queued for /logs: its ticket, where it lies in its piece of the crash tail's ledger, and
+# why it is given up once it reaches the head of the queue ("" to send it)
+Entry = tuple[str, Ticket | None, Span | None, str]
 # nginx's default client_max_body_size (ingress-nginx's proxy-body-size too): a larger body is
 # answered 413
 MAX_REQUEST_BYTES = 1 << 20
@@ -66,7 +71,7 @@ class LogShipper:
         self._gap_why = ""
         self._line_open = False  # the log's last character sent was not a line end
         self.stop_reason = "shutdown reached its drain deadline"  # of what `stop` drops
-        self._chunks: deque[tuple[str, Ticket | None, Span | None]] = deque()
+        self._chunks: deque[Entry] = deque()
         self._buffered = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -74,7 +79,10 @@ class LogShipper:
         self._hurry = False  # a flush waits: what is queued goes without lingering
         self._task: asyncio.Task[None] | None = None
         # taken, not yet answered
-        self._inflight: list[tuple[str, Ticket | None, Span | None]] | None = None
+        self._inflight: list[Entry] | None = None
+        # the queue behind the request in flight overflowed: it is given up once its attempt
+        # fails, instead of being retried (it is the oldest text)
+        self._overtaken = False
         self._answered = asyncio.Event()
         self._settling = False  # no new request: the one in flight is waited for (the exit)
         self.flush_stall_s = FLUSH_STALL_S  # `run` at the exit: its output's share bounds it
@@ -107,28 +115,60 @@ class LogShipper:
         """Count output a source dropped on this batcher's behalf (one piece of `size`)."""
         self._drop(size, why, 1)
 
-    def put(self, text: str, ticket: Ticket | None = None, piece: Piece | None = None) -> None:
+    def put(self, text: str, ticket: Ticket | None = None, piece: Piece | None = None,
+            over_chars: int = 0, over_why: str = "") -> None:
         """Queue `text` for `/logs`; never blocks. `ticket` is released once it was sent or
         given up on (best-effort: either way the source may move on); `piece` (of a stream's
-        crash tail) is marked acknowledged in its ledger once the ingest took it."""
+        crash tail) is marked acknowledged in its ledger once the ingest took it. The last
+        `over_chars` of it (from a line end) are given up, `over_why`, once they reach the head
+        of the queue, not before: until then the crash tail may still carry them."""
         if not text:
             return
-        self._chunks.append((text, ticket.hold() if ticket else None,
-                             Span(piece) if piece is not None else None))
-        self._buffered += len(text)
+        entry = (text, ticket.hold() if ticket else None,
+                 Span(piece) if piece is not None else None, "")
+        if over_chars > 0:
+            sent, over = _cut(entry, max(len(text) - over_chars, 0))
+            self._queue(sent)
+            self._queue((*over[:3], over_why))
+        else:
+            self._queue(entry)
+        while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
+            self._overtaken = self._inflight is not None
+            self._drop_head("the log buffer is full while the ingest is slow")
+        if not self._lingering or self._buffered >= self.linger_below_chars:
+            self._wake.set()
+
+    def _queue(self, entry: Entry) -> None:
+        if not entry[0]:
+            if entry[1] is not None:
+                entry[1].release()
+            return
+        self._chunks.append(entry)
+        self._buffered += len(entry[0])
         if self._idle.is_set():
             self._active_at = time.monotonic()
         self._idle.clear()
-        while self._buffered > self.max_buffer_chars and len(self._chunks) > 1:
-            oldest, done, span = self._chunks.popleft()
-            self._buffered -= len(oldest)
-            self._give_up(len(oldest), "the log buffer is full while the ingest is slow")
-            if done is not None:
-                done.release()
-            if span is not None:
-                span.ack(len(oldest))  # given up: the crash tail does not carry it later
-        if not self._lingering or self._buffered >= self.linger_below_chars:
-            self._wake.set()
+
+    def _drop_head(self, why: str) -> None:
+        """Give up the oldest queued text, `why`."""
+        oldest, done, span, _ = self._chunks.popleft()
+        self._buffered -= len(oldest)
+        self._give_up(len(oldest), why)
+        if done is not None:
+            done.release()
+        if span is not None:
+            span.ack(len(oldest))  # given up: the crash tail does not carry it later
+
+    async def yield_to_tail(self, timeout_s: float) -> str:
+        """The crash tail goes next, and nothing of this queue may follow it: settle (the
+        request in flight answered, or `timeout_s` passed), give up what is still queued, and
+        return the gap marker owed for all that was given up since the last text sent, for the
+        crash tail to carry first ("" when none is owed)."""
+        await self.settle(timeout_s)
+        while self._chunks:
+            self._drop_head(self.stop_reason)
+        line, self._gap = self._gap_line(), 0
+        return line
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was sent or dropped; False if `timeout_s` ran out or
@@ -160,15 +200,15 @@ class LogShipper:
         self._task = None
         if self._inflight is not None:
             self._chunks.extendleft(reversed(self._inflight))
-            self._buffered += sum(len(text) for text, _, _ in self._inflight)
+            self._buffered += sum(len(entry[0]) for entry in self._inflight)
             self._inflight = None
 
     def forget(self, carried_from: Mapping[int, int]) -> None:
         """Take out of the queue the text the crash tail carries: of each piece (by its order)
         what lies from the given offset on; what lies before it stays queued."""
-        kept: deque[tuple[str, Ticket | None, Span | None]] = deque()
+        kept: deque[Entry] = deque()
         for entry in self._chunks:
-            text, ticket, span = entry
+            text, ticket, span, why = entry
             start = None if span is None else carried_from.get(span.piece.order)
             if span is None or start is None or span.start + len(text) <= start:
                 kept.append(entry)
@@ -176,7 +216,7 @@ class LogShipper:
             head = text[:max(start - span.start, 0)]
             self._buffered -= len(text) - len(head)
             if head:
-                kept.append((head, ticket, span))
+                kept.append((head, ticket, span, why))
             elif ticket is not None:
                 ticket.release()
         self._chunks = kept
@@ -202,11 +242,16 @@ class LogShipper:
                     continue
                 await self._linger()
                 self._inflight = self._take()
+                self._overtaken = False
                 if self.on_room is not None and self.has_room:
                     self.on_room()
-            batch = [text for text, _, _ in self._inflight]
+                if not self._inflight:  # all of it given up at the head
+                    self._inflight = None
+                    continue
+            batch = [entry[0] for entry in self._inflight]
             size = sum(map(len, batch))
             marker = self._gap_line()
+            marked = self._gap
             body = json_body({"run_id": self.run_id, "chunks": [marker, *batch] if marker
                               else batch, "eof": False})
             if len(body) > MAX_REQUEST_BYTES and self._requeue(size, (
@@ -216,7 +261,7 @@ class LogShipper:
             self._active_at = time.monotonic()
             self.pace.sent(size >= self.linger_below_chars)
             self._answered.clear()
-            answer = await self.client.deliver("logs", body)
+            answer = await self.client.deliver("logs", body, lambda: self._overtaken)
             self._active_at = time.monotonic()
             self._answered.set()
             if answer.verdict is Verdict.TOO_LARGE and self._halve(size):
@@ -229,13 +274,16 @@ class LogShipper:
             entries, self._inflight = self._inflight, None
             if answer.ok:
                 self.sent_chars += size
-                self._gap = 0
+                # what was given up while it was in flight is newer: the next request marks it
+                self._gap -= marked
                 self._line_open = not batch[-1].endswith("\n")
             else:
-                if self._give_up(size, "the ingest did not take it "
-                                 f"({answer.detail or f'HTTP {answer.status}'})", len(entries)):
+                why = ("the log buffer is full while the ingest is slow" if self._overtaken
+                       else "the ingest did not take it")
+                if self._give_up(size, f"{why} ({answer.detail or f'HTTP {answer.status}'})",
+                                 len(entries)):
                     self.client.gave_up("logs")  # said: its end will be too
-            for text, ticket, span in entries:
+            for text, ticket, span, _ in entries:
                 if ticket is not None:
                     ticket.release()
                 if span is not None:  # taken, or given up: the crash tail carries neither
@@ -284,16 +332,22 @@ class LogShipper:
         self._buffered += size
         return True
 
-    def _take(self) -> list[tuple[str, Ticket | None, Span | None]]:
+    def _take(self) -> list[Entry]:
         """The next request's worth: whole texts while they fit, then the head of the next one
         up to its last line end in reach, so that a request is full: a read block just over
         the limit left a request of its own for the few lines past it. Only a text that opens
-        the request is cut where the limit falls when it has no line end in reach."""
-        batch: list[tuple[str, Ticket | None, Span | None]] = []
+        the request is cut where the limit falls when it has no line end in reach. A text to
+        give up ends the batch; at its head it is given up (it is the oldest then)."""
+        batch: list[Entry] = []
         size = 0
         limit = self.max_request_chars
         while self._chunks:
-            text = self._chunks[0][0]
+            text, _, _, why = self._chunks[0]
+            if why:
+                if batch:
+                    break
+                self._drop_head(why)
+                continue
             room = limit - size
             if len(text) <= room:
                 batch.append(self._chunks.popleft())
@@ -354,13 +408,11 @@ class LogShipper:
         return False
 
 
-def _cut(entry: tuple[str, Ticket | None, Span | None], at: int
-         ) -> tuple[tuple[str, Ticket | None, Span | None],
-                    tuple[str, Ticket | None, Span | None]]:
+def _cut(entry: Entry, at: int) -> tuple[Entry, Entry]:
     """One queued text as two, cut after the last line end before `at` (else at `at`). Both
     hold its ticket; each knows where it lies in the piece, so that each marks its own part
     acknowledged."""
-    text, ticket, span = entry
+    text, ticket, span, why = entry
     cut = text.rfind("\n", 0, at) + 1 or at
-    first = (text[:cut], ticket.hold() if ticket is not None else None, span)
-    return first, (text[cut:], ticket, span.after(cut) if span is not None else None)
+    first = (text[:cut], ticket.hold() if ticket is not None else None, span, why)
+    return first, (text[cut:], ticket, span.after(cut) if span is not None else None, why)
