@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
 import tokenize
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,9 +149,12 @@ def test_every_pointer_of_the_code_into_the_docs_lands_on_a_section() -> None:
 
 
 def shipped() -> list[str]:
-    """Every file of the repository, as `/` and its path from the root."""
-    return ["/" + p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
-            if p.is_file() and ".git" not in p.parts]
+    """Every file of the repository, as `/` and its path from the root: what git tracks or
+    would (a build/ folder or a virtualenv left in the checkout is neither, and may hold
+    modules that are gone)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return ["/" + name for name in listed.splitlines() if (ROOT / name).is_file()]
 
 
 def test_every_file_a_comment_names_exists() -> None:
