@@ -492,6 +492,8 @@ class _Run:
             self.loop.remove_signal_handler(signum)
 
     def _after_tail(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.shipper.resume()
         if self.behind is not None:
             self.behind.release(self.streams)
             self.behind = None

@@ -99,6 +99,12 @@ class LogShipper:
             self._idle.set()
         self._task = supervise("logs-shipper", self._run)
 
+    def resume(self) -> None:
+        """Ship again after `settle`: output a writer the command left behind goes on after
+        the crash tail."""
+        if self._task is None:
+            self.start()
+
     @property
     def queued(self) -> int:
         """Chunks of text waiting to be sent."""
