@@ -264,8 +264,14 @@ def test_an_xid_the_sampler_saw_is_named_before_the_cuda_error_it_caused(
         return any(p["key"] == "gpu/0/xid_code" for r in ingest.records("hardware")
                    for p in r["points"])
 
-    wait_until(xid_posted, 30, "the sampler posted the XID")
-    go.touch()
+    def its_log() -> str:
+        return (tmp_path / "sc" / "stderr").read_text()[-4000:]
+
+    try:
+        wait_until(xid_posted, 30, "the sampler posted the XID", its_log)
+    finally:
+        # the command exits either way: a failure leaves no sidecar running behind the test
+        go.touch()
     assert proc.wait(60).status == 1
     assert ('likely cause: GPU XID 79 on GPU 0 (nvml: "GPU 0 reported XID 79")'
             in summary(ingest))
