@@ -409,7 +409,8 @@ class LogShipper:
             where = ("; a `[sidecar]` line marks the gap in the log once /logs takes output "
                      "again" if marked else "")
             log.warning("/logs: dropped %d characters of output: %s%s (%d dropped in all; "
-                        "training is not affected)", chars, why, where, self.dropped_chars)
+                        "the command's output still passes through to ours unchanged, its "
+                        "writes never wait on /logs)", chars, why, where, self.dropped_chars)
             return True
         return False
 
