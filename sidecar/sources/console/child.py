@@ -44,7 +44,14 @@ SMALL_READ_BYTES = 16 << 10  # a read this small, right after another, waits for
 # not once per write (each read wakes the event loop: at 0.02 s a trickle of 100 lines/s cost `run`
 # 1.8x the CPU); a lone line is never delayed
 COALESCE_S = 0.1
+# ... but never so long that the pipe could fill meanwhile: a writer blocks only on a full pipe,
+# so a pause ends before this share of it could fill at the rate the command last wrote (a fast
+# printer's pause shrinks to milliseconds, a trickle's stays COALESCE_S)
+PAUSE_FILL_SHARE = 0.25
+# what a pseudo-terminal holds before its writer blocks (the kernel's flip buffers: about 64 KiB)
+TERMINAL_BUFFER_BYTES = 64 << 10
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 DEFAULT_WINDOW = (24, 80)  # rows, columns of --tty's terminal when the sidecar has none
 
 
@@ -169,6 +176,12 @@ class Pump:
         # ours never glue onto it
         self._beside_ours = False
         self._small_read_at = float("-inf")  # when the last read was a small one
+        self._capacity_bytes = _buffer_bytes(source_fd)  # what the pipe holds before a write waits
+        # the command's output rate, measured from one pause to the next: what bounds the next
+        self._rate_bps = 0.0
+        self._cycle_started = time.monotonic()
+        self._cycle_bytes = 0
+        self._cycle_filled = False  # a read of the cycle found the pipe full: the writer waited
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name=f"pump-{self.name}", daemon=True)
@@ -239,13 +252,36 @@ class Pump:
                           "of it is not forwarded to /logs")
 
     def _coalesce(self) -> None:
-        """Right after a small read, let more output gather before the next one."""
-        wait = self._small_read_at + COALESCE_S - time.monotonic()
-        if wait > 0:
-            self.order.pause(self.name, wait)
+        """Right after a small read, let more output gather before the next one, for as long as
+        the pipe cannot fill meanwhile."""
+        now = time.monotonic()
+        wait = self._small_read_at + COALESCE_S - now
+        if wait <= 0:
+            return
+        self._measure_rate(now)
+        if self._rate_bps > 0:
+            wait = min(wait, PAUSE_FILL_SHARE * self._capacity_bytes / self._rate_bps)
+        self.order.pause(self.name, wait)
+
+    def _measure_rate(self, now: float) -> None:
+        """The rate of the cycle that ends (from the last pause to this one). It rises at once
+        and falls by half a cycle at most, so that one quiet moment of a fast printer does not
+        bring back the long pause; a cycle that found the pipe full measured only what the pipe
+        let through, so the rate is at least doubled."""
+        elapsed = now - self._cycle_started
+        if elapsed <= 0:
+            return
+        measured = self._cycle_bytes / elapsed
+        if self._cycle_filled:
+            measured = max(measured, self._rate_bps) * 2
+        self._rate_bps = max(measured, self._rate_bps / 2)
+        self._cycle_started, self._cycle_bytes, self._cycle_filled = now, 0, False
 
     def _read(self, size: int) -> None:
         self._small_read_at = time.monotonic() if size < SMALL_READ_BYTES else float("-inf")
+        self._cycle_bytes += size
+        if size >= self._capacity_bytes:
+            self._cycle_filled = True
 
     def _splice(self) -> int | None:
         """Move what waits in the pipe to the sink in the kernel; None when it must be read
@@ -433,6 +469,14 @@ class Child:
             self._exit.set_result(code)
         if not self.reap_orphans:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
+
+
+def _buffer_bytes(fd: int) -> int:
+    """What the pipe (or pseudo-terminal) behind `fd` holds before its writer waits."""
+    try:
+        return int(fcntl.fcntl(fd, _F_GETPIPE_SZ))
+    except OSError:  # not a pipe: a pseudo-terminal
+        return TERMINAL_BUFFER_BYTES
 
 
 def _enlarge_pipe(fd: int) -> None:
