@@ -362,17 +362,29 @@ def test_every_secret_added_is_masked_and_the_longest_wins() -> None:
     assert secrets.longest == len("tok-first-000000-and-longer")
 
 
-def test_raw_masking_merges_overlapping_secrets_and_says_what_could_begin_one() -> None:
+def test_raw_masking_merges_overlapping_secrets_and_keeps_back_what_could_begin_one() -> None:
     secrets = Secrets(["abcdXY", "XYZW", "tok-7777"])
     assert secrets.mask_raw(b"abcdXYZW!") == (b"***!", 0)  # overlapping: one mask, no fragment
-    assert secrets.mask_raw(b"tok-7777tok-7777 tok-") == (b"*** tok-", 4)
-    assert secrets.mask_raw(b"abcdXYZ") == (b"***Z", 0)
-    assert secrets.mask_raw(b"x abcdX") == (b"x abcdX", 5)
+    # the kept end is not in the masked part: the caller puts it before the next block
+    assert secrets.mask_raw(b"tok-7777tok-7777 tok-") == (b"*** ", 4)
+    assert secrets.mask_raw(b"abcdXYZ") == (b"", 7)  # a run that may go on waits whole
+    assert secrets.mask_raw(b"abcdXYZ", final=True) == (b"***Z", 0)
+    assert secrets.mask_raw(b"x abcdX") == (b"x ", 5)
     view = memoryview(b"nothing secret here")
     assert secrets.mask_raw(view) == (view, 0)  # the caller's buffer, not a copy
     assert secrets.mask_raw(view)[0] is view
     assert secrets.mask_raw(memoryview(b"a tok-7777 b Q")[:10]) == (b"a ***", 0)  # a file's slice
     assert secrets.mask_raw(memoryview(b"a b tok-7777")[:3])[0] == b"a b"
+
+
+def test_every_run_of_eight_characters_of_a_secret_is_masked() -> None:
+    """A part of a secret is a secret: its first characters before a redraw, what a cut left."""
+    secrets = Secrets([TOKEN])
+    for start in range(len(TOKEN) - 7):
+        for stop in range(start + 8, len(TOKEN) + 1):
+            assert secrets.mask(f"a {TOKEN[start:stop]} b") == "a *** b"
+    assert secrets.mask(f"a {TOKEN[:7]} b {TOKEN[-7:]}") == f"a {TOKEN[:7]} b {TOKEN[-7:]}"
+    assert secrets.unfinished("a " + TOKEN[3:9]) == 6
 
 
 OVERWRITES = ["\r", "\x1b[1K\r", "\x1b[2K\r", "\x1b[2K\x1b[1G", "\x1b[40D", "\b" * 30,

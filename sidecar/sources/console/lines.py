@@ -45,9 +45,10 @@ class Masker(Protocol):
     def unfinished(self, text: str) -> int:
         """How many characters at the end of `text` could be the start of a secret."""
 
-    def mask_raw(self, data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
-        """Raw output with every secret replaced, and how many bytes at its end could begin
-        one."""
+    def mask_raw(self, data: bytes | memoryview,
+                 final: bool = False) -> tuple[bytes | memoryview, int]:
+        """Raw output with every secret replaced but its last bytes that could begin one (none
+        when `final`), and how many those are."""
 
 
 class _NoSecrets:
@@ -59,7 +60,8 @@ class _NoSecrets:
     def unfinished(self, text: str) -> int:
         return 0
 
-    def mask_raw(self, data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+    def mask_raw(self, data: bytes | memoryview,
+                 final: bool = False) -> tuple[bytes | memoryview, int]:
         return data, 0
 
 
@@ -197,7 +199,8 @@ class LineAssembler:
     def _rest(self) -> str:
         """The text not yet sent nor drawn, the end kept back for a secret included."""
         held, self._held = self._held, b""
-        text = self._pending + self._decode(self.secrets.mask_raw(held)[0], final=True)
+        text = self._pending + self._decode(self.secrets.mask_raw(held, final=True)[0],
+                                            final=True)
         self._pending = ""
         return text
 
@@ -212,11 +215,8 @@ class LineAssembler:
         if self._held:
             block = self._held + block
         masked, keep = self.secrets.mask_raw(block)
-        if not keep:
-            self._held = b""
-            return masked
-        self._held = bytes(masked[len(masked) - keep:])
-        return masked[:len(masked) - keep]
+        self._held = bytes(block[len(block) - keep:]) if keep else b""
+        return masked
 
     def _decode(self, block: bytes | memoryview, final: bool = False) -> str:
         """UTF-8 with replacement, straight from the caller's buffer (a view of a read is not
@@ -297,6 +297,9 @@ class LineAssembler:
         if self.prefix:
             first = "" if open_before else self.prefix
             text = first + text[:-1].replace("\n", "\n" + self.prefix) + text[-1]
+            if self.secrets.unfinished(self.prefix):
+                # the prefix ends as a secret may begin: with the line after it, a run of one
+                text = self.secrets.mask(text)
         return text
 
 
