@@ -110,6 +110,11 @@ def check_log_prefix(template: str, source: str) -> str:
         if name not in LOG_PREFIX_FIELDS or spec or conv:
             shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
             raise ConfigError(f"{source}={template!r} uses {shown}; {fix}")
+    if mask(template) != template:
+        # refused rather than masked: a prefix is ours, on every line, and a token in it is a
+        # mistake its author should hear of (docs/commands.md#the-log-prefix)
+        raise ConfigError(f"{source}={mask(template)!r} holds the ingest token (*** above), "
+                          "which would go out on every line; give a prefix without it")
     return template
 
 

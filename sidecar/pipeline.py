@@ -210,7 +210,8 @@ class Pipeline(Sink):
         """Say in the run's folder which files it follows, so that `sidecar replay` can read
         what they hold past their committed offsets without being told again."""
         cfg = self.cfg
-        doc = {kind.name: [os.path.abspath(p) for p in cfg.files.get(kind.name, ())]
+        # a token in a pattern is masked (replay then finds no file there, and says so)
+        doc = {kind.name: [mask(os.path.abspath(p)) for p in cfg.files.get(kind.name, ())]
                for kind in FILE_KINDS}
         try:
             write_atomic(cfg.run_dir / SOURCES_FILE, json.dumps(doc).encode())

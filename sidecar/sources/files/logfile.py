@@ -47,8 +47,10 @@ class LogFileParser:
     def state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"format": self.log_format}
         if self._partial:  # bytes kept as latin-1 text: one character a byte, JSON-safe
-            state["partial"] = {stream.decode("latin-1"): b"".join(pieces).decode("latin-1")
-                                for stream, pieces in self._partial.items()}
+            # masked: the line is masked again whole when its end comes
+            state["partial"] = {stream.decode("latin-1"): bytes(self._assembler.secrets.mask_raw(
+                b"".join(pieces), final=True)[0]).decode("latin-1")
+                for stream, pieces in self._partial.items()}
         return state
 
     def parse(self, data: bytes, now: float) -> Parsed:

@@ -26,6 +26,7 @@ from typing import Any
 
 from sidecar.aio import cancel
 from sidecar.log import state_write_failed
+from sidecar.masking import mask
 from sidecar.statefile import (
     COUNT,
     HEX,
@@ -142,7 +143,10 @@ class Offsets:
         if not self._dirty:
             return True
         self._dirty = False
-        doc = {"version": VERSION, "files": {k: vars(m) for k, m in self.marks.items()}}
+        # a path is there to be read by a person (marks are known by device and inode): a
+        # token in it is masked like anywhere else we write (docs/ingest.md#logs)
+        doc = {"version": VERSION, "files": {k: {**vars(m), "path": mask(m.path)}
+                                             for k, m in self.marks.items()}}
         data = json.dumps(doc, separators=(",", ":")).encode()
         self._writing = asyncio.ensure_future(asyncio.to_thread(write_atomic, self.path, data))
         try:
