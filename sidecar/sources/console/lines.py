@@ -214,7 +214,9 @@ class LineAssembler:
         end kept back where it could begin a secret."""
         if self._held:
             block = self._held + block
-        masked, keep = self.secrets.mask_raw(block)
+        # while the terminal draws, nothing is kept back: what it shows is masked again, so a
+        # run a read cut is masked there whole, and a state of the line lacks none of its text
+        masked, keep = self.secrets.mask_raw(block, final=self.drawing)
         self._held = bytes(block[len(block) - keep:]) if keep else b""
         return masked
 
@@ -266,8 +268,7 @@ class LineAssembler:
             left -= len(item)
             if self._screen is None:
                 self._screen = Screen(self.max_line_chars, self.keep_sgr,
-                                      self.progress_interval_s, self.quiet_flush_s,
-                                      unfinished=self.secrets.unfinished)
+                                      self.progress_interval_s, self.quiet_flush_s)
                 if self._open_chars:  # the terminal draws the line whole: end the part sent
                     out.append(self._emit("\n"))
             drawn = self._screen.feed(item, now, more=self._waiting)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Callable
 
 MAX_ROWS = 24  # a terminal's height: the cursor cannot go further up than what it shows
 HOLD_S = 3.0  # a line the cursor left downwards is final once it did not come back this long
@@ -56,10 +55,8 @@ class Screen:
     """The last lines of a terminal, fed text; returns the text ready to send, line by line."""
 
     def __init__(self, width: int, keep_sgr: bool = False, interval_s: float = 3.0,
-                 quiet_s: float = 1.0, hold_s: float = HOLD_S,
-                 unfinished: Callable[[str], int] = lambda text: 0) -> None:
+                 quiet_s: float = 1.0, hold_s: float = HOLD_S) -> None:
         self.width = width  # a longer line wraps, as at a terminal (docs/ingest.md#logs)
-        self.unfinished = unfinished  # how much of a text's end could begin a secret
         self.keep_sgr = keep_sgr
         self.interval_s = interval_s
         self.quiet_s = quiet_s
@@ -261,8 +258,9 @@ class Screen:
 
     def _snapshot(self) -> None:
         """The latest state of each line still held, where it changed since it was last sent
-        (not of a line longer than the width: its final state only), without what could be the
-        start of a secret still being written."""
+        (not of a line longer than the width: its final state only). A secret still being
+        written shows at most a run too short to mask (docs/ingest.md#logs): the caller masks
+        every longer one."""
         self._snapshot_at = self._now
         wrapped = False
         for row in self._rows:
@@ -270,7 +268,6 @@ class Screen:
                 wrapped = row.wraps
                 continue
             text = row.text()
-            text = text[:len(text) - self.unfinished(text)]
             if text and text != row.sent:
                 self._seq += 1
                 row.sent, row.sent_seq = text, self._seq
