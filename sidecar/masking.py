@@ -24,6 +24,12 @@ RUN_CHARS = 8
 # every run of RUN_CHARS characters holds one of a secret's pieces of this many that start at a
 # multiple of it: those are what is looked for, and each found is followed out both ways
 ANCHOR_CHARS = RUN_CHARS // 2
+# a block whose first PROBE_BYTES hold one of a secret's anchors more often than once in
+# DENSE_BYTES is masked whole: ordinary output holds a 4-character piece of a random token now
+# and then, text built of the token's own characters everywhere, and looking at each place
+# would cost a search each (a megabyte of one letter against a token of 18 of it: 0.5 s)
+PROBE_BYTES = 4096
+DENSE_BYTES = 256
 
 
 class Secrets:
@@ -185,6 +191,10 @@ class _Secret:
             if not possible >> index & 1:
                 continue
             size = len(self._anchors[index])
+            if len(data) > 4 * PROBE_BYTES and self._dense(data, index):
+                # text made of the secret's own characters (a line of one letter against a
+                # token of that letter): its runs cost a look each, so it is masked whole
+                return [(0, len(data))]
             for _, start, _ in finder.find_matches_as_indexes(data, overlapping=True):
                 if found and start + size <= found[-1][1]:
                     continue  # inside the run found last
@@ -193,6 +203,18 @@ class _Secret:
                     if run is not None:
                         found.append(run)
         return found
+
+    def _dense(self, data: bytes | memoryview, index: int) -> bool:
+        """Whether the start of `data` holds the anchor `index` more often than once in
+        DENSE_BYTES, most of the first places as parts of runs (not a common word that is also
+        a piece of the token)."""
+        places = self._finders[index].find_matches_as_indexes(data[:PROBE_BYTES])
+        if len(places) <= PROBE_BYTES // DENSE_BYTES:
+            return False
+        size = len(self._anchors[index])
+        runs = sum(any(self._run(data, start, offset, size) for offset in self._offsets[index])
+                   for _, start, _ in places[:3])
+        return runs >= 2
 
     def _run(self, data: bytes | memoryview, start: int, offset: int,
              size: int) -> tuple[int, int] | None:

@@ -387,6 +387,16 @@ def test_every_run_of_eight_characters_of_a_secret_is_masked() -> None:
     assert secrets.unfinished("a " + TOKEN[3:9]) == 6
 
 
+def test_a_block_made_of_a_secrets_characters_is_masked_whole_and_fast() -> None:
+    """A megabyte of one letter against a token of 18 of that letter and two others: every
+    8 characters of it are a run of the token, so nothing of it may go out; looked at run by
+    run it took half a second a block (the bench's worst cell: 0.002 GB/s)."""
+    secrets = Secrets(["D" * 18 + "tt"])
+    assert secrets.mask_raw(b"D" * (1 << 20) + b"\n", final=True)[0] == b"***"
+    ordinary = b"".join(b"step %06d loss DDDD\n" % i for i in range(1000))
+    assert secrets.mask_raw(ordinary, final=True)[0] == ordinary  # a piece now and then stays
+
+
 OVERWRITES = ["\r", "\x1b[1K\r", "\x1b[2K\r", "\x1b[2K\x1b[1G", "\x1b[40D", "\b" * 30,
               "\x1b[1A\n\r"]
 
