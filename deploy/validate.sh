@@ -5,7 +5,7 @@
 #     K8S_VERSIONS (kubernetes-validate --strict: unknown fields are errors too);
 #   - the names in each rendering agree (deploy/kubernetes/check_names.py: a pod's subdomain is
 #     a headless Service selecting this Job's pods alone, --master-addr is rank 0's name), also
-#     under a per-run nameSuffix applied as the README's per-run kustomization applies it;
+#     under a per-run nameSuffix applied as the per-run kustomization of docs/kubernetes.md applies it;
 #   - the Dockerfile passes hadolint;
 #   - the systemd unit passes systemd-analyze verify, warnings counted as failures (skipped with a
 #     message where systemd-analyze is absent).
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 # 1.29: the first release with native sidecars on by default; 1.33: where they are GA.
 K8S_VERSIONS=${K8S_VERSIONS:-1.29.0 1.33.0}
 PYTHON=${PYTHON:-python3}
-# What the README's per-run kustomization adds to an overlay's names.
+# What the per-run kustomization of docs/kubernetes.md adds to an overlay's names.
 RUN_SUFFIX=-run-4f2a91
 
 for tool in kubectl kubernetes-validate hadolint; do
@@ -36,7 +36,7 @@ for overlay in deploy/kubernetes/overlays/*/; do
     "$PYTHON" deploy/kubernetes/check_names.py "$name" <"$work/$name.yaml"
 
     # The same overlay renamed for one run, its names/ replacements (if any) run after the
-    # renaming, as the README's per-run kustomization does it.
+    # renaming, as the per-run kustomization of docs/kubernetes.md does it.
     run="$work/runs/$name"
     mkdir -p "$run"
     from_run=$(realpath --relative-to="$run" "$overlay")  # kustomize takes no absolute paths

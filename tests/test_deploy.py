@@ -381,10 +381,10 @@ def check_names() -> ModuleType:
     return module
 
 
-def readme_run_kustomization() -> str:
-    """The README's per-run kustomization, as a user copies it."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    [block] = [b for b in re.findall(r"^```yaml\n(.*?)^```", readme, re.M | re.S)
+def documented_run_kustomization() -> str:
+    """The per-run kustomization of docs/kubernetes.md#one-run-at-a-time, as a user copies it."""
+    page = (ROOT / "docs" / "kubernetes.md").read_text(encoding="utf-8")
+    [block] = [b for b in re.findall(r"^```yaml\n(.*?)^```", page, re.M | re.S)
                if b.startswith("# runs/run-4f2a91/kustomization.yaml")]
     return block
 
@@ -403,9 +403,9 @@ def render_run(tmp_path: Path, kustomization: str) -> list[Manifest]:
 
 
 @needs_kubectl
-def test_readme_per_run_names_reach_the_subdomain_selector_and_rendezvous(
+def test_documented_per_run_names_reach_the_subdomain_selector_and_rendezvous(
         tmp_path: Path) -> None:
-    objects = render_run(tmp_path, readme_run_kustomization())
+    objects = render_run(tmp_path, documented_run_kustomization())
     job, service = the(objects, "Job"), the(objects, "Service")
     assert job["metadata"]["name"] == service["metadata"]["name"] == "train-run-4f2a91"
     spec = job["spec"]["template"]["spec"]
@@ -423,7 +423,7 @@ def test_readme_per_run_names_reach_the_subdomain_selector_and_rendezvous(
 def test_names_check_catches_a_rename_that_leaves_the_subdomain_behind(tmp_path: Path) -> None:
     """Without the replacements after the renaming, the rendezvous names a Service that is not
     there: the check validate.sh runs says so."""
-    kustomization = re.sub(r"^transformers:.*\n(  - .*\n)+", "", readme_run_kustomization(),
+    kustomization = re.sub(r"^transformers:.*\n(  - .*\n)+", "", documented_run_kustomization(),
                            flags=re.M)
     assert "transformers" not in kustomization
     found = check_names().problems(render_run(tmp_path, kustomization))

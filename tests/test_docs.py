@@ -202,14 +202,13 @@ def test_the_path_rule_finds_a_module_or_folder_that_is_gone() -> None:
 
 
 def test_every_module_and_folder_the_readme_and_docs_name_exists() -> None:
-    """Everywhere, a module named with its folder and a folder of the package; in the README's
-    "How it is built", which describes the code, every module named."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    built = readme.split("\n## How it is built\n", 1)[1].split("\n## ", 1)[0]
+    """Everywhere, a module named with its folder and a folder of the package; in
+    docs/design.md, "How it is built", which describes the code, every module named."""
+    built = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     files = shipped()
     wrong = [f"{page.relative_to(ROOT)}: {name}" for page in (ROOT / "README.md", *DOC_PAGES)
              for name in missing_paths(page.read_text(encoding="utf-8"), files, bare=False)]
-    wrong += [f"README.md, How it is built: {name}"
+    wrong += [f"docs/design.md, How it is built: {name}"
               for name in missing_paths(built, files, bare=True)]
     assert len(MODULE_NAME.findall(built)) >= 50, "the section names the modules it describes"
     assert wrong == []

@@ -13,9 +13,9 @@ from tests.test_run import log_text
 
 # Each child waits, instead of sleeping, for two files the test makes: `go` once the sidecar
 # is up (its environment snapshot arrived: the pipeline is imported and posting; what a command
-# writes before that is the start-up exception the README names), `done` once its last line
-# arrived, so that /logs itself carried everything (what the crash tail takes over at the exit
-# is its own test).
+# writes before that is the start-up exception that docs/running.md#the-commands-output names),
+# `done` once its last line arrived, so that /logs itself carried everything (what the crash
+# tail takes over at the exit is its own test).
 WAIT = """
 import os, sys, time
 def wait_for(path):

