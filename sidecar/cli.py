@@ -370,9 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
         if _Parser.json_errors:
-            _json_error(args.cmd, f"configuration error: {exc}", str(exc))
+            _json_error(args.cmd, exc.said, str(exc))
         else:
-            print(f"sidecar {args.cmd}: configuration error: {exc}", file=sys.stderr)
+            print(f"sidecar {args.cmd}: {exc.said}", file=sys.stderr)
         return EXIT_CONFIG
     try:
         sys.stdout.flush()  # here, not in the interpreter's exit, where a failure costs status 120
