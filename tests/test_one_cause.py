@@ -90,3 +90,28 @@ def test_an_ingest_that_went_away_is_one_warning_for_every_route(
     assert "retried with backoff" in said[0]
     assert "/logs" in said[0] and "/metrics" in said[0], said
     assert len(_lines(tmp_path / "sc" / "stderr", "reachable again")) == 1
+
+
+def test_a_tls_failure_is_one_error_naming_the_routes(ingest: RunningIngest,
+                                                      tmp_path: Path) -> None:
+    """https:// to a port serving plain HTTP: the handshake fails on every route alike."""
+    go, jsonl = tmp_path / "go", tmp_path / "m.jsonl"
+    env = platform_env(ingest.base_url.replace("http://", "https://"), tmp_path / "state",
+                       SIDECAR_DRAIN_TIMEOUT="1")
+    run = Sidecar(["run", "--jsonl", str(jsonl), "--hardware-interval", "1", "--",
+                   *_child(go, jsonl)], env, tmp_path / "sc")
+    stderr = tmp_path / "sc" / "stderr"
+    try:
+        wait_until(lambda: _lines(stderr, "over TLS"), 20, "the TLS failure said")
+        # the others' failures past it: 2 s of training (hardware posts each 1 s)
+        steps = len(jsonl.read_text().splitlines())
+        wait_until(lambda: len(jsonl.read_text().splitlines()) >= steps + 20, 30,
+                   "2 s of training after it")
+    finally:
+        go.touch()
+    done = run.wait(60)
+    text = done.stderr.decode()
+    said = [line for line in text.splitlines() if "TLS" in line]
+    assert len(said) == 1, text
+    assert " ERROR " in said[0] and "--ca-file" in said[0], said
+    assert len(said[0].split(" ERROR ")[1].split(": the ingest")[0].split(", ")) >= 2, said

@@ -486,6 +486,11 @@ class IngestClient:
                       answer.status, _kept(list(cause.routes)), more)
         elif answer.verdict is Verdict.REDIRECT:
             log.error("%s: HTTP %s: %s%s", cause.paths, answer.status, answer.detail, more)
+        elif answer.failure is TransportFailure.TLS:  # a certificate does not mend by waiting
+            log.error("%s: the ingest cannot be spoken to over TLS: %s; what they carry is "
+                      "kept and retried; a certificate this node does not trust needs --ca-file "
+                      "(SIDECAR_CA_FILE), a port serving plain HTTP an http:// endpoint; "
+                      "`sidecar check` names the cause%s", cause.paths, answer.detail, more)
         else:
             log.warning("%s: the ingest did not take a payload (%s); it is kept and retried "
                         "with backoff%s; `sidecar check` probes the endpoint from this node",
