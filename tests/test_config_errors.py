@@ -87,3 +87,14 @@ def test_check_goes_on_past_the_first_mistake_and_lists_them_all(
     assert any(line.startswith("ok    tcp") for line in lines), out
     assert any(line.startswith("skip  probe") for line in lines), out
     assert lines[-1] == "sidecar check: configuration error (failed: configuration (2))", out
+
+
+def test_config_json_lists_each_mistake(tmp_path: Path) -> None:
+    env = {**clean_environ(), "HOME": str(tmp_path), "STARFORGE_ENABLED": "1",
+           "SIDECAR_NODES": "0"}
+    done = sidecar(["config", "--json"], env, tmp_path / "out", timeout=30)
+    assert done.status == 2, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["ok"] is False and len(doc["errors"]) == 2, doc
+    assert doc["errors"][0].startswith("STARFORGE_ENDPOINT, STARFORGE_RUN_ID and STARFORGE_TOKEN")
+    assert doc["errors"][1].startswith("SIDECAR_NODES=0 must be at least 1")
