@@ -2,7 +2,7 @@
 
 Precedence (docs/commands.md#where-options-come-from): flags, environment, `--config` file, default.
 The platform's variables too (docs/ingest.md#the-platforms-variables): every error a user can make
-in configuration surfaces before anything is started, as one ConfigError naming the culprit.
+in configuration surfaces before anything is started, as one ConfigError naming every culprit.
 """
 
 from __future__ import annotations
@@ -435,7 +435,8 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
 
 
 def _collected(problems: list[str], function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)`, or None with each mistake of the ConfigError it raised in `problems`."""
+    """`function(*args)` (True from a check, which returns nothing), or None with each mistake
+    of the ConfigError it raised added to `problems`."""
     try:
         result = function(*args)
     except ConfigError as exc:
