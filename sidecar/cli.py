@@ -370,9 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
         if _Parser.json_errors:
-            _json_error(args.cmd, f"configuration error: {exc}", str(exc))
+            _json_error(args.cmd, exc.said, str(exc))
         else:
-            print(f"sidecar {args.cmd}: configuration error: {exc}", file=sys.stderr)
+            print(f"sidecar {args.cmd}: {exc.said}", file=sys.stderr)
         return EXIT_CONFIG
     try:
         sys.stdout.flush()  # here, not in the interpreter's exit, where a failure costs status 120
@@ -391,6 +391,11 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str,
     flag = unknown[0].partition("=")[0]
     flags = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
     lists = f"`sidecar {command} --help` lists what it takes"
+    if "--" in unknown:  # a command after --, as `run` takes it
+        words = " ".join(unknown[unknown.index("--") + 1:]) or "COMMAND"
+        does = ("`watch` follows files and runs no command" if command == "watch"
+                else f"`sidecar {command}` runs no command")
+        sub.error(f"{does}; to run one, use `sidecar run [OPTIONS] -- {words}`")
     if not flag.startswith("-"):
         sub.error(f"unexpected argument {flag!r}; {lists}")
     sub.error(f"unknown option {flag}; {closest(flag, flags, otherwise=lists)}")

@@ -2,7 +2,7 @@
 
 Precedence (docs/commands.md#where-options-come-from): flags, environment, `--config` file, default.
 The platform's variables too (docs/ingest.md#the-platforms-variables): every error a user can make
-in configuration surfaces before anything is started, as one ConfigError naming the culprit.
+in configuration surfaces before anything is started, as one ConfigError naming every culprit.
 """
 
 from __future__ import annotations
@@ -24,10 +24,26 @@ from sidecar.sources.files.kinds import FILE_KINDS
 
 class ConfigError(Exception):
     """A configuration mistake: the message names the option or variable, the value and the fix.
-    Any secret known (`sidecar.log.add_secret`) is masked in it, wherever the value came from."""
+    Any secret known (`sidecar.log.add_secret`) is masked in it, wherever the value came from.
+    `resolve` raises one holding every mistake it found (`problems`, worst first), so that a
+    user fixes them all in one round trip, not one a start."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__(*problems)
+        self.problems: tuple[str, ...] = problems
 
     def __str__(self) -> str:
-        return mask(super().__str__())
+        if len(self.problems) == 1:
+            return mask(self.problems[0])
+        return mask("; ".join(f"({i}) {p}" for i, p in enumerate(self.problems, 1)))
+
+    @property
+    def said(self) -> str:
+        """The one line that says them: "configuration error: ...", or "3 configuration
+        errors, all found at once: (1) ...; (2) ...; (3) ..."."""
+        if len(self.problems) == 1:
+            return f"configuration error: {self}"
+        return f"{len(self.problems)} configuration errors, all found at once: {self}"
 
 
 # -- the checks and probes the rows of OPTIONS name, beyond a row's `at_least` ------------------
@@ -377,28 +393,36 @@ def add_option(parser: argparse.ArgumentParser, opt: Option | str) -> None:
 
 
 def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
-            origins: dict[str, str] | None = None) -> Config:
-    """Resolve one Config for `command`, raising ConfigError on the first mistake found.
+            origins: dict[str, str] | None = None, problems: list[str] | None = None) -> Config:
+    """Resolve one Config for `command`, raising one ConfigError naming every mistake found,
+    worst first: the platform's variables (without them nothing is reported), then the options.
+    Given `problems` (`sidecar check`), the mistakes go there instead and a Config is returned
+    all the same: each bad option at its default, the platform's fields found left empty.
     Given `origins`, it is filled with where each option's value came from (`sidecar config`):
     `--name`, the variable's name, `file PATH` or `default`."""
+    found: list[str] = []
+    options_found: list[str] = []  # said after the platform's: without it nothing is reported
     config_file = getattr(args, "config", None) or environ.get("SIDECAR_CONFIG")
-    file_values = _read_config_file(config_file) if config_file else {}
+    file_values = _read_config_file(config_file, options_found) if config_file else {}
     _learn_secrets(args, environ, file_values)
     # an option `command` does not take (`run`'s own, for `watch`) keeps its default
     values: dict[str, Any] = {opt.attr: opt.default for opt in OPTIONS}
     sources: dict[str, str] = {}
     for opt in options_of(command):
         cli = getattr(args, opt.attr, None)
-        values[opt.attr], sources[opt.attr] = _pick(opt, cli, environ, file_values)
+        picked = _collected(options_found, _pick, opt, cli, environ, file_values, config_file)
+        if picked is not None and _collected(options_found, _check, opt, *picked) is not None:
+            values[opt.attr], sources[opt.attr] = picked
+        else:
+            sources[opt.attr] = "--" + opt.name
         if origins is not None:
             origins[opt.name] = _origin(opt, cli, environ, file_values, config_file)
-    for opt in options_of(command):
-        _check(opt, values[opt.attr], sources[opt.attr])
-    platform = resolve_platform(environ)
+    platform = _platform(environ, found, values.get("token_file") is not None)
     token = ""
     if platform.enabled:
-        token = _resolve_token(values.get("token_file"), sources.get("token_file", ""),
-                               platform, environ)
+        token = _collected(found, _resolve_token, values.get("token_file"),
+                           sources.get("token_file", ""), platform, environ) or ""
+    found += options_found
     values.update(state_dir_is_default=values["state_dir"] is None, node_folder="")
     if values["state_dir"] is None:
         values["state_dir"] = default_state_dir(environ)
@@ -407,8 +431,23 @@ def resolve(args: argparse.Namespace, command: str, environ: Mapping[str, str],
 
             node = resolve_node(values.get("node_name"), environ, values.get("nodes"))
             values["node_folder"] = _safe_name(node.name)
+    if found and problems is None:
+        raise ConfigError(*found)
+    if problems is not None:
+        problems += found
     files = {kind.name: values.pop(option(kind.name).attr) for kind in FILE_KINDS}
     return Config(platform=platform, token=token, files=files, **values)
+
+
+def _collected(problems: list[str], function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` (True from a check, which returns nothing), or None with each mistake
+    of the ConfigError it raised added to `problems`."""
+    try:
+        result = function(*args)
+    except ConfigError as exc:
+        problems += exc.problems
+        return None
+    return True if result is None else result
 
 
 def _check(opt: Option, value: Any, source: str) -> None:
@@ -434,32 +473,75 @@ def probe_options(cfg: Config) -> None:
             opt.probe(getattr(cfg, opt.attr))
 
 
-def resolve_platform(environ: Mapping[str, str]) -> Platform:
-    """Either family, never two that disagree (docs/ingest.md#the-platforms-variables)."""
+def resolve_platform(environ: Mapping[str, str], token_file: bool = False) -> Platform:
+    """Either family, never two that disagree (docs/ingest.md#the-platforms-variables);
+    ConfigError naming every variable that is missing or wrong (the token's unless a
+    `token_file` gives it)."""
+    problems: list[str] = []
+    platform = _platform(environ, problems, token_file)
+    if problems:
+        raise ConfigError(*problems)
+    return platform
+
+
+def _platform(environ: Mapping[str, str], problems: list[str], token_file: bool) -> Platform:
+    """The platform the variables describe, each mistake in them added to `problems`: reporting
+    asked for with its endpoint or run id missing is still Platform(enabled=True), those fields
+    empty, so that what else is missing (the token) is found in the same pass."""
     present = [f for f in FAMILIES if any(v in environ for v in _family_vars(f))]
     for a, b in itertools.pairwise(present):
         for var_a, var_b in zip(_family_vars(a), _family_vars(b), strict=True):
             if var_a in environ and var_b in environ and environ[var_a] != environ[var_b]:
-                raise ConfigError(f"{var_a} and {var_b} are both set and disagree: "
-                                  "unset one family of platform variables")
+                problems.append(f"{var_a} and {var_b} are both set and disagree: "
+                                "unset one family of platform variables")
+                return Platform(enabled=False)
     names = " or ".join(f.enabled for f in FAMILIES)
     family = next((f for f in present if f.enabled in environ), None)
     if family is None:
-        raise ConfigError(f"{names} is not set: set it to 1 to report to the platform, "
-                          "or 0 to run offline")
+        # What reporting would need too, so that setting ENABLED=1 is not met by the next error.
+        needed = (present or FAMILIES)[0]
+        missing = [v for v in (needed.endpoint, needed.run_id, needed.token)
+                   if not environ.get(v, "").strip() and not (token_file and v == needed.token)]
+        also = (f", which also needs {_and(missing)}, not set either (the platform injects "
+                "them)" if missing else "")
+        problems.append(f"{names} is not set: set it to 0 to run offline, or to 1 to report to "
+                        f"the platform{also}")
+        return Platform(enabled=False)
     enabled = environ[family.enabled]
     if enabled == "0":
         return Platform(enabled=False)
     if enabled != "1":
-        raise ConfigError(f"{family.enabled}={enabled!r} is neither 1 (report) nor 0 (offline)")
-    endpoint = check_endpoint(_required(environ, family.endpoint).rstrip("/"), family.endpoint)
+        problems.append(f"{family.enabled}={enabled!r} is neither 1 (report) nor 0 (offline)")
+        return Platform(enabled=False)
+    missing = [v for v in (family.endpoint, family.run_id) if not environ.get(v, "").strip()]
+    endpoint = ""
+    if family.endpoint not in missing:
+        endpoint = _collected(problems, check_endpoint,
+                              environ[family.endpoint].strip().rstrip("/"), family.endpoint) or ""
+    if not token_file and not environ.get(family.token, "").strip():
+        missing.append(family.token)
+    if missing:
+        problems.append(_not_set(missing, family.token))
     return Platform(
         enabled=True,
         endpoint=endpoint,
-        run_id=_required(environ, family.run_id),
+        run_id=environ.get(family.run_id, "").strip(),
         token_headers=tuple(f.header for f in present),
         token_variable=family.token,
     )
+
+
+def _and(names: Sequence[str]) -> str:
+    """"A", "A and B", "A, B and C"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _not_set(names: Sequence[str], token_variable: str) -> str:
+    verb = "is" if len(names) == 1 else "are"
+    file = (" (or give the token in a file with --token-file)"
+            if token_variable in names else "")
+    return (f"{_and(names)} {verb} not set{file}; the platform injects "
+            f"{'it' if len(names) == 1 else 'them'} when reporting is enabled")
 
 
 def read_token_file(path: Path, source: str = "--token-file") -> str:
@@ -603,38 +685,36 @@ def _family_vars(family: Family) -> tuple[str, str, str, str]:
     return (family.enabled, family.endpoint, family.run_id, family.token)
 
 
-def _required(environ: Mapping[str, str], name: str) -> str:
-    value = environ.get(name, "").strip()
-    if not value:
-        raise ConfigError(f"{name} is not set; the platform injects it when reporting is enabled")
-    return value
-
-
 def _resolve_token(token_file: Path | None, source: str, platform: Platform,
                    environ: Mapping[str, str]) -> str:
+    """The token from --token-file, else from the platform's variable; "" when neither holds
+    one (`_platform` has said so, with whatever else is missing)."""
     if token_file is not None:
         return read_token_file(token_file, source)
-    return check_token(_required(environ, platform.token_variable), platform.token_variable)
+    token = environ.get(platform.token_variable, "").strip()
+    return check_token(token, platform.token_variable) if token else ""
 
 
-def _read_config_file(path: str) -> dict[str, Any]:
+def _read_config_file(path: str, problems: list[str]) -> dict[str, Any]:
+    """The file's options by name; an unknown one is added to `problems` and the rest kept."""
     import tomllib  # only with --config: most runs never need it
 
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except OSError as exc:
-        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+        problems.append(f"--config {path}: cannot read it ({exc.strerror})")
+        return {}
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        problems.append(f"--config {path}: not valid TOML ({exc})")
+        return {}
     known = {opt.name for opt in OPTIONS} | {opt.attr for opt in OPTIONS}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        names = [o.name for o in OPTIONS]
-        hint = closest(unknown[0].replace("_", "-"), names,
+    names = [o.name for o in OPTIONS]
+    for key in sorted(set(data) - known):
+        hint = closest(key.replace("_", "-"), names,
                        otherwise=f"known options are {', '.join(names)}")
-        raise ConfigError(f"--config {path}: unknown option {unknown[0]!r}; {hint}")
-    return {key.replace("_", "-"): value for key, value in data.items()}
+        problems.append(f"--config {path}: unknown option {key!r}; {hint}")
+    return {key.replace("_", "-"): value for key, value in data.items() if key in known}
 
 
 def _flag(raw: Any) -> bool:
@@ -648,6 +728,10 @@ def _flag(raw: Any) -> bool:
         return False
     raise ValueError(raw)
 
+
+# What a value of each kind is, in a message that says a value is not one.
+_KIND_WORDS = {"str": "text", "float": "a number", "int": "a whole number", "path": "a path",
+               "list": "a list of patterns", "bool": "on or off (1/0, true/false, yes/no)"}
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
@@ -667,9 +751,10 @@ def _origin(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapp
     return f"file {config_file}" if opt.name in file_values else "default"
 
 
-def _pick(opt: Option, cli: Any, environ: Mapping[str, str],
-          file_values: Mapping[str, Any]) -> tuple[Any, str]:
-    """The option's value by precedence, converted, and where it came from (for messages)."""
+def _pick(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapping[str, Any],
+          config_file: str | None = None) -> tuple[Any, str]:
+    """The option's value by precedence, converted, and where it came from (for messages: a
+    file's value is named by the file and its key, `--config run.toml: drain-timeout`)."""
     if cli is not None:
         source, raw = "--" + opt.name, cli
     elif opt.env in environ:
@@ -677,13 +762,16 @@ def _pick(opt: Option, cli: Any, environ: Mapping[str, str],
         if opt.kind == "list":
             raw = [p for p in raw.split(LIST_SEPARATORS.get(opt.name, ":")) if p]
     elif opt.name in file_values:
-        source, raw = f"{opt.name} in --config", file_values[opt.name]
+        source, raw = f"--config {config_file or 'file'}: {opt.name}", file_values[opt.name]
     else:
         return opt.default, "--" + opt.name
     try:
         value = _convert(opt, raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}={raw!r} is not a valid {opt.kind}") from None
+        word = _KIND_WORDS[opt.kind]
+        default = ("" if opt.default in (None, "", ())
+                   else f", such as the default, {show_default(opt.default)}")
+        raise ConfigError(f"{source}={raw!r} is not {word}; give {word}{default}") from None
     if opt.choices:
         value = value.lower()
         if value not in opt.choices:

@@ -196,21 +196,26 @@ def test_loopback_endpoint_inside_a_pod(ingest: RunningIngest, tmp_path: Path,
     assert result.out.splitlines()[-1] == "sidecar check: failed (first failed step: address)"
 
 
-def test_loopback_in_a_plain_container_is_settled_by_the_probe(
+def test_loopback_in_a_plain_container_is_settled_by_the_connection(
         ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A try-out in a container against a `sidecar receive` in it (or on the host's network)
+    warned about /.dockerenv and the loopback address although that is what was meant
+    (issue 35): a receiver that takes the connection settles it; none, and the warning stays."""
     marker = tmp_path / ".dockerenv"
     marker.touch()
     monkeypatch.setattr(check_module, "CONTAINER_MARKERS", ((marker, "a marker exists"),))
     env = platform_env(ingest, tmp_path)
     accepted = run_check(env, capsys)
     assert accepted.code == EXIT_OK
-    assert accepted.line("address").startswith("warn")
-    assert "inside a container is the container itself" in accepted.line("address")
+    assert accepted.line("address").startswith("ok")
+    assert "a receiver in this container's own network" in accepted.line("address")
+    assert accepted.out.splitlines()[-1] == "sidecar check: ok"
     ingest.stop_listening()
     refused = run_check(env, capsys)
     assert refused.code == EXIT_FAILED
     assert refused.line("address").startswith("warn")
+    assert "inside a container is the container itself" in refused.line("address")
     assert refused.line("tcp").startswith("FAIL")
 
 

@@ -88,6 +88,17 @@ def test_a_typo_gets_the_command_s_usage_and_the_closest_flag(args: list[str], u
     assert done.stdout == ""
 
 
+def test_watch_with_a_command_says_watch_runs_none_and_what_does() -> None:
+    """`sidecar watch -- python x.py` said `unknown option --`, as if `--` were a typo
+    (issue 35)."""
+    done = cli("watch", "--jsonl", "m.jsonl", "--", "python", "x.py")
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: sidecar watch"), done.stderr
+    assert ("sidecar watch: error: `watch` follows files and runs no command; to run one, use "
+            "`sidecar run [OPTIONS] -- python x.py`") in done.stderr
+    assert "unknown option" not in done.stderr
+
+
 def test_an_abbreviation_is_refused_not_taken_for_the_whole_flag() -> None:
     done = cli("status", "--onc", "--status-addr", "127.0.0.1:1")
     assert done.returncode == 2  # not 1: the abbreviation was not taken for --once

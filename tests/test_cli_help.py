@@ -158,7 +158,7 @@ def test_a_new_row_of_any_kind_gets_its_help_and_parsing_derived(
     assert args.tty is True and args.stall_after == "5" and args.log_ansi is None
     assert parser.parse_args([]).tty is None  # absent: the environment or the file decide
     assert _pick(rows[0], None, {"SIDECAR_TTY": "yes"}, {}) == (True, "SIDECAR_TTY")
-    assert _pick(rows[0], None, {}, {"tty": False}) == (False, "tty in --config")
+    assert _pick(rows[0], None, {}, {"tty": False}, "run.toml") == (False, "--config run.toml: tty")
     assert _pick(rows[0], None, {}, {}) == (False, "--tty")
 
 

@@ -261,3 +261,21 @@ def test_a_file_that_never_appears_is_said_at_the_end(ingest: RunningIngest,
     assert done.status == 0, done.stderr
     said = [line for line in done.stderr.decode().splitlines() if str(config) in line]
     assert len(said) == 1 and " WARNING " in said[0] and "never appeared" in said[0]
+
+
+def test_a_yaml_parse_error_is_said_on_one_line_with_its_place(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """The warning spanned four lines (PyYAML's problem, its `<byte string>` place, what it was
+    scanning, where that began), and a log line is one event (issue 35)."""
+    config = tmp_path / "hparams.yaml"
+    config.write_text('lr: 0.1\nname: "abc\nseed: 1\n')
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--hparams", str(config), "--", *python_child("pass")], env,
+                   tmp_path / "run")
+    assert done.status == 0, done.stderr
+    said = [line for line in done.stderr.decode().splitlines() if "not valid YAML" in line]
+    assert len(said) == 1, done.stderr
+    assert f"--hparams {config}: not valid YAML (found unexpected end of stream at line 4, " \
+           "column 1, while scanning a quoted scalar begun at line 2, column 7)" in said[0]
+    assert "byte string" not in done.stderr.decode()
+    assert " WARNING " in said[0] and said[0].endswith("(the run goes on)")

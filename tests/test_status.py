@@ -697,6 +697,33 @@ def test_nothing_answers(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_nothing_answers_names_the_state_folder_searched_and_each_address_tried(
+        tmp_path: Path) -> None:
+    """It said `nothing answers at 127.0.0.1:9620 ... <state-dir>/<run>/status-addr` without
+    the folder it searched, so a daemon run with another --state-dir looked like none at all
+    (issue 35)."""
+    closed_ports = []
+    for _ in range(2):
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            closed_ports.append(f"127.0.0.1:{closed.getsockname()[1]}")
+    # the configured address, not the default: another sidecar on this machine may hold that
+    gone, configured = closed_ports
+    state = tmp_path / "state"
+    (state / "run-1").mkdir(parents=True)
+    (state / "run-1" / "status-addr").write_text(gone + "\n")
+    env = {**clean_environ(), "SIDECAR_STATE_DIR": str(state), "SIDECAR_STATUS_ADDR": configured}
+    done = status_process(["--once"], env, cli=True)
+    assert done.returncode == 1, done.stderr
+    said = done.stderr
+    assert len(said.strip().splitlines()) == 1, said
+    assert f"nothing answers at {gone} (connection refused), the address written in " \
+           f"{state / 'run-1' / 'status-addr'}" in said
+    assert f"{configured} (connection refused), the configured --status-addr" in said
+    assert f"The state folder searched: {state} (from SIDECAR_STATE_DIR)" in said
+    assert "the same --state-dir" in said
+
+
 class Terminal:
     """A process on the slave side of a pseudo-terminal; the test reads its screen output."""
 

@@ -108,13 +108,22 @@ class _Report:
             }
             self._print(json.dumps(doc, indent=2, ensure_ascii=False))
             return
-        first = next((s for s in self.steps if s.status == "fail"), None)
-        if first is None and self.warned:
+        failures = [s.name for s in self.steps if s.status == "fail"]
+        # each failed step once, with how many times it failed, in the order found
+        failed = [name + (f" ({failures.count(name)})" if failures.count(name) > 1 else "")
+                  for name in dict.fromkeys(failures)]
+        if not failed and self.warned:
             self._print(f"sidecar check: ok, with warnings ({', '.join(self.warned)})")
-        elif first is None:
+        elif not failed:
             self._print("sidecar check: ok")
+        elif len(failures) == 1 and not self.warned:
+            self._print(f"sidecar check: {verdict[code]} (first failed step: {failed[0]})")
         else:
-            self._print(f"sidecar check: {verdict[code]} (first failed step: {first.name})")
+            # every problem, worst first: the failed steps (the configuration's lead, being
+            # found first), then those that only warned
+            warned = [name for name in self.warned if name not in failures]
+            also = f"; warnings: {', '.join(warned)}" if warned else ""
+            self._print(f"sidecar check: {verdict[code]} (failed: {', '.join(failed)}{also})")
 
     def _print(self, text: str) -> None:
         print_out(mask(text), self.out)
@@ -147,30 +156,34 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     off, 2 for a configuration error, 1 for anything else."""
     timeout_s = args.timeout
     report = _Report(args.json, sys.stdout)
-    cfg = _configuration(args, environ, report)
+    cfg, mistaken = _configuration(args, environ, report)
     _variables(environ, report)
-    if cfg is not None:
-        _sources(cfg, report)
-    if cfg is None:
-        code = EXIT_CONFIG
-    elif not cfg.platform.enabled:
-        code = EXIT_OK
-    else:
+    # Past a mistake, what can still be looked at is: the sources, and the endpoint when its
+    # variable is good (a missing token still lets DNS, TCP and TLS be tried).
+    _sources(cfg, report)
+    code = EXIT_OK
+    if cfg.platform.enabled and cfg.platform.endpoint:
         code = asyncio.run(_check_endpoint(cfg, environ, report, timeout_s))
-    if code == EXIT_OK and report.failed:  # a source that would send nothing
+    if mistaken:
+        code = EXIT_CONFIG
+    elif code == EXIT_OK and report.failed:  # a source that would send nothing
         code = EXIT_FAILED
-    report.finish(code, cfg)
+    report.finish(code, None if mistaken else cfg)
     return code
 
 
 def _configuration(args: argparse.Namespace, environ: Mapping[str, str],
-                   report: _Report) -> Config | None:
-    try:
-        cfg = resolve(args, "check", environ)
-    except ConfigError as exc:
-        report.add("configuration", "fail", str(exc))
-        return None
+                   report: _Report) -> tuple[Config, bool]:
+    """The configuration as `run` would resolve it, and whether it holds a mistake: each one a
+    failed step of its own, worst first (the platform's variables, then the options); the
+    Config then has each bad option at its default, for the steps that can still be taken."""
+    problems: list[str] = []
+    cfg = resolve(args, "check", environ, problems=problems)
     add_secret(cfg.token)
+    for problem in problems:
+        report.add("configuration", "fail", mask(problem))
+    if problems:
+        return cfg, True
     family = _family(environ)
     name = f"{family.name} variables" if family else "platform variables"
     enabled = f"{family.enabled}={environ[family.enabled]}" if family else "ENABLED"
@@ -178,14 +191,14 @@ def _configuration(args: argparse.Namespace, environ: Mapping[str, str],
         report.add("configuration", "ok", f"{name}, {enabled}: reporting is off; `sidecar run` "
                    "passes the output through and posts nothing, so there is nothing to probe",
                    family=family.name if family else None, enabled=False)
-        return cfg
+        return cfg, False
     token = f"--token-file {cfg.token_file}" if cfg.token_file else cfg.platform.token_variable
     both = " (both families set, and they agree)" if len(cfg.platform.token_headers) > 1 else ""
     report.add("configuration", "ok", f"{name}{both}, {enabled}: run {cfg.platform.run_id} at "
                f"{cfg.platform.endpoint}; token from {token}",
                family=family.name if family else None, enabled=True,
                run_id=cfg.platform.run_id, endpoint=cfg.platform.endpoint, token_from=token)
-    return cfg
+    return cfg, False
 
 
 def _variables(environ: Mapping[str, str], report: _Report) -> None:
@@ -298,10 +311,16 @@ async def _check_endpoint(cfg: Config, environ: Mapping[str, str], report: _Repo
     _proxy_note(environ, report, failed=False)
     addresses = await _dns(target, report, timeout_s)
     if addresses:
-        _placement(target, addresses, environ, report)
+        in_container = _placement(target, addresses, environ, report)
         connected = await _tcp(target, addresses, report, timeout_s)
+        if in_container:
+            _container_loopback(in_container, connected, report)
         if connected and await _tls(cfg, target, connected, report, timeout_s):
-            await _probe(cfg, target, report, timeout_s)
+            if cfg.token and cfg.platform.run_id:
+                await _probe(cfg, target, report, timeout_s)
+            else:
+                report.add("probe", "skip", "no authenticated request without the run id and "
+                           "the token (see configuration above)")
     if any(s.status == "fail" and s.name in _NETWORK_STEPS for s in report.steps):
         _proxy_note(environ, report, failed=True)
     return EXIT_FAILED if report.failed else EXIT_OK
@@ -360,12 +379,14 @@ def _dns_failure(target: _Target, exc: socket.gaierror) -> str:
 
 
 def _placement(target: _Target, addresses: Sequence[str], environ: Mapping[str, str],
-               report: _Report) -> None:
-    """Diagnose an endpoint that cannot be the platform as seen from a GPU node in a pod."""
+               report: _Report) -> tuple[str, str, str] | None:
+    """Diagnose an endpoint that cannot be the platform as seen from a GPU node in a pod. In a
+    plain container, where the TCP step settles it, (where, evidence, warning) for
+    `_container_loopback`, the step not yet said."""
     kinds = [_local_kind(a) for a in addresses]
     if not all(kinds):
         report.add("address", "ok", f"{addresses[0]} is neither loopback nor link-local")
-        return
+        return None
     pod, container = _container_evidence(environ)
     address = addresses[0]
     where = (f"{address} is a {kinds[0]} address" if target.host == address
@@ -373,7 +394,7 @@ def _placement(target: _Target, addresses: Sequence[str], environ: Mapping[str, 
     if pod is None and container is None:
         report.add("address", "ok", f"{where}: this machine; right for a receiver on this "
                    "machine, but no GPU node of a cluster reaches the platform there")
-        return
+        return None
     place = "pod" if pod is not None else "container"
     message = (f"{where} and {pod or container}: the ingest URL must be reachable from the GPU "
                f"node, {_LOCAL_MEANING[kinds[0]].format(address=address, place=place)}; set "
@@ -381,9 +402,23 @@ def _placement(target: _Target, addresses: Sequence[str], environ: Mapping[str, 
                "cluster Service name)")
     if pod is not None:
         report.add("address", "fail", message, evidence=pod)
+        return None
+    assert container is not None
+    return where, container, message
+
+
+def _container_loopback(found: tuple[str, str, str], connected: str | None,
+                        report: _Report) -> None:
+    """A loopback endpoint in a plain container: something listening there is in this
+    container's own network (it shares the host's, or runs the receiver itself, as a try-out
+    against `sidecar receive` does), which is what the user meant; nothing listening, the
+    endpoint may be meant for the host or the platform, and that is worth a warning."""
+    where, container, message = found
+    if connected:
+        report.add("address", "ok", f"{where} and {container}, and {connected} takes "
+                   "connections: a receiver in this container's own network (it shares the "
+                   "host's, or runs the receiver itself)", evidence=container)
         return
-    # A plain container may share the host's network (--network host) or run the receiver
-    # itself: the probe below settles that, so this alone does not fail the check.
     report.add("address", "warn", message + ", unless this container shares the host's network "
                "or runs the receiver itself", evidence=container)
 

@@ -29,7 +29,10 @@ def show_config(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     except ConfigError as exc:
         if not args.json:
             raise  # said on stderr as every command's configuration error, exit status 2
-        print_out(json.dumps({"ok": False, "error": str(exc)}, indent=2, ensure_ascii=False))
+        # every mistake, each on its own too, for a script that shows them one a line
+        print_out(json.dumps({"ok": False, "error": str(exc),
+                              "errors": [mask(problem) for problem in exc.problems]},
+                             indent=2, ensure_ascii=False))
         return EXIT_CONFIG
     add_secret(cfg.token)
     warnings = unknown_variables(environ)

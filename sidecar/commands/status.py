@@ -111,14 +111,15 @@ def choose(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, d
             return args.status_addr, fetch_document(args.status_addr)
         except NoAnswer as exc:
             raise NoAnswer(_not_running(str(exc))) from None
-    run_id, state_dir, configured = _configured(args, environ)
+    run_id, state_dir, configured, origin = _configured(args, environ)
     problems: list[str] = []
     answering: dict[str, dict[str, Any]] = {}
-    for address in find_addresses(state_dir, configured):
+    candidates = _candidates(state_dir, configured)
+    for address, found_in in candidates.items():
         try:
             answering[address] = fetch_document(address)
         except NoAnswer as exc:
-            problems.append(str(exc))
+            problems.append(f"{exc}, {found_in}")
     meant = {a: doc for a, doc in answering.items() if not run_id or doc.get("run_id") == run_id}
     if len(meant) == 1:
         return next(iter(meant.items()))
@@ -128,7 +129,18 @@ def choose(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, d
     if answering:
         raise NoAnswer(f"no daemon of run {run_id} answers; these do (--run-id ID picks one):\n"
                        + _listing(answering))
-    raise NoAnswer(_not_running("; ".join(problems)))
+    raise NoAnswer(_none_found("; ".join(problems), state_dir, origin))
+
+
+def _none_found(problems: str, state_dir: Path, origin: str) -> str:
+    """Nothing answered at any address found: which they were (`problems`), and the state
+    folder searched for them, since a daemon run with another one (or by another user, under
+    their home) writes its address there, not here."""
+    given = "the default" if origin == "default" else f"from {origin.removeprefix('file ')}"
+    return (f"{problems}. The state folder searched: {state_dir} ({given}), where `sidecar run` "
+            f"and `sidecar watch` write their address to <run>/{STATUS_ADDR_FILE}: is one running "
+            "on this node? One started with another --state-dir (SIDECAR_STATE_DIR), or by "
+            "another user, is found with the same --state-dir; else pass --status-addr HOST:PORT")
 
 
 def _not_running(problems: str) -> str:
@@ -140,11 +152,22 @@ def _not_running(problems: str) -> str:
 def find_addresses(state_dir: Path, configured: str) -> list[str]:
     """Where daemons may listen: every address written in the state dir, newest first, then
     the configured --status-addr (default 127.0.0.1:9620)."""
+    return list(_candidates(state_dir, configured))
+
+
+def _candidates(state_dir: Path, configured: str) -> dict[str, str]:
+    """find_addresses's, each with where it was found, in words, for a message."""
     files = sorted([*state_dir.glob(f"*/{STATUS_ADDR_FILE}"),  # <run>/, or <run>/<node>/
                     *state_dir.glob(f"*/*/{STATUS_ADDR_FILE}")], key=_mtime, reverse=True)
-    wanted = [*(_read_addr(path) for path in files),
-              configured if configured != "off" else DEFAULT_STATUS_ADDR]
-    return list(dict.fromkeys(addr for addr in wanted if addr))
+    found: dict[str, str] = {}
+    for path in files:
+        address = _read_addr(path)
+        if address:
+            found.setdefault(address, f"the address written in {path}")
+    fallback = configured if configured != "off" else DEFAULT_STATUS_ADDR
+    found.setdefault(fallback, "the configured --status-addr" if configured not in (
+        "off", DEFAULT_STATUS_ADDR) else "the default --status-addr")
+    return found
 
 
 def _listing(found: Mapping[str, Mapping[str, Any]]) -> str:
@@ -424,20 +447,23 @@ def _screen(out: TextIO) -> Iterator[None]:
 
 
 def _configured(args: argparse.Namespace,
-                environ: Mapping[str, str]) -> tuple[str, Path, str]:
-    """The run meant (--run-id, else the platform's run id, else ""), the state dir and the
-    configured --status-addr, resolved as `run` resolves them."""
+                environ: Mapping[str, str]) -> tuple[str, Path, str, str]:
+    """The run meant (--run-id, else the platform's run id, else ""), the state dir, the
+    configured --status-addr, resolved as `run` resolves them, and where the state dir came
+    from (`--state-dir`, its variable, `file PATH`, `default`)."""
+    origins: dict[str, str] = {}
     try:
-        cfg = resolve(args, "status", environ)
-        return args.run_id or cfg.platform.run_id, cfg.state_dir, cfg.status_addr
+        cfg = resolve(args, "status", environ, origins)
+        return (args.run_id or cfg.platform.run_id, cfg.state_dir, cfg.status_addr,
+                origins.get("state-dir", "default"))
     except ConfigError:
         pass
     # A shell without the platform's variables (a node's login shell): resolve the options only.
     platform = {name for f in FAMILIES for name in (f.enabled, f.endpoint, f.run_id, f.token)}
     offline = {k: v for k, v in environ.items() if k not in platform}
     offline[FAMILIES[0].enabled] = "0"
-    cfg = resolve(args, "status", offline)  # a mistake in the options themselves is said
-    return args.run_id or "", cfg.state_dir, cfg.status_addr
+    cfg = resolve(args, "status", offline, origins)  # a mistake in the options themselves is said
+    return args.run_id or "", cfg.state_dir, cfg.status_addr, origins.get("state-dir", "default")
 
 
 def _read_addr(path: Path) -> str:

@@ -144,6 +144,47 @@ class _Spell:
         self.said = False  # a failure of the spell was said (an ERROR, a WARNING, a drop)
 
 
+class _Cause:
+    """Why attempts fail now, across routes (the token, the network, TLS, an HTTP status): said
+    once with the routes it hits, again when it changes, and its end once."""
+
+    __slots__ = ("answer", "attempts", "key", "noted", "routes", "said", "since")
+
+    def __init__(self, key: str, answer: Answer) -> None:
+        self.key = key
+        self.answer = answer  # the first failure of it, for the message
+        self.since = time.monotonic()
+        self.attempts = 0
+        self.routes: dict[str, None] = {}  # the routes it hit, in the order they failed
+        self.said = False
+        self.noted = False  # a sender said what it gave up for it: its end is said too
+
+    @property
+    def paths(self) -> str:
+        """The routes as the ingest names them, comma-separated: the prefix of its messages."""
+        return ", ".join(dict.fromkeys(ROUTES[route].path for route in self.routes))
+
+
+def cause_of(answer: Answer) -> str:
+    """What a failed attempt failed of, the same for every route it hits: "token", "redirect
+    to ...", the transport's failure kind, the HTTP status, "timeout"."""
+    if answer.verdict is Verdict.AUTH:
+        return "token"
+    if answer.verdict is Verdict.REDIRECT:
+        return answer.detail
+    if answer.failure is not None:
+        return f"transport:{answer.failure.value}"
+    if answer.status is not None:
+        return f"http:{answer.status}"
+    return answer.detail or "no answer"
+
+
+# How long the first failure of a cause waits for the other routes it hits before it is said:
+# they fail within moments of each other (each route posts on its own clock), and one message
+# naming them all reads as the one cause it is.
+CAUSE_GATHER_S = 1.0
+
+
 class RouteStats:
     """Counters of one route, for the status endpoint and the shutdown summary."""
 
@@ -259,6 +300,8 @@ class IngestClient:
         # what the failed attempts were: "token" (401/403) or "other"
         self._refusals: set[str] = set()
         self.answered = asyncio.Event()  # an attempt of any route has had its outcome
+        self._cause: _Cause | None = None  # why attempts fail now, said or about to be
+        self._gathering: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         """Read the token and make the keep-alive transport; call once from the event loop."""
@@ -268,7 +311,8 @@ class IngestClient:
         self._ready.set()
 
     async def close(self) -> None:
-        """Close the transport's connections."""
+        """Say a failure still gathering its routes, and close the transport's connections."""
+        self._say_cause()
         if self._transport is not None:
             await self._transport.close()
             self._transport = None
@@ -328,15 +372,17 @@ class IngestClient:
             f": {answer.reason}" if answer.reason else "")
         if answer.verdict is Verdict.AUTH:
             self._reread_token()
-        if answer.verdict in (Verdict.AUTH, Verdict.REDIRECT, Verdict.REJECTED):
-            self._error_once_a_minute(route, answer)
+        if answer.verdict is Verdict.REJECTED:
+            self._rejected_once_a_minute(route, answer)
         else:
-            self._unreachable_once_a_minute(route, answer)
+            self._failed_for(route, answer)
 
     def gave_up(self, route: str) -> None:
         """A payload of `route` was given up (best-effort), and its sender said so: the
         route's recovery is said too, when it comes."""
         self._said(route)
+        if self._cause is not None and route in self._cause.routes:
+            self._cause.noted = True
 
     def _said(self, route: str) -> None:
         spell = self._spells.get(route)  # none for a payload refused for good (400, 413)
@@ -344,21 +390,31 @@ class IngestClient:
             spell.said = True
 
     def _end_spell(self, route: str) -> None:
-        """One INFO line, per route, when a route whose failures were said takes payloads
-        again: each route has its own failure lines, and its own recovery."""
-        spell = self._spells.pop(route, None)
-        if spell is None or not spell.said:
+        """A route takes payloads again: when the cause it failed of was said, its end is said
+        once, for every route it hit (a token accepted again on one is accepted on all)."""
+        self._spells.pop(route, None)
+        cause = self._cause
+        if cause is None or route not in cause.routes:
             return
-        what = ("accepts the token again" if spell.auth else "is reachable again")
+        self._cause = None
+        for hit in cause.routes:
+            spell = self._spells.get(hit)
+            if spell is not None:  # its spell goes on, but not its cause: its end is said
+                spell.said = False
+        if not (cause.said or cause.noted):
+            return
+        what = "accepts the token again" if cause.key == "token" else "is reachable again"
         log.info("%s: the ingest %s after %s and %d failed attempt%s; delivery goes on",
-                 ROUTES[route].path, what, format_duration(time.monotonic() - spell.since),
-                 spell.attempts, "" if spell.attempts == 1 else "s")
+                 cause.paths, what, format_duration(time.monotonic() - cause.since),
+                 cause.attempts, "" if cause.attempts == 1 else "s")
 
     @property
     def failing(self) -> list[str]:
-        """The routes (as the ingest names them) whose last attempts failed, and were said."""
+        """The routes (as the ingest names them) whose last attempts failed, and were said or
+        are about to be."""
+        about = self._cause.routes if self._cause is not None else {}
         return list(dict.fromkeys(ROUTES[route].path for route, spell in self._spells.items()
-                                  if spell.said))
+                                  if spell.said or route in about))
 
     @property
     def never_accepted(self) -> str | None:
@@ -381,35 +437,64 @@ class IngestClient:
         add_secret(token)
         self._token = token
 
-    def _error_once_a_minute(self, route: str, answer: Answer) -> None:
+    def _rejected_once_a_minute(self, route: str, answer: Answer) -> None:
+        """A payload refused for good (a poison payload): the route itself is fine."""
         held = self._throttle.admit(f"{route}:{answer.verdict.value}")
         if held is None:
             return
-        if answer.verdict is not Verdict.REJECTED:  # a poison payload: the route is fine
-            self._said(route)  # and so will be its end: as often as it is
-        policy = ROUTES[route]
-        kept = ("this output is dropped and counted (/logs is best-effort); later output is "
-                "sent once the token is accepted" if policy.guarantee is Guarantee.BEST_EFFORT
-                else f"{policy.carries} is kept and delivery retried")
-        what = {
-            Verdict.AUTH: f"the ingest rejected the token; {kept}",
-            Verdict.REDIRECT: answer.detail,
-            Verdict.REJECTED: "the ingest rejected the payload permanently"
-                              + (f" ({answer.reason})" if answer.reason else ""),
-        }[answer.verdict]
         more = f" ({held} more since the last message)" if held else ""
-        log.error("%s: HTTP %s: %s%s", policy.path, answer.status, what, more)
+        log.error("%s: HTTP %s: the ingest rejected the payload permanently%s%s",
+                  ROUTES[route].path, answer.status,
+                  f" ({answer.reason})" if answer.reason else "", more)
 
-    def _unreachable_once_a_minute(self, route: str, answer: Answer) -> None:
-        held = self._throttle.admit(f"{route}:{answer.verdict.value}")
-        if held is None:
+    def _failed_for(self, route: str, answer: Answer) -> None:
+        """Count a failed attempt under its cause: a new cause gathers, for CAUSE_GATHER_S, the
+        routes it hits, then is said once for all of them; the same cause again is said at most
+        once a minute, with the routes hit since."""
+        key = cause_of(answer)
+        cause = self._cause
+        if cause is None or cause.key != key:
+            self._say_cause()  # the cause changed: the old one, if still gathering, is said
+            cause = self._cause = _Cause(key, answer)
+            self._gathering = asyncio.get_running_loop().call_later(
+                CAUSE_GATHER_S, self._say_cause)
+        cause.attempts += 1
+        cause.routes[route] = None
+        if cause.said:
+            self._said(route)
+            if self._gathering is None and self._throttle.admit(f"cause:{key}") is not None:
+                self._say(cause, f" ({cause.attempts} failed attempts so far)")
+
+    def _say_cause(self) -> None:
+        """Say the cause gathering its routes, unless it ended first, or was said under a
+        minute ago (a flapping ingest is said once a minute, and so is its end)."""
+        if self._gathering is not None:
+            self._gathering.cancel()
+            self._gathering = None
+        cause = self._cause
+        if cause is None or cause.said or self._throttle.admit(f"cause:{cause.key}") is None:
             return
-        self._said(route)  # and so will be its end: as often as it is
-        more = f" ({held} more failed attempts since the last message)" if held else ""
-        log.warning("%s: the ingest did not take a payload (%s); it is kept and retried with "
-                    "backoff%s; `sidecar check` probes the endpoint from this node",
-                    ROUTES[route].path,
-                    answer.detail or f"HTTP {answer.status}", more)
+        self._say(cause, "")
+
+    def _say(self, cause: _Cause, more: str) -> None:
+        cause.said = True
+        for route in cause.routes:
+            self._said(route)  # and so will be its end: as often as it is
+        answer = cause.answer
+        if answer.verdict is Verdict.AUTH:
+            log.error("%s: HTTP %s: the ingest rejected the token; %s%s", cause.paths,
+                      answer.status, _kept(list(cause.routes)), more)
+        elif answer.verdict is Verdict.REDIRECT:
+            log.error("%s: HTTP %s: %s%s", cause.paths, answer.status, answer.detail, more)
+        elif answer.failure is TransportFailure.TLS:  # a certificate does not mend by waiting
+            log.error("%s: the ingest cannot be spoken to over TLS: %s; what they carry is "
+                      "kept and retried; a certificate this node does not trust needs --ca-file "
+                      "(SIDECAR_CA_FILE), a port serving plain HTTP an http:// endpoint; "
+                      "`sidecar check` names the cause%s", cause.paths, answer.detail, more)
+        else:
+            log.warning("%s: the ingest did not take a payload (%s); it is kept and retried "
+                        "with backoff%s; `sidecar check` probes the endpoint from this node",
+                        cause.paths, answer.detail or f"HTTP {answer.status}", more)
 
     async def deliver(self, route: str, body: bytes,
                       give_up: Callable[[], bool] | None = None) -> Answer:
@@ -469,6 +554,21 @@ class IngestClient:
             await asyncio.sleep(min(seconds, DRAIN_BACKOFF_S))
         else:
             await wait_set(self._hurry, seconds)
+
+
+def _kept(routes: list[str]) -> str:
+    """What becomes of the payloads of `routes` while the token is refused."""
+    dropped = [r for r in routes if ROUTES[r].guarantee is Guarantee.BEST_EFFORT]
+    kept = [r for r in routes if r not in dropped]
+    said = []
+    if kept:
+        what = ROUTES[kept[0]].carries if len(kept) == 1 else "what they carry"
+        said.append(f"{what} is kept and delivery retried")
+    if dropped:
+        whose = "the command's" if kept else "this"
+        said.append(f"{whose} output is dropped and counted "
+                    "(/logs is best-effort); later output is sent once the token is accepted")
+    return "; ".join(said)
 
 
 def retry_wait(policy: RoutePolicy, failed: int, retry_after_s: float | None = None) -> float:

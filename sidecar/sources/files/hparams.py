@@ -139,4 +139,17 @@ def _parse(path: Path, raw: bytes) -> Any:
     except RecursionError:
         raise ConfigError(f"--hparams {path}: {kind} nested too deeply to read") from None
     except Exception as exc:  # yaml.YAMLError and its kin
-        raise ConfigError(f"--hparams {path}: not valid {kind} ({exc})") from None
+        raise ConfigError(f"--hparams {path}: not valid {kind} ({_one_line(exc)})") from None
+
+
+def _one_line(exc: Exception) -> str:
+    """A parser's error on one line: YAML's spans four (the problem, where in a `<byte
+    string>`, what it was scanning, where that began), said here as problem and place."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        context, began = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        said = f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+        if context and began is not None:
+            said += f", {context} begun at line {began.line + 1}, column {began.column + 1}"
+        return said
+    return " ".join(str(exc).split())
