@@ -91,6 +91,8 @@ _NON_ZERO_BYTE = re.compile(rb"[^\x00]")
 _ALL_ZERO_HEADER = bytes(_HEADER_BYTES)
 
 HParamValue = str | int | float | bool
+# str(time.time()): the folder add_hparams writes into (epoch seconds, digits after the point)
+_TIME_NAMED = re.compile(r"\d{9,11}\.\d+")
 _MAX_EXACT_INT = 2**53  # a double holds every integer up to here exactly
 
 
@@ -458,12 +460,18 @@ class EventFileParser:
 
 def folder_parsers(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
     """The parser of each event file under `folder`: its keys named from the path below it."""
-    def make(path: Path, state: dict[str, Any]) -> Parser:
-        relative = path.parent.relative_to(folder)
-        prefix = "" if str(relative) == "." else f"{relative.as_posix()}/"
-        return EventFile(prefix, state)
+    return lambda path, state: EventFile(key_prefix(path.parent.relative_to(folder)), state)
 
-    return make
+
+def key_prefix(relative: Path) -> str:
+    """The prefix of the keys of an event file in the folder `relative` to the --tensorboard
+    folder: its path with `/` after it ("" at the top). A last folder named after the time,
+    where torch's and tensorboardX's add_hparams write (`<logdir>/<time.time()>/`), is left
+    out: it names no run, and would make a new key of every metric at every call."""
+    parts = list(relative.parts)
+    if parts and _TIME_NAMED.fullmatch(parts[-1]):
+        parts.pop()
+    return "".join(f"{part}/" for part in parts if part != ".")
 
 
 class EventFile:
