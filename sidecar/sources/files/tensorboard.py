@@ -107,7 +107,8 @@ ScalarPoint = tuple[str, int, float, float]
 class Decoded:
     """What one `EventFileParser.parse` call found."""
 
-    __slots__ = ("consumed", "corrupt_records", "hparams", "invalid_values", "points")
+    __slots__ = ("consumed", "corrupt_records", "hparams", "invalid_steps", "invalid_values",
+                 "points")
 
     def __init__(self) -> None:
         self.points: list[ScalarPoint] = []
@@ -115,6 +116,7 @@ class Decoded:
         self.consumed = 0  # leading bytes that were whole records or skipped garbage: drop them
         self.corrupt_records = 0  # skipped and counted (see the module docstring for the policy)
         self.invalid_values: dict[str, int] = {}  # NaN/inf count per key
+        self.invalid_steps: dict[str, int] = {}  # the step of each key's first NaN/inf value
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -379,6 +381,7 @@ class EventFileParser:
                     wall_time, value = wall_and_value(record)
                     if not is_finite(value):
                         out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
+                        out.invalid_steps.setdefault(key, step)
                         run.clear()
                         continue
                     append((key, step, value, wall_time))
@@ -456,6 +459,7 @@ class EventFileParser:
             out.points.append((key, step, value, wall_time))
         else:
             out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
+            out.invalid_steps.setdefault(key, step)
 
 
 def folder_parsers(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
@@ -484,9 +488,11 @@ class EventFile:
         decoded = self._decoder.parse(data)
         points = [{"key": key, "step": step, "value": value, "ts": iso_ts(wall_time)}
                   for key, step, value, wall_time in decoded.points]
-        return Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
-                      records=len(points), skipped=decoded.corrupt_records,
-                      invalid=decoded.invalid_values)
+        parsed = Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
+                        records=len(points), skipped=decoded.corrupt_records,
+                        invalid=decoded.invalid_values)
+        parsed.invalid_steps = decoded.invalid_steps
+        return parsed
 
     def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
         return Parsed(consumed=0)  # a record still being written is waited for
