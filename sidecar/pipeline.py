@@ -104,7 +104,7 @@ def source_specs(cfg: Config, node: Node,
 
 def _spec(kind: FileKind, patterns: tuple[str, ...], follow: Follow) -> SourceSpec:
     return SourceSpec(kind.name, patterns, kind.parsers(follow), parse_bytes=kind.parse_bytes,
-                      option=kind.flag, tree=kind.tree)
+                      option=kind.flag, tree=kind.tree, silence=kind.silence)
 
 
 def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts) -> CheckpointWatcher:
@@ -264,7 +264,7 @@ class Pipeline(Sink):
                  if at is not None]
         return min(paced, default=None)
 
-    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
+    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str, source: str) -> None:
         active = bool(parsed.text) or self._new_step(parsed.points)
         if parsed.text:  # before a line of ours about it (resumed): the text is assembled,
             self.shipper.put(parsed.text, ticket)  # its file's open line is known past it
@@ -278,8 +278,10 @@ class Pipeline(Sink):
             if key in self.invalid:
                 self.invalid[key] += count
             elif len(self.invalid) < MAX_NAMED_INVALID_KEYS:  # each said once
-                log.warning("metric %r: a NaN or infinite value is never sent; such values are "
-                            "counted per key (said once per key)", key)
+                step = parsed.invalid_steps.get(key)
+                log.warning("metric %r: a NaN or infinite value%s in %s is never sent; such "
+                            "values are counted per key (said once per key)", key,
+                            "" if step is None else f" at step {step}", source)
                 self.invalid[key] = count
             else:
                 if not self.invalid_unnamed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import math
 import os
 import shlex
 import ssl
@@ -535,7 +536,7 @@ def test_check_fails_on_a_jsonl_file_of_python_dicts_with_the_hint(
     assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.split()[1:2] == ["jsonl"])
     assert line.startswith("FAIL")
-    assert f"{out}/metrics.jsonl line 1: single quotes: a Python dict" in line
+    assert f"{out}/metrics.jsonl: 5 lines skipped, line 1: single quotes: a Python dict" in line
     assert "write json.dumps(record)" in line
     assert done.stdout.splitlines()[-1] == "sidecar check: failed (first failed step: jsonl)"
 
@@ -554,10 +555,35 @@ def test_check_counts_the_points_at_the_head_of_each_jsonl_file(
     assert lines[0].startswith("ok") and "1 file" in lines[0] and "2 points" in lines[0]
     assert lines[1].startswith("warn") and "3 points in their first lines" in lines[1]
     assert "2 points in its first lines" in lines[0]
-    assert f"{tmp_path}/b.jsonl line 2: no number in it: 'loss' is the string '0.4'" in lines[1]
+    assert f"{tmp_path}/b.jsonl: 1 line skipped, line 2: no number in it: 'loss' is the string " \
+           "'0.4'" in lines[1]
     assert lines[2].startswith("FAIL") and "only NaN or infinite values" in lines[2]
+    assert f"{tmp_path}/c.jsonl: 1 NaN or infinite value never sent, the first 'loss' at step " \
+           "1 (line 1)" in lines[2]
     assert lines[3].startswith("warn") and "no complete line in it yet" in lines[3]
     assert result.code == EXIT_FAILED
+
+
+def test_check_names_each_files_nan_values_and_skipped_lines_beside_its_points(
+        ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "clean.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    (tmp_path / "nan.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": 0.5, "grad": math.nan if step >= 7 else 1.0}) + "\n"
+        for step in range(10)))
+    (tmp_path / "skips.jsonl").write_text('{"step": 1, "loss": 0.5}\nloss=0.4\n{"step": 3}\n')
+    env = platform_env(ingest, tmp_path / "state")
+    result = run_check(env, capsys, "--json", "--jsonl", f"{tmp_path}/*.jsonl")
+    [step] = [s for s in json.loads(result.out)["steps"] if s["name"] == "jsonl"]
+    assert step["status"] == "warn", step
+    assert "19 points in their first lines, but" in step["message"]
+    assert f"{tmp_path}/nan.jsonl: 3 NaN or infinite values never sent, the first 'grad' at " \
+           "step 7 (line 8)" in step["message"]
+    assert f"{tmp_path}/skips.jsonl: 2 lines skipped, line 2: not JSON (loss=0.4)" \
+        in step["message"]
+    assert "clean.jsonl:" not in step["message"]
+    heads = {Path(h["file"]).name: (h["points"], h["not_finite"], h["skipped"])
+             for h in step["details"]["heads"]}
+    assert heads == {"clean.jsonl": (1, 0, 0), "nan.jsonl": (17, 3, 0), "skips.jsonl": (1, 0, 2)}
 
 
 @wired

@@ -345,7 +345,7 @@ class _Collect(Sink):
     def has_room(self) -> bool:
         return True
 
-    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
+    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str, source: str) -> None:
         self.parsed.append(parsed)
         ticket.seal()
 
@@ -377,8 +377,8 @@ class _OneBlockAtATime(_Collect):
     def has_room(self) -> bool:
         return self.room
 
-    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
-        super().deliver(parsed, ticket, kind)
+    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str, source: str) -> None:
+        super().deliver(parsed, ticket, kind, source)
         self.room = False
 
 

@@ -213,7 +213,7 @@ print("training", flush=True)
 deadline = time.monotonic() + 30
 while not go.exists() and time.monotonic() < deadline:
     time.sleep(0.05)
-path.write_text("optimizer:\\n  lr: 0.01\\nseed: 1\\n")  # changed: sent again
+path.write_text("optimizer:\\n  lr: 0.01\\n")  # changed: sent again
 print("done", flush=True)
 """
 
@@ -234,8 +234,11 @@ def test_run_waits_for_a_file_the_trainer_writes_and_sends_it_again_when_it_chan
         done = run.wait(60)
     assert done.status == 0, done.stderr
     sent = [r["params"] for r in ingest.records("hparams")]
-    assert sent == [{"optimizer.lr": 0.1, "seed": 1}, {"optimizer.lr": 0.01, "seed": 1}]
+    assert sent == [{"optimizer.lr": 0.1, "seed": 1}, {"optimizer.lr": 0.01}]
     assert "configuration error" not in done.stderr.decode()
+    said = [line for line in done.stderr.decode().splitlines() if "sent" in line]
+    assert any(f"--hparams {config}: 2 parameters sent" in line for line in said), said
+    assert any(f"--hparams {config}: 1 parameter sent again" in line for line in said), said
 
 
 def test_a_file_that_cannot_be_read_is_said_once_and_the_run_goes_on(

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import signal
+import sys
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,9 +91,11 @@ def test_key_value_object_is_one_point_with_its_step() -> None:
     assert fed.skipped == fed.unusable == 0 and fed.records == 1
 
 
-def test_key_value_step_defaults_to_zero_not_the_line_number() -> None:
-    fed = _parse('\n\n{"key": "acc", "value": 1}\n')
-    assert [(p["key"], p["step"], p["value"]) for p in fed.points] == [("acc", 0, 1)]
+def test_key_value_lines_without_a_step_are_counted_up_not_piled_on_step_0() -> None:
+    fed = _parse('\n\n{"key": "acc", "value": 1}\n\n{"key": "acc", "value": 2}\n'
+                 '{"key": "acc", "value": 3}\n')
+    assert [(p["key"], p["step"], p["value"]) for p in fed.points] == [
+        ("acc", 0, 1), ("acc", 1, 2), ("acc", 2, 3)]
 
 
 @pytest.mark.parametrize(("value", "sent"), [("true", 1), ("false", 0), ("3", 3), ("-2.5", -2.5)])
@@ -123,9 +126,9 @@ def test_record_numeric_leaves_become_points_nested_keys_joined_with_slash() -> 
     ({"_step": 7, "iteration": 8}, 7),
     ({"iteration": 8}, 8),
     ({"step": 9.0}, 9),
-    ({}, 2),  # the 0-based line number: two lines come before it
+    ({}, 1),  # counted: one record without a step comes before it
 ])
-def test_record_step_is_the_first_step_field_present_else_the_line_number(
+def test_record_step_is_the_first_step_field_present_else_counted(
         fields: dict[str, Any], step: int) -> None:
     fed = _parse('{"warmup": 1}\n\n' + json.dumps({**fields, "loss": 0.1}) + "\n")
     assert [(p["key"], p["step"]) for p in fed.points] == [("warmup", 0), ("loss", step)]
@@ -164,30 +167,39 @@ def test_record_with_only_ignored_values_gives_no_points_and_is_counted() -> Non
     assert parser.problem.startswith("line 1: no number in it")
 
 
-# --- line numbers ----------------------------------------------------------------------------
+# --- the step of a record without one -----------------------------------------------------
 
 
-def test_line_number_counts_blank_and_bad_lines() -> None:
-    fed = _parse('\n   \nnot json\n[1, 2]\n{"loss": 1}\n')
-    assert [(p["key"], p["step"]) for p in fed.points] == [("loss", 4)]
+def test_records_without_a_step_are_counted_past_blank_and_bad_lines() -> None:
+    fed = _parse('\n   \nnot json\n[1, 2]\n{"loss": 1}\n{"loss": 2}\n{"key": "lr", "value": 3}\n')
+    assert [(p["key"], p["step"]) for p in fed.points] == [("loss", 0), ("loss", 1), ("lr", 2)]
     assert fed.unusable == 2
 
 
-def test_line_number_continues_across_calls_and_a_resume() -> None:
+def test_records_without_a_step_take_the_last_step_given_before_them() -> None:
+    fed = _parse('{"loss": 1}\n{"step": 10, "loss": 2}\n{"eval": 3}\n'
+                 '{"key": "lr", "value": 0.1}\n{"global_step": 20, "loss": 4}\n{"eval": 5}\n')
+    assert [(p["key"], p["step"]) for p in fed.points] == [
+        ("loss", 0), ("loss", 10), ("eval", 10), ("lr", 10), ("loss", 20), ("eval", 20)]
+
+
+def test_the_count_and_the_last_step_continue_across_calls_and_a_resume() -> None:
     parser = JsonlParser()
     first = _follow(parser, [b'{"a": 1}\n\nbad\n{"b": 2}\n{"c": '])
-    assert [(p["key"], p["step"]) for p in first.points] == [("a", 0), ("b", 3)]
-    assert parser.state() == {"line": 4}  # the unfinished fifth line is not counted yet
+    assert [(p["key"], p["step"]) for p in first.points] == [("a", 0), ("b", 1)]
+    # the unfinished fifth line is not counted yet
+    assert parser.state() == {"line": 4, "counted": 2, "step": None}
     resumed = JsonlParser.resume(json.loads(json.dumps(parser.state())))
-    rest = _follow(resumed, [first.left + b'3}\n{"d": 4}\n'])
-    assert [(p["key"], p["step"]) for p in rest.points] == [("c", 4), ("d", 5)]
-    assert resumed.state() == {"line": 6}
+    rest = _follow(resumed, [first.left + b'3}\n{"step": 7, "d": 4}\n'])
+    assert [(p["key"], p["step"]) for p in rest.points] == [("c", 2), ("d", 7)]
+    again = JsonlParser.resume(json.loads(json.dumps(resumed.state())))
+    assert [p["step"] for p in _parse('{"e": 5}\n', again).points] == [7]
 
 
-def test_fresh_parser_and_empty_state_start_at_line_zero() -> None:
-    assert JsonlParser().state() == {"line": 0}
-    assert JsonlParser.resume({}).state() == {"line": 0}
-    assert [p["step"] for p in _parse('{"a": 1}\n', JsonlParser.resume({})).points] == [0]
+def test_fresh_parser_and_empty_state_start_counting_at_zero() -> None:
+    assert JsonlParser().state() == {"line": 0, "counted": 0, "step": None}
+    assert JsonlParser.resume({}).state() == {"line": 0, "counted": 0, "step": None}
+    assert [p["step"] for p in _parse('{"a": 1}\n', JsonlParser.resume({"line": 3})).points] == [0]
 
 
 # --- invalid numbers and bad lines -------------------------------------------------------------
@@ -209,13 +221,13 @@ def test_nan_and_infinities_are_counted_per_key_and_never_sent() -> None:
     '{"a": 1}}'])
 def test_a_line_not_json_or_not_an_object_is_counted_as_unusable(line: str) -> None:
     fed = _parse(f'{{"before": 1}}\n{line}\n{{"after": 2}}\n')
-    assert [(p["key"], p["step"]) for p in fed.points] == [("before", 0), ("after", 2)]
+    assert [(p["key"], p["step"]) for p in fed.points] == [("before", 0), ("after", 1)]
     assert fed.unusable == 1
 
 
 def test_invalid_utf8_line_is_skipped_not_fatal() -> None:
     fed = _follow(JsonlParser(), [b'{"a": "\xff\xfe"}\n\xc3\x28\n{"b": 1}\n'])
-    assert [(p["key"], p["step"]) for p in fed.points] == [("b", 2)]
+    assert [(p["key"], p["step"]) for p in fed.points] == [("b", 0)]
     assert fed.unusable == 2
 
 
@@ -244,7 +256,7 @@ def test_quiet_never_consumes(data: bytes) -> None:
     parser = JsonlParser()
     quiet = parser.quiet(data, NOW)
     assert quiet.consumed == 0 and quiet.points == [] and quiet.skipped == 0
-    assert parser.state() == {"line": 0}
+    assert parser.state() == JsonlParser().state()
 
 
 def test_over_long_line_is_skipped_and_counted_without_holding_it() -> None:
@@ -252,7 +264,7 @@ def test_over_long_line_is_skipped_and_counted_without_holding_it() -> None:
     long_line = b'{"huge": "' + b"x" * (MAX_LINE_BYTES + 3 * chunk) + b'"}\n'
     data = b'{"a": 1}\n' + long_line + b'{"b": 2}\n'
     fed = _follow(JsonlParser(), _blocks(data, range(0, len(data), chunk)))
-    assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 2)]
+    assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 1)]
     assert fed.unusable == 1
     assert fed.left == b""
     assert fed.most_held <= MAX_LINE_BYTES + chunk
@@ -264,10 +276,10 @@ def test_over_long_line_skipping_ends_at_its_newline_even_in_small_pieces(
     data = b'{"a": 1}\n' + b"y" * 200 + b'\n{"b": 2}\n{"c": 3}\n'
     parser = JsonlParser()
     fed = _follow(parser, _blocks(data, range(0, len(data), 7)))
-    assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 2), ("c", 3)]
+    assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 1), ("c", 2)]
     assert fed.unusable == 1
     assert fed.most_held <= 32 + 7
-    assert parser.state() == {"line": 4}
+    assert parser.state() == {"line": 4, "counted": 3, "step": None}
 
 
 def test_over_long_line_is_skipped_however_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,7 +335,8 @@ def test_splitting_json_lines_at_any_byte_gives_the_same_points(
     assert split.points == whole.points
     assert (split.unusable, split.records, split.invalid) == (
         whole.unusable, whole.records, whole.invalid)
-    assert many.state() == one.state() == {"line": data.count(b"\n")}
+    assert many.state() == one.state()
+    assert one.state()["line"] == data.count(b"\n")
     assert all(math.isfinite(p["value"]) and not isinstance(p["value"], bool)
                for p in whole.points)
 
@@ -358,7 +371,7 @@ def test_integer_too_large_for_a_float_is_invalid_not_fatal(line: str) -> None:
 
 def test_deeply_nested_line_is_skipped_not_fatal() -> None:
     fed = _parse("[" * 100_000 + '\n{"after": 1}\n')
-    assert [(p["key"], p["step"]) for p in fed.points] == [("after", 1)]
+    assert [(p["key"], p["step"]) for p in fed.points] == [("after", 0)]
     assert fed.unusable == 1
 
 
@@ -430,41 +443,94 @@ def test_steps_at_the_ends_of_the_signed_64_bit_range_are_sent(step: float) -> N
 # --- through the real process -----------------------------------------------------------------
 
 
-def test_watch_says_a_file_of_python_dicts_once_and_counts_it_invalid(
-        ingest: RunningIngest, tmp_path: Path) -> None:
+# `sidecar` with the minute after which a file that gave no point is said shortened to 1 s
+QUICK_SILENCE = (sys.executable, "-c", "import sys; import sidecar.sources.files.follow as f; "
+                 "f.NO_POINT_S = 1.0; from sidecar.cli import main; sys.exit(main())")
+
+
+def _status_source(address: str, kind: str) -> dict[str, Any]:
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with direct.open(f"http://{address}/status", timeout=5) as response:
+        doc = json.loads(response.read())
+    return next(s for s in doc["sources"] if s["kind"] == kind)
+
+
+def test_watch_says_a_file_of_python_dicts_at_once_after_its_first_minute_and_at_the_end(
+        ingest: RunningIngest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tests.conftest.SIDECAR", QUICK_SILENCE)
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(f"{{'step': {i}, 'loss': 1.0}}\n" for i in range(5)))
     good = tmp_path / "good.jsonl"
     good.write_text('{"step": 1, "acc": 0.5}\n')
+    unfinished = tmp_path / "unfinished.jsonl"
+    unfinished.write_text('{"step": 1, "acc": 0.5}')
     env = platform_env(ingest, tmp_path / "state", SIDECAR_STATUS_ADDR="127.0.0.1:0",
                        SIDECAR_HARDWARE_INTERVAL="0")
-    watch = Sidecar(["watch", "--jsonl", str(metrics), "--jsonl", str(good)], env,
-                    tmp_path / "watch")
+    watch = Sidecar(["watch", "--jsonl", str(metrics), "--jsonl", str(good), "--jsonl",
+                     str(unfinished)], env, tmp_path / "watch")
+    stderr = tmp_path / "watch" / "stderr"
     try:
         addr_file = tmp_path / "state" / RUN_ID / "status-addr"
         wait_until(addr_file.exists, 20, "the status address")
         address = addr_file.read_text().strip()
-
-        def jsonl_source() -> dict[str, Any]:
-            direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-            with direct.open(f"http://{address}/status", timeout=5) as response:
-                doc = json.loads(response.read())
-            return next(s for s in doc["sources"] if s["kind"] == "jsonl")
-
-        wait_until(lambda: jsonl_source()["invalid"] == 5, 20, "five invalid lines counted")
-        assert jsonl_source()["skipped"] == 0
+        wait_until(lambda: _status_source(address, "jsonl")["invalid"] == 5, 20,
+                   "five invalid lines counted")
+        assert _status_source(address, "jsonl")["skipped"] == 0
         ingest.wait_for(lambda: any(p["key"] == "acc" for r in ingest.records("metrics")
                                     for p in r["points"]), 10)
+        wait_until(lambda: f"{metrics}: no point in its first 1 s" in stderr.read_text(), 20,
+                   "the file of Python dicts said after its first second")
     finally:
         watch.proc.send_signal(signal.SIGTERM)
         done = watch.wait(60)
     assert done.status == 0, done.stderr
     warnings = [line for line in done.stderr.decode().splitlines() if " WARNING " in line]
     said = [line for line in warnings if str(metrics) in line]
-    assert len(said) == 1, warnings
+    assert len(said) == 2, warnings
     assert f"--jsonl {metrics}: line 1: single quotes: a Python dict" in said[0]
     assert "write json.dumps(record)" in said[0]
+    # said again once it is clear that nothing came of it, with the same diagnosis
+    assert f"--jsonl {metrics}: no point in its first 1 s: 5 lines read; line 1: single " \
+           "quotes: a Python dict" in said[1]
+    assert "write json.dumps(record)" in said[1]
     assert not [line for line in warnings if str(good) in line]
+    # the line that never got its newline is said by the end at the latest, with why
+    [open_line] = [line for line in warnings if str(unfinished) in line]
+    assert "no point" in open_line and "have no newline yet" in open_line
+
+
+def test_watch_counts_records_without_a_step_and_names_the_file_and_step_of_a_nan(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    counted = tmp_path / "counted.jsonl"
+    counted.write_text("".join(json.dumps({"loss": i / 10}) + "\n" for i in range(5)))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"key": "lr", "value": i}) + "\n" for i in range(3)))
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"step": 10, "loss": 1}\n{"eval": 2}\n{"step": 20, "loss": 3, '
+                     '"grad": NaN}\n{"eval": 4}\n')
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    watch = Sidecar(["watch", "--jsonl", str(counted), "--jsonl", str(pairs), "--jsonl",
+                     str(mixed)], env, tmp_path / "watch")
+    try:
+        ingest.wait_for(lambda: sum(len(r["points"]) for r in ingest.records("metrics")) >= 12,
+                        20)
+    finally:
+        watch.proc.send_signal(signal.SIGTERM)
+        done = watch.wait(60)
+    assert done.status == 0, done.stderr
+    steps: dict[str, list[int]] = {}
+    for record in ingest.records("metrics"):
+        for point in record["points"]:
+            steps.setdefault(point["key"], []).append(point["step"])
+    assert {key: sorted(set(found)) for key, found in steps.items()} == {
+        "loss": [0, 1, 2, 3, 4, 10, 20], "lr": [0, 1, 2], "eval": [10, 20]}
+    lines = done.stderr.decode().splitlines()
+    for path, rule in ((counted, "are counted, 0, 1, 2, ..."), (pairs, "are counted"),
+                       (mixed, "take the step of the last record before them that had one")):
+        said = [line for line in lines if f"--jsonl {path}: " in line and "no step" in line]
+        assert len(said) == 1 and " INFO " in said[0] and rule in said[0], said
+    [nan] = [line for line in lines if "'grad'" in line]
+    assert " WARNING " in nan and f"at step 20 in --jsonl {mixed}" in nan
 
 
 def test_a_record_of_5000_keys_is_refused_past_the_limit_in_one_error_line(

@@ -139,8 +139,11 @@ def test_json_messages_carry_the_run_the_node_and_the_route_or_source(
     messages = json_lines(done.stderr)
     assert all(m["run_id"] == RUN_ID and m["node"] == "gpu-07" for m in messages), messages
     assert {m["path"] for m in messages if m.get("source") == "jsonl"} == {str(metrics)}
-    [bad_line] = [m for m in messages if m.get("source") == "jsonl" and m["level"] == "warning"]
+    # the bad line at once, and that the file gave no point by the end
+    bad_line, no_point = [m for m in messages
+                          if m.get("source") == "jsonl" and m["level"] == "warning"]
     assert "single quotes: a Python dict" in str(bad_line["msg"])
+    assert "no point by the end" in str(no_point["msg"])
     refused = next(m for m in messages if m.get("route") == "hardware")
     assert refused["level"] == "error" and "HTTP 400" in str(refused["msg"])
 

@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import random
+import signal
 import struct
 from collections import Counter
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from sidecar.sources.files.tensorboard import (
     ScalarPoint,
     masked_crc32c,
 )
+from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env
+from tests.ingest_server import running_ingest, wait_until
 
 Point = tuple[str, int, float, float]
 
@@ -809,3 +812,64 @@ def test_runs_with_any_changes_read_as_record_by_record(first_step: int, steps: 
         pending = pending[decoded.consumed:]
     assert got.points == want.points
     assert (got.invalid, got.corrupt, got.consumed) == (want.invalid, want.corrupt, len(data))
+
+
+# --- keys from the folders writers make -------------------------------------------------------
+
+@pytest.mark.parametrize(("folder", "prefix"), [
+    (".", ""),
+    ("train", "train/"),
+    ("run1/1796192167.6776414", "run1/"),  # torch's add_hparams: <logdir>/<time.time()>/
+    ("1796192167.6776414", ""),
+    ("lightning_logs/version_0", "lightning_logs/version_0/"),  # Lightning's TensorBoardLogger
+    ("fit/validation", "fit/validation/"),  # Keras' TensorBoard callback
+    ("2024.1", "2024.1/"),  # a version, not a time
+    ("1796192167.6776414/eval", "1796192167.6776414/eval/"),  # only the last folder is a writer's
+])
+def test_a_key_prefix_is_the_folder_without_add_hparams_time_named_one(folder: str,
+                                                                       prefix: str) -> None:
+    assert tensorboard_source.key_prefix(Path(folder)) == prefix
+
+
+def test_watch_keys_torch_add_hparams_without_its_time_folder_and_keeps_other_layouts(
+        tmp_path: Path) -> None:
+    """Through the real process, torch's own SummaryWriter writing: add_hparams' metrics in
+    run1/<time.time()>/, Lightning's version_N folder and Keras' train/validation folders."""
+    tensorboard = pytest.importorskip("torch.utils.tensorboard")
+    logdir = tmp_path / "tb"
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID) as ingest:
+        env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+        watch = Sidecar(["watch", "--tensorboard", str(logdir)], env, tmp_path / "watch")
+        stderr = tmp_path / "watch" / "stderr"
+        try:
+            wait_until(lambda: f"--tensorboard {logdir}: " in stderr.read_text(), 20,
+                       "the missing folder said")
+            run1 = tensorboard.SummaryWriter(str(logdir / "run1"))
+            for step in range(3):
+                run1.add_scalar("loss", 1.0 / (step + 1), step)
+            run1.add_hparams({"lr": 0.01, "batch": 32}, {"hparam/final_loss": 0.25})
+            run1.close()
+            for folder, tag in (("lightning_logs/version_0", "train_loss"),
+                                ("fit/train", "epoch_loss"), ("fit/validation", "epoch_loss")):
+                with tensorboard.SummaryWriter(str(logdir / folder)) as writer:
+                    writer.add_scalar(tag, 0.5, 1)
+            [hparams_folder] = [p.parent for p in (logdir / "run1").glob("*/events.out.*")]
+            assert float(hparams_folder.name) > 1e9  # the layout this test is about
+
+            def keys() -> set[str]:
+                return {p["key"] for r in ingest.records("metrics") for p in r["points"]}
+
+            wait_until(lambda: len(keys()) >= 5 and bool(ingest.records("hparams")), 20,
+                       "the points and hparams")
+        finally:
+            watch.proc.send_signal(signal.SIGTERM)
+            done = watch.wait(60)
+        assert done.status == 0, done.stderr
+        assert keys() == {"run1/loss", "run1/hparam/final_loss",
+                          "lightning_logs/version_0/train_loss", "fit/train/epoch_loss",
+                          "fit/validation/epoch_loss"}
+        params = {k: v for r in ingest.records("hparams") for k, v in r["params"].items()}
+        assert params == {"lr": 0.01, "batch": 32}
+        said = done.stderr.decode()
+        assert f"--tensorboard {logdir}: no such folder yet" in said
+        assert "no such file" not in said

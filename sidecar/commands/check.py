@@ -209,46 +209,65 @@ def _variables(environ: Mapping[str, str], report: _Report) -> None:
                    unknown=[warning.split()[0] for warning in unknown])
 
 
-def _heads(head: Callable[[bytes], Head],
-           files: Sequence[str]) -> tuple[int, int, list[tuple[str, str]]]:
-    """What the head of each file gives, parsed as `watch` would: the points, the NaN or
-    infinite values (never sent), and (file, first bad line) for each file holding one."""
-    points = not_finite = 0
-    problems: list[tuple[str, str]] = []
+def _heads(head: Callable[[bytes], Head], files: Sequence[str]) -> list[tuple[str, Head]]:
+    """What the head of each file gives, parsed as `watch` would."""
+    heads = []
     for name in files[:MAX_LISTED_FILES]:
         try:
             with open(name, "rb") as fh:
                 data = fh.read(HEAD_BYTES)
         except OSError as exc:
-            problems.append((name, f"cannot be read ({exc.strerror})"))
+            heads.append((name, Head(0, 0, f"cannot be read ({exc.strerror})")))
             continue
-        found = head(data)
-        points += found.points
-        not_finite += found.not_finite
-        if found.problem:
-            problems.append((name, found.problem))
-    return points, not_finite, problems
+        heads.append((name, head(data)))
+    return heads
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _head_note(name: str, found: Head) -> str:
+    """What is wrong in one file's head: its lines skipped and its NaN values, each with the
+    first; "" when nothing is."""
+    parts = []
+    if found.problem:
+        skipped = f"{_plural(found.skipped, 'line')} skipped, " if found.skipped else ""
+        parts.append(f"{skipped}{found.problem}")
+    if found.not_finite:
+        parts.append(f"{_plural(found.not_finite, 'NaN or infinite value')} never sent, the "
+                     f"first {found.first_not_finite}")
+    return f"{name}: {'; '.join(parts)}" if parts else ""
 
 
 def _head_step(step: str, head: Callable[[bytes], Head], what: str, pattern: str,
                files: list[str], report: _Report) -> None:
-    """A pattern's files read at their head: fail when they hold lines and no point."""
-    points, not_finite, problems = _heads(head, files)
+    """A pattern's files read at their head: fail when they hold lines and no point; each file
+    with lines skipped or NaN values named, with the first of each."""
+    heads = _heads(head, files)
+    points = sum(found.points for _, found in heads)
     listed = ", ".join(files[:SHOWN_FILES]) + (
         f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
     count = f"{len(files)} file{'s' if len(files) > 1 else ''} ({listed})"
-    details: dict[str, Any] = {"pattern": pattern, "files": files[:MAX_LISTED_FILES],
-                               "matched": len(files), "points": points,
-                               "problems": [{"file": f, "problem": p} for f, p in problems]}
-    said = "; ".join(f"{name} {problem}" for name, problem in problems[:SHOWN_FILES])
+    notes = [note for note in (_head_note(name, found) for name, found in heads) if note]
+    details: dict[str, Any] = {
+        "pattern": pattern, "files": files[:MAX_LISTED_FILES], "matched": len(files),
+        "points": points,
+        "problems": [{"file": name, "problem": found.problem}
+                     for name, found in heads if found.problem],
+        "heads": [{"file": name, "points": found.points, "skipped": found.skipped,
+                   "not_finite": found.not_finite, "problem": found.problem,
+                   "first_not_finite": found.first_not_finite} for name, found in heads]}
+    said = "; ".join(notes[:SHOWN_FILES]) + (
+        f"; and {len(notes) - SHOWN_FILES} more files" if len(notes) > SHOWN_FILES else "")
     their, them = ("its", "it") if len(files) == 1 else ("their", "them")
-    if not points and problems:
+    if not points and any(found.problem for _, found in heads):
         report.add(step, "fail", f"{what}: {count}, and no point in {their} first lines: "
                    f"{said}", **details)
-    elif not points and not_finite:
+    elif not points and notes:
         report.add(step, "fail", f"{what}: {count}, and only NaN or infinite values in "
-                   f"{their} first lines, which are never sent", **details)
-    elif problems:
+                   f"{their} first lines, which are never sent: {said}", **details)
+    elif notes:
         report.add(step, "warn", f"{what}: {count}, {points} points in {their} first lines, "
                    f"but {said}", **details)
     elif not points:

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 class Parsed:
     """The outcome of parsing some bytes of one file."""
 
-    __slots__ = ("consumed", "hparams", "invalid", "points", "records", "skipped", "text",
-                 "unusable")
+    __slots__ = ("consumed", "hparams", "invalid", "invalid_steps", "points", "records", "skipped",
+                 "text", "unusable")
 
     def __init__(self, consumed: int, text: str = "",
                  points: list[dict[str, Any]] | None = None,
@@ -23,6 +23,8 @@ class Parsed:
         self.records = records  # lines or records taken
         self.skipped = skipped  # bad lines or records, skipped and counted
         self.invalid = {} if invalid is None else invalid  # NaN/inf values per key, not sent
+        # the step of the first NaN/inf value of each key in `invalid`, when the format has steps
+        self.invalid_steps: dict[str, int] = {}
         # lines or values not sent (not JSON, no number, a key given twice): counted as invalid, as
         # NaN values are
         self.unusable = unusable

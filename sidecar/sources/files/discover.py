@@ -28,7 +28,7 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
         if path.exists():
             return [], (f"is a file; {option} takes the folder the event files are written to "
                         f"(here {path.parent})")
-        return [], _missing(path)
+        return [], _missing(path, "folder")
     if glob.has_magic(pattern):
         names = _glob(pattern)
         if names:
@@ -43,8 +43,9 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
     return [], _missing(path)
 
 
-def _missing(path: Path) -> str:
-    return "no such file yet" if path.parent.is_dir() else \
+def _missing(path: Path, what: str = "file") -> str:
+    """Why `path`, a `what` ("file" or "folder") not there, names nothing yet."""
+    return f"no such {what} yet" if path.parent.is_dir() else \
         f"the folder {path.parent} does not exist yet"
 
 

@@ -65,6 +65,9 @@ MAX_GATHER_S = 1.0  # and never waits longer than this for it
 COALESCE_S = 0.1
 QUIET_S = 1.0  # unconsumed bytes this old are offered to the parser's quiet()
 RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went quiet
+# a file of a kind that gives points, read from its start, that gave none this long after it was
+# first followed is said, with why (and so is one that gave none by the end)
+NO_POINT_S = 60.0
 
 
 class SourceSpec(NamedTuple):
@@ -78,6 +81,8 @@ class SourceSpec(NamedTuple):
     parse_bytes: int = READ_BYTES
     option: str = ""  # the option that named the patterns, for messages: "--log"
     tree: str = ""  # a file-name glob: each pattern is a folder holding such files at any depth
+    # why a file's parser gave no point yet, given the bytes it holds unparsed; None: not asked
+    silence: Callable[[Parser, int], str] | None = None
 
     def names(self) -> list[str]:
         """The paths the patterns name now."""
@@ -123,7 +128,8 @@ class Sink:
     def has_room(self) -> bool:
         raise NotImplementedError
 
-    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str) -> None:
+    def deliver(self, parsed: Parsed, ticket: Ticket, kind: str, source: str) -> None:
+        """`source`: the option and the file it came from, for messages (`--jsonl m.jsonl`)."""
         raise NotImplementedError
 
     def due(self) -> float | None:
@@ -270,6 +276,7 @@ class Follower:
             waiting, self._waiting = self._waiting, []
             for spec, name in waiting:
                 self._open_new(spec, name)
+        self._say_silent(final=False)
         self._close_finished()
         self._open_paths_cache = None
 
@@ -283,8 +290,11 @@ class Follower:
         self._discover()
         for tail in [*self._tails.values(), *self._retired]:
             await self._read(tail, final=True)
-        return all(tail.read_offset >= tail.size or tail.closed
+        done = all(tail.read_offset >= tail.size or tail.closed
                    for tail in [*self._tails.values(), *self._retired])
+        if done:
+            self._say_silent(final=True)
+        return done
 
     def close(self) -> None:
         for tail in [*self._tails.values(), *self._retired]:
@@ -298,6 +308,21 @@ class Follower:
     def matches(self) -> list[MatchState]:
         """What each pattern of each source names, for the status endpoint."""
         return self._scan.matches()
+
+    def _say_silent(self, final: bool) -> None:
+        """Say each file read from its start that gave no point in its first NO_POINT_S, or
+        (`final`) by the end, once, with why: an empty chart is never left unexplained."""
+        now = time.monotonic()
+        for tail in [*self._tails.values(), *self._retired]:
+            silence = tail.spec.silence
+            if silence is None or tail.points or tail.silence_said or not tail.from_start:
+                continue
+            if not final and now - tail.opened < NO_POINT_S:
+                continue
+            tail.silence_said = True
+            log.warning("%s %s: no point %s: %s", tail.spec.option, tail.path,
+                        "by the end" if final else f"in its first {NO_POINT_S:.0f} s",
+                        silence(tail.parser, max(tail.size - tail.consumed, 0)))
 
     # -- discovery and rotation --------------------------------------------------------------
 
@@ -528,6 +553,7 @@ class Follower:
         stats = self.stats[tail.spec.kind]
         stats.records += parsed.records
         stats.points += len(parsed.points)
+        tail.points += len(parsed.points)
         stats.skipped += parsed.skipped
         stats.invalid += sum(parsed.invalid.values()) + parsed.unusable
         entry: list[Any] = [tail.consumed, False, tail.parser.state()]
@@ -538,7 +564,7 @@ class Follower:
             self._commit(tail)
 
         ticket = Ticket(acknowledged)
-        self.sink.deliver(parsed, ticket, tail.spec.kind)
+        self.sink.deliver(parsed, ticket, tail.spec.kind, f"{tail.spec.option} {tail.path}")
         ticket.seal()
 
     def _commit(self, tail: Tail) -> None:

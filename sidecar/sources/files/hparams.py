@@ -83,8 +83,8 @@ class HparamsFile:
         again = self._sent is not None
         self._sent = params
         self._push(params)
-        log.info("--hparams %s: %d parameters sent%s", self.path, len(params),
-                 " again: the file changed" if again else "")
+        log.info("--hparams %s: %d parameter%s sent%s", self.path, len(params),
+                 "" if len(params) == 1 else "s", " again: the file changed" if again else "")
 
 
 def load_hparams(path: Path) -> dict[str, Scalar]:

@@ -6,6 +6,11 @@ a point (not JSON, not an object, no number in it, a step no point can carry) is
 invalid, and the first of each file is said in one WARNING naming the line, what is wrong with it
 and the fix: an empty chart is always explained. A last line without its newline waits.
 
+A record's step is its own (the first step field it has); one without takes the step of the last
+record before it that had one, and before any had one, the count of such records: 0, 1, 2, ...
+The same rule holds for every line of a file (both forms), and the first record whose step is
+not its own says so once, at INFO.
+
 One key given twice in a record (`{"a/b": 1, "a": {"b": 2}}`: both are `a/b`) sends the first in
 the line's order; the others are counted as invalid.
 """
@@ -27,27 +32,57 @@ TIME_FIELDS = ("ts", "timestamp", "_timestamp", "time")
 MAX_LINE_BYTES = 16 << 20  # a longer line is skipped and counted rather than held in memory
 MIN_STEP, MAX_STEP = -(1 << 63), (1 << 63) - 1  # a step is a signed 64-bit integer
 SHOWN_LINE_CHARS = 60  # of a bad line, quoted in its WARNING
+SHOWN_KEYS = 3  # of the keys holding NaN or infinite values, named in a file's diagnosis
 EXAMPLE_RECORD = '{"step": 1, "loss": 0.5}'
 
 
 class JsonlParser:
-    """Parses one JSONL file; `line` is the 0-based number of the next line (the default step).
+    """Parses one JSONL file; `line` is the 0-based number of the next line; `counted` the
+    records without a step before any with one; `step` the last step a record gave (None:
+    none yet).
 
     `source` (the file's name) given, the first line that cannot give a point is said in a
-    WARNING; either way `problem` holds what was wrong with it, for `sidecar check`."""
+    WARNING, and the first record whose step is not its own at INFO; either way `problem`
+    holds what was wrong with the first bad line, for `sidecar check` and `silence()`."""
 
-    def __init__(self, line: int = 0, source: str = "") -> None:
+    def __init__(self, line: int = 0, source: str = "", counted: int = 0,
+                 step: int | None = None) -> None:
         self.line = line
         self.source = source
+        self.counted = counted
+        self.step = step
         self.problem = ""  # the first bad line: its number, what is wrong, the fix
+        self.lines = 0  # records read by this parser (blank lines aside)
+        self.points = 0  # points it gave
+        self.not_finite = 0  # NaN or infinite values it met, never sent
+        self.not_finite_keys: list[str] = []  # the first SHOWN_KEYS keys holding them
+        self.first_not_finite = ""  # the first of them: its key, step and line
         self._skipping = False  # inside an over-long line, dropping it up to its newline
+        self._step_said = False
 
     @classmethod
     def resume(cls, state: dict[str, Any], source: str = "") -> JsonlParser:
-        return cls(line=int(state.get("line", 0)), source=source)
+        step = state.get("step")
+        return cls(line=int(state.get("line", 0)), source=source,
+                   counted=int(state.get("counted", 0)),
+                   step=step if isinstance(step, int) else None)
 
     def state(self) -> dict[str, Any]:
-        return {"line": self.line}
+        return {"line": self.line, "counted": self.counted, "step": self.step}
+
+    def silence(self, held: int) -> str:
+        """Why this file gave no point so far, `held` bytes of it not parsed yet (a line
+        without its newline): the same diagnosis `sidecar check` gives."""
+        if self.problem:
+            return f"{self.lines} line{'s' if self.lines != 1 else ''} read; {self.problem}"
+        if self.not_finite:
+            keys = ", ".join(repr(key) for key in self.not_finite_keys)
+            return (f"only NaN or infinite values ({keys}), which are never sent; the first: "
+                    f"{self.first_not_finite}")
+        if held:
+            return (f"its last {held} bytes have no newline yet: a line is read once it ends "
+                    "with one (write '\\n' after each record and flush the file)")
+        return "no line written to it yet"
 
     def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
         return Parsed(consumed=0)  # never send half a line
@@ -72,6 +107,7 @@ class JsonlParser:
         for raw in data[out.consumed:end].split(b"\n")[:-1]:
             if len(raw) > MAX_LINE_BYTES:
                 out.records += 1
+                self.lines += 1
                 self._bad(out, _too_long())
             else:
                 self._line(raw, read_ts, out)
@@ -94,6 +130,7 @@ class JsonlParser:
         if not raw.strip():
             return
         out.records += 1
+        self.lines += 1
         try:
             obj = json.loads(raw)
         except RecursionError:
@@ -107,25 +144,16 @@ class JsonlParser:
                       f"object, as in {EXAMPLE_RECORD}")
             return
         ts = _time_of(obj) or read_ts
+        step = self._step_of(obj, out)
+        if step is None:
+            return
         if "key" in obj and _is_number(obj.get("value")):
-            step = _integer(obj.get("step", 0))
             if not isinstance(obj["key"], str) or not obj["key"]:
                 self._bad(out, f"\"key\" is {json.dumps(obj['key'])[:SHOWN_LINE_CHARS]}, not a "
                           "metric name")
-            elif step is None:
-                self._bad(out, _bad_step("step", obj.get("step")))
             else:
-                _point(out, obj["key"], step, obj["value"], ts)
+                self._point(out, obj["key"], step, obj["value"], ts)
             return
-        step = self.line
-        for name in STEP_FIELDS:
-            if _is_number(obj.get(name)) and not isinstance(obj[name], bool):
-                found = _integer(obj[name])
-                if found is None:
-                    self._bad(out, _bad_step(name, obj[name]))
-                    return
-                step = found
-                break
         seen: set[str] = set()
         for key, value in _leaves(obj, top=True):
             if key in seen:
@@ -133,21 +161,54 @@ class JsonlParser:
                           "in {\"a/b\": 1, \"a\": {\"b\": 2}}); the first is sent")
                 continue
             seen.add(key)
-            _point(out, key, step, value, ts)
+            self._point(out, key, step, value, ts)
         if not seen:
             self._bad(out, _no_number(obj))
 
+    def _step_of(self, obj: dict[str, Any], out: Parsed) -> int | None:
+        """The record's step by the file's one rule (the module docstring); None: its step
+        field holds no step (said and counted)."""
+        for name in STEP_FIELDS:
+            if _is_number(obj.get(name)) and not isinstance(obj[name], bool):
+                found = _integer(obj[name])
+                if found is None:
+                    self._bad(out, _bad_step(name, obj[name]))
+                else:
+                    self.step = found
+                return found
+        if self.step is not None:
+            self._say_step("take the step of the last record before them that had one", self.step)
+            return self.step
+        step, self.counted = self.counted, self.counted + 1
+        self._say_step("are counted, 0, 1, 2, ... (until a record gives a step; then they take "
+                       "the last one given)", step)
+        return step
 
-def _point(out: Parsed, key: str, step: int, value: Any, ts: str) -> None:
-    try:
-        number = float(value)
-    except OverflowError:  # an integer beyond any float
-        number = math.inf
-    if not math.isfinite(number):
-        out.invalid[key] = out.invalid.get(key, 0) + 1
-        return
-    out.points.append({"key": key, "step": step,
-                       "value": int(value) if isinstance(value, bool) else value, "ts": ts})
+    def _say_step(self, rule: str, step: int) -> None:
+        if self._step_said or not self.source:
+            return
+        self._step_said = True
+        log.info("--jsonl %s: line %d has no step (a number in %s): records without one %s; "
+                 "this one is step %d (said once for this file)", self.source, self.line + 1,
+                 _either(STEP_FIELDS), rule, step)
+
+    def _point(self, out: Parsed, key: str, step: int, value: Any, ts: str) -> None:
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float
+            number = math.inf
+        if not math.isfinite(number):
+            out.invalid[key] = out.invalid.get(key, 0) + 1
+            out.invalid_steps.setdefault(key, step)
+            if not self.not_finite:
+                self.first_not_finite = f"{key!r} at step {step} (line {self.line + 1})"
+            self.not_finite += 1
+            if len(self.not_finite_keys) < SHOWN_KEYS and key not in self.not_finite_keys:
+                self.not_finite_keys.append(key)
+            return
+        self.points += 1
+        out.points.append({"key": key, "step": step,
+                           "value": int(value) if isinstance(value, bool) else value, "ts": ts})
 
 
 def _leaves(obj: dict[str, Any], top: bool, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -177,6 +238,11 @@ def _integer(value: Any) -> int | None:
     if isinstance(value, int) and MIN_STEP <= value <= MAX_STEP:
         return value
     return None
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """`a, b or c`."""
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _too_long() -> str:

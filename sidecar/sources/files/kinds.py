@@ -41,6 +41,8 @@ class Head(NamedTuple):
     points: int
     not_finite: int  # NaN or infinite values, never sent
     problem: str  # the first bad line and what is wrong with it, or ""
+    skipped: int = 0  # lines (or values) that gave no point: counted as invalid
+    first_not_finite: str = ""  # the first NaN or infinite value: its key and step
 
 
 class FileKind(NamedTuple):
@@ -63,6 +65,9 @@ class FileKind(NamedTuple):
     # drain cut short leaves for the next start or `sidecar replay`
     metrics: bool = False
     head: Callable[[bytes], Head] | None = None  # `check`: what a file's first bytes give
+    # why a file's parser gave no point yet, given the bytes it holds unparsed: said when a file
+    # gives none in its first minute or by the end (files/follow.py's NO_POINT_S); None: not said
+    silence: Callable[[Parser, int], str] | None = None
 
     @property
     def flag(self) -> str:
@@ -96,7 +101,15 @@ def _jsonl_head(data: bytes) -> Head:
 
     parser = JsonlParser()
     parsed = parser.parse(data, time.time())
-    return Head(len(parsed.points), sum(parsed.invalid.values()), parser.problem)
+    return Head(len(parsed.points), parser.not_finite, parser.problem, parsed.unusable,
+                parser.first_not_finite)
+
+
+def _jsonl_silence(parser: Parser, held: int) -> str:
+    from sidecar.sources.files.jsonl import JsonlParser
+
+    assert isinstance(parser, JsonlParser)
+    return parser.silence(held)
 
 
 def _tensorboard_parsers(follow: Follow) -> MakeParser:
@@ -111,7 +124,7 @@ FILE_KINDS: tuple[FileKind, ...] = (
     # about one /metrics request of points
     FileKind("jsonl", "JSONL metric log forwarded to /metrics (repeatable, globs)",
              _jsonl_parsers, parse_bytes=64 << 10, folder_hint="*.jsonl", metrics=True,
-             head=_jsonl_head),
+             head=_jsonl_head, silence=_jsonl_silence),
     # TensorBoard's event file names (docs/ingest.md#how-sources-become-payloads)
     FileKind("tensorboard", "TensorBoard log directory, searched recursively (repeatable)",
              _tensorboard_parsers, metavar="DIR", parse_bytes=256 << 10,

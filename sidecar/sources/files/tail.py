@@ -42,6 +42,10 @@ class Tail:
         self.last_read: float | None = None
         self.retired = False
         self.closed = False
+        self.opened = time.monotonic()
+        self.from_start = read_offset == 0  # not resumed past what an earlier start read
+        self.points = 0  # given by its parser
+        self.silence_said = False  # a file that gave no point was said (follow.NO_POINT_S)
 
     @property
     def id(self) -> FileId:

@@ -91,6 +91,8 @@ _NON_ZERO_BYTE = re.compile(rb"[^\x00]")
 _ALL_ZERO_HEADER = bytes(_HEADER_BYTES)
 
 HParamValue = str | int | float | bool
+# str(time.time()): the folder add_hparams writes into (epoch seconds, digits after the point)
+_TIME_NAMED = re.compile(r"\d{9,11}\.\d+")
 _MAX_EXACT_INT = 2**53  # a double holds every integer up to here exactly
 
 
@@ -105,7 +107,8 @@ ScalarPoint = tuple[str, int, float, float]
 class Decoded:
     """What one `EventFileParser.parse` call found."""
 
-    __slots__ = ("consumed", "corrupt_records", "hparams", "invalid_values", "points")
+    __slots__ = ("consumed", "corrupt_records", "hparams", "invalid_steps", "invalid_values",
+                 "points")
 
     def __init__(self) -> None:
         self.points: list[ScalarPoint] = []
@@ -113,6 +116,7 @@ class Decoded:
         self.consumed = 0  # leading bytes that were whole records or skipped garbage: drop them
         self.corrupt_records = 0  # skipped and counted (see the module docstring for the policy)
         self.invalid_values: dict[str, int] = {}  # NaN/inf count per key
+        self.invalid_steps: dict[str, int] = {}  # the step of each key's first NaN/inf value
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -377,6 +381,7 @@ class EventFileParser:
                     wall_time, value = wall_and_value(record)
                     if not is_finite(value):
                         out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
+                        out.invalid_steps.setdefault(key, step)
                         run.clear()
                         continue
                     append((key, step, value, wall_time))
@@ -454,16 +459,23 @@ class EventFileParser:
             out.points.append((key, step, value, wall_time))
         else:
             out.invalid_values[key] = out.invalid_values.get(key, 0) + 1
+            out.invalid_steps.setdefault(key, step)
 
 
 def folder_parsers(folder: Path) -> Callable[[Path, dict[str, Any]], Parser]:
     """The parser of each event file under `folder`: its keys named from the path below it."""
-    def make(path: Path, state: dict[str, Any]) -> Parser:
-        relative = path.parent.relative_to(folder)
-        prefix = "" if str(relative) == "." else f"{relative.as_posix()}/"
-        return EventFile(prefix, state)
+    return lambda path, state: EventFile(key_prefix(path.parent.relative_to(folder)), state)
 
-    return make
+
+def key_prefix(relative: Path) -> str:
+    """The prefix of the keys of an event file in the folder `relative` to the --tensorboard
+    folder: its path with `/` after it ("" at the top). A last folder named after the time,
+    where torch's and tensorboardX's add_hparams write (`<logdir>/<time.time()>/`), is left
+    out: it names no run, and would make a new key of every metric at every call."""
+    parts = list(relative.parts)
+    if parts and _TIME_NAMED.fullmatch(parts[-1]):
+        parts.pop()
+    return "".join(f"{part}/" for part in parts if part != ".")
 
 
 class EventFile:
@@ -476,9 +488,11 @@ class EventFile:
         decoded = self._decoder.parse(data)
         points = [{"key": key, "step": step, "value": value, "ts": iso_ts(wall_time)}
                   for key, step, value, wall_time in decoded.points]
-        return Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
-                      records=len(points), skipped=decoded.corrupt_records,
-                      invalid=decoded.invalid_values)
+        parsed = Parsed(consumed=decoded.consumed, points=points, hparams=decoded.hparams,
+                        records=len(points), skipped=decoded.corrupt_records,
+                        invalid=decoded.invalid_values)
+        parsed.invalid_steps = decoded.invalid_steps
+        return parsed
 
     def quiet(self, data: bytes, now: float, final: bool = False) -> Parsed:
         return Parsed(consumed=0)  # a record still being written is waited for
