@@ -151,10 +151,12 @@ FILE_KINDS: tuple[FileKind, ...] = (
     FileKind("tensorboard", "TensorBoard log directory, searched recursively (repeatable)",
              _tensorboard_parsers, metavar="DIR", parse_bytes=256 << 10,
              tree="events.out.tfevents.*", metrics=True),
-    # verl's validation_data_dir: <global_step>.jsonl (docs/validation.md)
+    # verl's validation_data_dir: <global_step>.jsonl (docs/validation.md). Its parser reads
+    # each line once, however long the round it holds back, so a call parses about one read
+    # of the follower's (960 KiB) on the loop, as the other kinds' do
     FileKind("validation", "evaluation or rollout samples as JSONL, a folder of one file a "
              "round (verl's <step>.jsonl) or one file of rounds, posted to /validation "
-             "(repeatable)", _validation_parsers, parse_bytes=8 << 20, tree="*.jsonl",
+             "(repeatable)", _validation_parsers, parse_bytes=1 << 20, tree="*.jsonl",
              file_too=True, route="validation", survey=_validation_survey,
              reporting_node=True),
 )
