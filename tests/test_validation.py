@@ -222,3 +222,37 @@ def test_samples_shown_are_spread_over_the_rewards() -> None:
     assert sorted(s["reward"] for s in chunk["samples"]) == [0.0] * 5 + [1.0] * 5
     shown = [int(s["user"]) for s in chunk["samples"]]
     assert shown[0] < 10 and shown[-1] > 190 and chunk["step"] == 3
+
+
+def test_a_round_without_a_step_or_rewards_is_not_posted_and_said() -> None:
+    no_step = "".join(json.dumps({"prompt": "p", "completion": "c", "reward": 1}) + "\n"
+                      for _ in range(3))
+    parser = ValidationParser()
+    assert parser.quiet(no_step.encode(), 0.0, final=True).documents == []
+    assert "has no step" in parser.problem and "--validation-map step=NAME" in parser.problem
+
+    unscored = "".join(json.dumps({"prompt": "p", "completion": "c", "step": 4}) + "\n"
+                       for _ in range(3))
+    parser = ValidationParser()
+    assert parser.quiet(unscored.encode(), 0.0, final=True).documents == []
+    assert "--validation-map reward=NAME" in parser.problem and parser.unscored == 3
+
+
+def test_scores_only_is_one_chunk_without_samples() -> None:
+    lines = "".join(json.dumps({"input": "q", "output": "a", "score": i, "acc": i > 1}) + "\n"
+                    for i in range(4))
+    [chunk] = ValidationParser(name_step=9, kept=0).quiet(lines.encode(), 0.0,
+                                                         final=True).documents
+    assert chunk == {"step": 9, "avg_reward": 1.5, "accuracy": 0.5, "samples": [],
+                     "chunk_index": 0, "total_chunks": 1}
+
+
+def test_on_a_multi_node_run_only_rank_0_follows_the_samples(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    folder = tmp_path / "val"
+    done = sidecar(["run", "--validation", str(folder), "--",
+                    *_verl_child(folder, [(1, 3, 10)])],
+                   _env(ingest, tmp_path, NODE_RANK="1", NNODES="2"), tmp_path / "run")
+    assert done.status == 0, done.stderr.decode()[-3000:]
+    assert ingest.records("validation") == []
+    assert "--validation: not followed on node rank 1" in done.stderr.decode()
