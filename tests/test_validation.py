@@ -160,8 +160,7 @@ def test_one_file_of_rounds_in_the_generic_layout_with_a_field_map_and_masked_te
 
 def test_a_round_file_still_being_written_is_not_posted_half(
         ingest: RunningIngest, tmp_path: Path) -> None:
-    folder = tmp_path / "val"
-    folder.mkdir()
+    folder = tmp_path / "val"  # made by the trainer, after the sidecar started
     made = round_of(7, 60, 100)
     lines = [json.dumps({"input": q, "output": a, "score": s, "step": 7}, ensure_ascii=False)
              + "\n" for q, a, s in zip(made["inputs"], made["outputs"], made["scores"],
@@ -169,6 +168,7 @@ def test_a_round_file_still_being_written_is_not_posted_half(
     watch = Sidecar(["watch", "--validation", str(folder), "--log-level", "debug"],
                     _env(ingest, tmp_path), tmp_path / "watch")
     try:
+        folder.mkdir()
         with (folder / "7.jsonl").open("w") as writer:
             writer.write("".join(lines[:30]))
             writer.flush()

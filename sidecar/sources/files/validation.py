@@ -128,14 +128,13 @@ class ValidationParser:
         self.samples = 0
         self.unscored = 0  # samples without a finite reward
         self.unusable = 0  # lines that are no sample (not JSON, not an object)
-        self.held = 0  # times the open round was judged unfinished after a quiet second
         self.steps: list[int] = []
         self.found: dict[str, set[str]] = {part: set() for part in MAPPABLE}
         self.extra: set[str] = set()
         self.step_from_name = False
         self.problem = ""  # the first problem of the file, for `sidecar check`
         self._open = _Round(None)
-        self._read = 0  # bytes of the data read into the open round
+        self._read = 0  # bytes at the start of the data whose lines were read
         self._seen = 0  # length of the data last offered
         self._grew_at: float | None = None  # when (the caller's clock) the data last grew
         self._said: set[str] = set()
@@ -167,7 +166,7 @@ class ValidationParser:
         if self._grew_at is None or len(data) > self._seen:
             self._grew_at, self._seen = now, len(data)
         end = data.rfind(b"\n") + 1
-        closed: list[tuple[_Round, int]] = []  # each round complete, and its end in `data`
+        closed: list[_Round] = []  # the rounds complete
         at = self._read
         while at < end:
             stop = data.index(b"\n", at) + 1
@@ -179,17 +178,15 @@ class ValidationParser:
             self._line(data, end, len(data), closed, out)
             self._read = end = len(data)
         if self._open.records and (final or (settled and end == len(data))):
-            closed.append((self._open, end))
+            closed.append(self._open)
             self._open = _Round(None)
             self._held_said = False
-        elif self._open.records and quiet:
-            self.held += 1
-            if not self._held_said:
-                self._held_said = True
-                log.debug("--validation %s: the round of step %s (%d samples so far) waits "
-                          "until the file has not grown for %.0f s", self.source,
-                          self._open.step, len(self._open.records), ROUND_SETTLE_S)
-        for round_, _ in closed:
+        elif self._open.records and quiet and not self._held_said:
+            self._held_said = True
+            log.debug("--validation %s: the round of step %s (%d samples so far) waits until "
+                      "the file has not grown for %.0f s", self.source, self._open.step,
+                      len(self._open.records), ROUND_SETTLE_S)
+        for round_ in closed:
             out.documents += self._post(round_, data)
         # what lies before the open round is done with: its rounds, blank and bad lines
         consumed = self._open.records[0].start if self._open.records else end
@@ -205,7 +202,7 @@ class ValidationParser:
         self._open.records = [r._replace(start=r.start - consumed, end=r.end - consumed)
                               for r in self._open.records]
 
-    def _line(self, data: bytes, start: int, stop: int, closed: list[tuple[_Round, int]],
+    def _line(self, data: bytes, start: int, stop: int, closed: list[_Round],
               out: Parsed) -> None:
         """One line of the file: a sample of the open round, or of a new one it closes."""
         raw = data[start:stop]
@@ -237,7 +234,7 @@ class ValidationParser:
                 self._say("large", f"the round of step {step} holds more than "
                           f"{MAX_ROUND_BYTES >> 20} MiB of samples: it is posted in parts of "
                           "that size, each with the statistics of its own samples")
-            closed.append((opened, start))
+            closed.append(opened)
             self._open = opened = _Round(step)
             self._held_said = False
         opened.step = step
