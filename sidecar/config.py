@@ -144,6 +144,18 @@ def check_artifact_uri(mapping: str, source: str) -> str:
     return mapping
 
 
+def check_validation_map(mapping: str, source: str) -> str:
+    """`mapping` when it is FIELD=NAME with a FIELD samples have (docs/validation.md)."""
+    from sidecar.sources.files.validation import parse_map
+
+    try:
+        parse_map((mapping,))
+    except ValueError as exc:
+        raise ConfigError(f"{source}={mapping!r} {exc}, as in reward=score "
+                          "(docs/validation.md#fields)") from None
+    return mapping
+
+
 def parse_artifact_uri(text: str) -> tuple[str, str]:
     """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
     import os
@@ -205,6 +217,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("artifact-uri", "list", (), "the object-store URI a local prefix mirrors, posted "
            "instead of the local path (repeatable)", metavar="LOCAL=URI",
            check=check_artifact_uri),
+    Option("validation-map", "list", (), "the record field a part of a validation sample is "
+           "(user, assistant, reward, step, correct), where the known layouts do not say "
+           "(repeatable)", metavar="FIELD=NAME", check=check_validation_map),
+    Option("validation-samples", "int", None, "samples of a validation round that keep their "
+           "text, spread over its rewards (the rest count in avg_reward and accuracy only); 0: "
+           "scores only", shown_default="all of a round of up to 128, else 32", at_least=0),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off",
            at_least=0, check=check_hardware_interval),
     Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",
@@ -314,6 +332,8 @@ class Config(NamedTuple):
     hparams: Path | None
     checkpoints: tuple[str, ...]
     artifact_uri: tuple[str, ...]
+    validation_map: tuple[str, ...]
+    validation_samples: int | None
     hardware_interval: float
     gpus: str
     # the option's default, None, is found by `resolve`: a Config always has a folder

@@ -85,6 +85,13 @@ def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher
                    max_queued=MAX_QUEUED_DOCUMENTS, spool=spool)
 
 
+def routed_batcher(client: IngestClient, route: str, run_id: str, run_dir: Path) -> Batcher:
+    """The batcher of a file kind's documents: one a request, each with the run's id, a few
+    queued at most (a round's chunks are large); the file's offset waits for them."""
+    return Batcher(client, route, lambda docs: {"run_id": run_id, **docs[0]}, run_dir,
+                   max_items=1, max_queued=MAX_QUEUED_DOCUMENTS)
+
+
 def source_specs(cfg: Config, node: Node,
                  made: Callable[[LogFileParser], None] | None = None) -> list[SourceSpec]:
     """The files `cfg` asks to follow, each kind with its parser (`made` is told of each log
@@ -93,6 +100,10 @@ def source_specs(cfg: Config, node: Node,
     specs = []
     for kind in FILE_KINDS:
         patterns = cfg.files.get(kind.name, ())
+        if patterns and kind.reporting_node and node.rank != 0:
+            log.info("%s: not followed on node rank %d: on a multi-node run, node rank 0 "
+                     "posts what these files hold", kind.flag, node.rank)
+            continue
         if kind.tree:
             # a folder's parsers name keys from the path below it: one spec a folder
             specs += [_spec(kind, (folder,), follow._replace(folder=Path(folder)))
@@ -163,6 +174,10 @@ class Pipeline(Sink):
             "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
         self.documents = {route: document_batcher(client, route, run_dir)
                           for route in DOCUMENT_ROUTES}
+        # the documents of file kinds with a route (files/kinds.py), by kind: not spooled, the
+        # file holds them until acknowledged
+        self.routed = {kind.name: routed_batcher(client, kind.route, run_id, run_dir)
+                       for kind in FILE_KINDS if kind.route and cfg.files.get(kind.name)}
         self.hparams_file = None if hparams_file is None else HparamsFile(
             hparams_file, lambda params: self.hparams.push(list(params.items())))
         self.offsets = Offsets(run_dir / "offsets.json")
@@ -173,13 +188,15 @@ class Pipeline(Sink):
                                  self.offsets, mode=cfg.file_watch)
         for sink in (self.shipper, self.metrics, self.hparams):
             sink.on_room = self.follower.room
+        for batcher in self.routed.values():
+            batcher.on_room = self.follower.room
         self.artifacts = Artifacts(run_dir, run_id, client)
         self.checkpoints = _checkpoint_watcher(cfg, node, self.artifacts) if cfg.checkpoints \
             else None
 
     @property
     def batchers(self) -> list[Batcher]:
-        return [self.metrics, self.hparams, *self.documents.values()]
+        return [self.metrics, self.hparams, *self.documents.values(), *self.routed.values()]
 
     def start(self) -> None:
         """Start delivering, load the offsets, follow the files, send --hparams."""
@@ -256,7 +273,8 @@ class Pipeline(Sink):
     # -- Sink ---------------------------------------------------------------------------------
 
     def has_room(self) -> bool:
-        return self.shipper.has_room and self.metrics.has_room and self.hparams.has_room
+        return (self.shipper.has_room and self.metrics.has_room and self.hparams.has_room
+                and all(batcher.has_room for batcher in self.routed.values()))
 
     def due(self) -> float | None:
         """The soonest a request of log text or points that is not full starts, while paced."""
@@ -274,6 +292,8 @@ class Pipeline(Sink):
             self.metrics.push(self.key_budget.admit(parsed.points), ticket)
         if parsed.hparams:
             self.hparams.push(list(parsed.hparams.items()), ticket)
+        if parsed.documents:
+            self.routed[kind].push(parsed.documents, ticket)
         for key, count in parsed.invalid.items():
             if key in self.invalid:
                 self.invalid[key] += count

@@ -17,7 +17,7 @@ COMMANDS = ("run", "watch", "check", "config", "status", "lifecycle", "replay", 
             "completion")
 # The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
 METAVARS = {"PATH", "DIR", "FILE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT", "TEMPLATE",
-            "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI"}
+            "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI", "FIELD=NAME"}
 
 
 def help_of(command: str, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -57,7 +57,10 @@ GOOD: dict[str, dict[str, Any]] = {
     "validation": {
         "run_id": RUN_ID,
         "step": 120,
-        "samples": [{"user": "2+2?", "assistant": "4", "reward": 0.83}],
+        "samples": [{"user": "2+2?", "assistant": "4", "reward": 0.83,
+                     "extra": {"reference": "4"}}],
+        "avg_reward": 0.71,
+        "accuracy": 0.64,
         "chunk_index": 0,
         "total_chunks": 1,
     },
@@ -206,6 +209,14 @@ INVALID: list[tuple[str, Any, str]] = [
     ("validation", body("validation", step="1"), "step must be an integer"),
     ("validation", body("validation", samples=MISSING), "samples is required"),
     ("validation", body("validation", samples={}), "samples must be an array"),
+    ("validation", body("validation", samples=[{"user": "q", "assistant": "a"}]),
+     "samples[0].reward is required"),
+    ("validation", body("validation", samples=[{"user": 1, "assistant": "a", "reward": 1}]),
+     "samples[0].user must be a string"),
+    ("validation", body("validation", avg_reward=MISSING), "avg_reward is required"),
+    ("validation", body("validation", accuracy=1.5), "accuracy must be a number from 0 to 1"),
+    ("validation", body("validation", chunk_index=1), "chunk_index must be an integer from 0"),
+    ("validation", body("validation", total_chunks=0), "total_chunks must be an integer, 1"),
     ("artifact", body("artifact", kind="weights"), "kind must be one of checkpoint, hf_export,"),
     ("artifact", body("artifact", format=""), "format must be a non-empty string"),
     ("artifact", body("artifact", path=MISSING), "path is required"),
@@ -421,6 +432,18 @@ async def test_each_rejected_request_is_kept_with_its_route_status_and_reason(
     assert ingest.stats.summary() == (
         'metrics 2 points | rejected 3: metrics 400 points[0].step must be an integer, got "x"; '
         "2x lifecycle 401 missing Authorization: Bearer <token> (rejected.jsonl)")
+
+
+async def test_validation_rounds_are_counted_once_every_chunk_arrived(
+    ingest: RunningIngest, session: aiohttp.ClientSession
+) -> None:
+    for step, index, total in ((5, 0, 2), (6, 0, 1), (5, 0, 2), (7, 0, 2), (5, 1, 2)):
+        chunk = body("validation", step=step, chunk_index=index, total_chunks=total)
+        assert (await post(session, ingest.url("validation"), chunk)).status == 200
+
+    # step 5 is whole (chunk 0 twice: at least once), step 6 of one chunk, step 7 half
+    assert ingest.stats.summary() == "validation 5 samples in 2 rounds"
+    assert len(ingest.records("validation")) == 5
 
 
 def test_the_summary_line_names_routes_items_and_sizes() -> None:

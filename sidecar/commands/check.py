@@ -288,6 +288,11 @@ def _sources(cfg: Config, report: _Report) -> None:
         if files and kind.head is not None:
             _head_step(kind.name, kind.head, what, pattern, files, report)
             continue
+        if files and kind.survey is not None:
+            found = kind.survey(cfg, files)
+            report.add(kind.name, found.status, f"{what}: {found.message}", pattern=pattern,
+                       **found.details)
+            continue
         if files:
             more = f", and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
             report.add(kind.name, "ok", f"{what}: {len(files)} file{'s' if len(files) > 1 else ''} "

@@ -204,7 +204,25 @@ def _check_environment_nodes(body: dict[str, Any]) -> None:
 
 def _check_validation(body: dict[str, Any]) -> None:
     _integer(body, "step")
-    _array(body, "samples")
+    for index, sample in enumerate(_objects(_array(body, "samples"), "samples")):
+        where = f"samples[{index}]."
+        for name in ("user", "assistant"):
+            if not isinstance(_field(sample, name, where), str):
+                raise _invalid(where + name, "a string", sample[name])
+        _number(sample, "reward", where)
+        if "extra" in sample and not isinstance(sample["extra"], dict):
+            raise _invalid(where + "extra", "an object", sample["extra"])
+    _number(body, "avg_reward")
+    # left out when the samples have no correctness field
+    if "accuracy" in body and not 0 <= _number(body, "accuracy") <= 1:
+        raise _invalid("accuracy", "a number from 0 to 1", body["accuracy"])
+    total = _integer(body, "total_chunks")
+    if total < 1:
+        raise _invalid("total_chunks", "an integer, 1 or more", total)
+    index = _integer(body, "chunk_index")
+    if not 0 <= index < total:
+        raise _invalid("chunk_index", f"an integer from 0 to total_chunks - 1 ({total - 1})",
+                       index)
 
 
 def _check_artifact(body: dict[str, Any]) -> None:
@@ -238,7 +256,7 @@ _ROUTES: dict[str, _Route] = {
     "hardware": _Route(_check_hardware, "points"),
     "environment": _Route(_check_nothing),
     "environment/nodes": _Route(_check_environment_nodes, "nodes"),
-    "validation": _Route(_check_validation),
+    "validation": _Route(_check_validation, "samples"),
     "artifact": _Route(_check_artifact),
     "benchmark": _Route(_check_nothing),
 }
@@ -360,6 +378,17 @@ class IngestStats:
     arrivals: list[str] = field(default_factory=list)
     # by route or unknown path, and status; in first order
     rejections: dict[tuple[str, int], Rejections] = field(default_factory=dict)
+    # /validation: the chunk indexes received of each round, by step, and its total_chunks
+    rounds: dict[int, tuple[set[int], int]] = field(default_factory=dict)
+
+    def add_chunk(self, body: dict[str, Any]) -> None:
+        chunks, _ = self.rounds.setdefault(body["step"], (set(), body["total_chunks"]))
+        chunks.add(body["chunk_index"])
+
+    @property
+    def complete_rounds(self) -> int:
+        """Rounds of which every chunk arrived."""
+        return sum(len(chunks) >= total for chunks, total in self.rounds.values())
 
     def reject(self, where: str, status: int, reason: str) -> None:
         """Count a refusal of a request to a route (or an unknown path) and keep its reason."""
@@ -385,6 +414,8 @@ class IngestStats:
             )
             if counts.log_bytes:
                 part += f" {_human_bytes(counts.log_bytes)}"
+            if route == "validation":
+                part += f" in {self.complete_rounds} rounds"
             parts.append(part)
         rejected = self.rejected_total()
         if rejected:
@@ -598,6 +629,8 @@ class IngestServer:
         self.stats.arrivals.append(route)
         counts.accepted += 1
         counts.items += items
+        if route == "validation":
+            self.stats.add_chunk(body)
         if _ROUTES[route].text_items:
             counts.log_bytes += sum(
                 len(chunk.encode("utf-8", "surrogatepass")) for chunk in body["chunks"]

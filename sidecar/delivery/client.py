@@ -90,6 +90,11 @@ ROUTES: dict[str, RoutePolicy] = {
     "environment/nodes": RoutePolicy(
         path="/environment/nodes", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0, documents=True),
+    # a round's chunks, from its file (sources/files/validation.py): the file's offset waits
+    # for them, so a restart posts a round not acknowledged again, and no other
+    "validation": RoutePolicy(
+        path="/validation", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0, carries="validation rounds"),
     "artifact": RoutePolicy(
         path="/artifact", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),

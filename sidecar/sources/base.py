@@ -8,8 +8,8 @@ from typing import Any, Protocol
 class Parsed:
     """The outcome of parsing some bytes of one file."""
 
-    __slots__ = ("consumed", "hparams", "invalid", "invalid_steps", "points", "records", "skipped",
-                 "text", "unusable")
+    __slots__ = ("consumed", "documents", "hparams", "invalid", "invalid_steps", "points",
+                 "records", "skipped", "text", "unusable")
 
     def __init__(self, consumed: int, text: str = "",
                  points: list[dict[str, Any]] | None = None,
@@ -28,6 +28,8 @@ class Parsed:
         # lines or values not sent (not JSON, no number, a key given twice): counted as invalid, as
         # NaN values are
         self.unusable = unusable
+        # payloads for the route of the file's kind (its row in files/kinds.py), one a request
+        self.documents: list[dict[str, Any]] = []
 
 
 class Parser(Protocol):

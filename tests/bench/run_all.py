@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "hardware": ("bench_hardware.py", [], ["--quick"]),
     "checkpoints": ("bench_checkpoints.py", [], ["--quick"]),
     "trickle": ("bench_trickle.py", [], ["--quick"]),
+    "validation": ("bench_validation.py", [], ["--quick"]),
 }
 
 

@@ -1,7 +1,8 @@
 """Which files a source's patterns name right now, and, when none, why (issue: file sources).
 
 A pattern is a path, a glob (`*`, `?`, `[...]`; `**` for any depth of folders), or for a
-TensorBoard source a folder searched at any depth for event files. Folders are searched following
+`tree` kind (TensorBoard) a folder searched at any depth for its files, or, for a kind that takes
+one file too (samples of validation rounds), that file. Folders are searched following
 symbolic links, each folder once by device and inode: a link back up the tree (`loop/self ->
 ..`) is not followed again, so no file is found twice under a longer name.
 """
@@ -14,7 +15,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from sidecar.sources.files.kinds import folder_hint
+from sidecar.sources.files.kinds import file_too, folder_hint
 
 
 def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[str], str]:
@@ -25,6 +26,8 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
         if path.is_dir():
             names = sorted(str(p) for p in walk(path, tree))
             return names, "" if names else f"no {tree} file under it yet"
+        if path.exists() and file_too(kind):
+            return [pattern], ""
         if path.exists():
             return [], (f"is a file; {option} takes the folder the event files are written to "
                         f"(here {path.parent})")

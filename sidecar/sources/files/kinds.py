@@ -45,6 +45,14 @@ class Head(NamedTuple):
     first_not_finite: str = ""  # the first NaN or infinite value: its key and step
 
 
+class Survey(NamedTuple):
+    """What `sidecar check` says of the files one pattern names."""
+
+    status: str  # ok, warn, fail
+    message: str  # after the option and the pattern
+    details: dict[str, Any]
+
+
 class FileKind(NamedTuple):
     """One kind of followed file."""
 
@@ -68,6 +76,16 @@ class FileKind(NamedTuple):
     # why a file's parser gave no point yet, given the bytes it holds unparsed: said when a file
     # gives none in its first minute or by the end (files/follow.py's NO_POINT_S); None: not said
     silence: Callable[[Parser, int], str] | None = None
+    # `check`: what the files a pattern names hold, for a kind whose files are not metrics
+    survey: Callable[[Config, list[str]], Survey] | None = None
+    # the route its parsers' documents go to (Parsed.documents), one a request, at-least-once
+    # with the file's offset held until acknowledged
+    route: str = ""
+    file_too: bool = False  # a `tree` kind's pattern may also name one file
+    # followed by the reporting node alone (rank 0) on a multi-node run: what its files hold
+    # is the run's, written once (by the trainer's main process, often on a shared filesystem
+    # every node sees)
+    reporting_node: bool = False
 
     @property
     def flag(self) -> str:
@@ -118,6 +136,23 @@ def _tensorboard_parsers(follow: Follow) -> MakeParser:
     return folder_parsers(follow.folder)
 
 
+def _validation_parsers(follow: Follow) -> MakeParser:
+    from sidecar.masking import secrets
+    from sidecar.sources.files.validation import Fields, ValidationParser, name_step, parse_map
+
+    cfg = follow.cfg
+    fields = Fields.of(parse_map(cfg.validation_map))
+    return lambda path, state: ValidationParser.resume(
+        state, source=str(path), name_step=name_step(path.name), mapping=fields,
+        kept=cfg.validation_samples, secrets=secrets)
+
+
+def _validation_survey(cfg: Config, files: list[str]) -> Survey:
+    from sidecar.sources.files.validation import survey
+
+    return survey(cfg, files)
+
+
 FILE_KINDS: tuple[FileKind, ...] = (
     FileKind("log", "plain-text log file forwarded to /logs (repeatable, globs allowed)",
              _log_parsers, folder_hint="*.log"),
@@ -129,10 +164,23 @@ FILE_KINDS: tuple[FileKind, ...] = (
     FileKind("tensorboard", "TensorBoard log directory, searched recursively (repeatable)",
              _tensorboard_parsers, metavar="DIR", parse_bytes=256 << 10,
              tree="events.out.tfevents.*", metrics=True),
+    # verl's validation_data_dir: <global_step>.jsonl (docs/validation.md). Its parser reads
+    # each line once, however long the round it holds back, so a call parses about one read
+    # of the follower's (960 KiB) on the loop, as the other kinds' do
+    FileKind("validation", "evaluation or rollout samples as JSONL, a folder of one file a "
+             "round (verl's <step>.jsonl) or one file of rounds, posted to /validation "
+             "(repeatable)", _validation_parsers, parse_bytes=1 << 20, tree="*.jsonl",
+             file_too=True, route="validation", survey=_validation_survey,
+             reporting_node=True),
 )
 
 
 BY_NAME = {kind.name: kind for kind in FILE_KINDS}
+
+
+def file_too(name: str) -> bool:
+    """Whether a pattern of the `tree` kind `name` may also name one file."""
+    return name in BY_NAME and BY_NAME[name].file_too
 
 
 def folder_hint(name: str) -> str:

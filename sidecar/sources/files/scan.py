@@ -112,8 +112,8 @@ class Scan:
         if fits is None:
             name = os.path.basename(path)
             fits = any(
-                fnmatch.fnmatch(name, spec.tree) if spec.tree else
-                fnmatch.fnmatch(path, os.path.abspath(pattern))
+                fnmatch.fnmatch(name, spec.tree) if spec.tree and not os.path.isfile(pattern)
+                else fnmatch.fnmatch(path, os.path.abspath(pattern))
                 for spec in self.specs for pattern in spec.patterns)
             if len(self._fits) >= MAX_FITS_CACHED:
                 self._fits.clear()
@@ -122,11 +122,16 @@ class Scan:
 
 
 def _roots(spec: SourceSpec) -> set[str]:
-    if spec.tree:
-        return discover.watch_roots(str(Path(folder) / spec.tree) for folder in spec.patterns)
-    return discover.watch_roots(spec.patterns)
+    return discover.watch_roots(_globs(spec))
 
 
 def _fixed_folders(spec: SourceSpec) -> set[str]:
-    patterns = [str(Path(p) / spec.tree) for p in spec.patterns] if spec.tree else spec.patterns
-    return {str(discover.fixed_folder(pattern)) for pattern in patterns}
+    return {str(discover.fixed_folder(pattern)) for pattern in _globs(spec)}
+
+
+def _globs(spec: SourceSpec) -> list[str]:
+    """The patterns as globs: a `tree` spec's folder as the files of its name in it (a file
+    given where its kind takes one stays itself)."""
+    if not spec.tree:
+        return list(spec.patterns)
+    return [p if os.path.isfile(p) else str(Path(p) / spec.tree) for p in spec.patterns]
