@@ -9,8 +9,8 @@ What they show is grouped by where each process is, its rank read from its envir
 
     [sidecar] stacks of 3 processes of the command at the stall, by where they are (full dumps:
     /stacks/last on the status endpoint, <state>/stacks/...json):
-    [sidecar]   rank 0: all_reduce [c10d::Work::wait] <- main (train.py:17)
-    [sidecar]   rank 1: load_shard (train.py:8)
+    [sidecar]   rank 0: all_reduce [c10d::Work::wait] <- main (trainer.py:17)
+    [sidecar]   rank 1: load_shard (trainer.py:8)
     [sidecar]   last output by rank: rank 1 at 20:41:03 (quiet first), rank 0 at 20:41:40
 
 py-spy, not pystack: one static binary (no interpreter to start, 20-30 ms a Python-only dump
@@ -26,13 +26,11 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,23 +61,26 @@ RANK_PREFIX = re.compile(rb"(?:^|\n)\[[A-Za-z_]*?(\d{1,5})\]:")
 
 def find_tool() -> str | None:
     """py-spy beside the interpreter (a virtual environment's bin) or on PATH; None: absent."""
-    beside = Path(sys.executable).parent / "py-spy"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("py-spy")
+    # not shutil.which: a daemon does not load shutil for one lookup (tests/test_footprint.py)
+    for folder in [str(Path(sys.executable).parent), *os.environ.get("PATH", "").split(":")]:
+        candidate = Path(folder or ".") / "py-spy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
 
 
-@dataclass
 class Process:
-    """One process of the command and what its dump said."""
+    """One process of the command and what its dump said (no dataclass: a daemon generates no
+    methods at its start, tests/test_footprint.py)."""
 
-    pid: int
-    ppid: int
-    name: str
-    env: dict[str, str] = field(default_factory=dict)
-    threads: list[dict[str, Any]] = field(default_factory=list)
-    error: str = ""  # why it has no stack: not Python, gone, refused, timed out
-    native: bool = False
+    __slots__ = ("env", "error", "name", "native", "pid", "ppid", "threads")
+
+    def __init__(self, pid: int, ppid: int, name: str, env: dict[str, str] | None = None) -> None:
+        self.pid, self.ppid, self.name = pid, ppid, name
+        self.env = env or {}
+        self.threads: list[dict[str, Any]] = []
+        self.error = ""  # why it has no stack: not Python, gone, refused, timed out
+        self.native = False
 
     @property
     def rank(self) -> int | None:
@@ -243,22 +244,23 @@ def _in_collective(process: Process) -> bool:
     return bool(frames) and "torch/distributed/" in str(frames[0].get("filename", ""))
 
 
-@dataclass
 class Stacks:
     """One look at the command's processes: the dumps and the summary's lines."""
 
-    reason: str
-    taken_at: float
-    processes: list[Process]
-    took_s: float
-    file: Path | None = None
+    __slots__ = ("file", "processes", "reason", "taken_at", "took_s")
+
+    def __init__(self, reason: str, taken_at: float, processes: list[Process],
+                 took_s: float) -> None:
+        self.reason, self.taken_at, self.processes, self.took_s = (
+            reason, taken_at, processes, took_s)
+        self.file: Path | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"reason": self.reason, "taken_at": self.taken_at, "took_s": self.took_s,
                 "summary": self.summary(), "processes": [p.to_json() for p in self.processes]}
 
     def summary(self) -> list[str]:
-        """Where each process is, grouped: `ranks 0-6: all_reduce <- step (train.py:88)`."""
+        """Where each process is, grouped: `ranks 0-6: all_reduce <- step (trainer.py:88)`."""
         groups: dict[str, list[Process]] = {}
         skipped: dict[str, int] = {}
         ranks = {p.pid: p.rank for p in self.processes}
@@ -326,7 +328,7 @@ def _main_thread(process: Process) -> dict[str, Any] | None:
 
 
 def where(process: Process) -> str:
-    """Its main thread's place: `all_reduce [c10d::Work::wait] <- main (train.py:17)`; the
+    """Its main thread's place: `all_reduce [c10d::Work::wait] <- main (trainer.py:17)`; the
     innermost frame, the native one it waits in, the trainer's own frame that called it."""
     thread = _main_thread(process)
     if thread is None:
