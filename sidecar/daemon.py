@@ -124,7 +124,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     def stacks_at_stall() -> None:
         async def look() -> None:
             taken = await stacks.take("stall")
-            if taken is not None:
+            if taken is not None and stall.stalled:  # not after its resume line
                 for line in stacks.block(taken, "at the stall"):
                     pipeline.announce(line)
 

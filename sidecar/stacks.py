@@ -451,8 +451,9 @@ class StackTaker:
             return [f"[sidecar] stacks {where_said} cannot be taken: ptrace is not allowed here "
                     "(py-spy was refused; give the sidecar CAP_SYS_PTRACE, "
                     "docs/stalls.md#where-it-cannot-look)"]
-        if not stacks.processes:
-            return [f"[sidecar] stacks {where_said}: the command has no process to look at"]
+        if not stacks.processes:  # watch, where no process in view has a RANK
+            log.info("stacks %s: no process of the command is in view", where_said)
+            return []
         files = f", {stacks.file}" if stacks.file is not None else ""
         count = len(stacks.processes)
         head = (f"[sidecar] stacks of {count} process{'es' if count > 1 else ''} of the command "

@@ -454,7 +454,8 @@ class _Run:
 
         async def look() -> None:  # without py-spy, one line in our log says so
             stacks = await taker.take("stall")
-            if stacks is not None and self.child.running:
+            # said while the stall lasts: after its resume line it would say a past moment
+            if stacks is not None and self.child.running and self.stall.stalled:
                 for line in taker.block(stacks, "at the stall", [self.ranks.line()]):
                     _announce(self.streams, line)
 

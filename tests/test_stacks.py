@@ -4,6 +4,7 @@ a function of its own while rank 0 waits for it in all_reduce (docs/stalls.md)."
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -215,3 +216,45 @@ def test_rank_clock_reads_torchrun_and_pytorch_prefixes() -> None:
     assert ranks.last == {0: 1005.0, 1: 1000.0}
     assert ranks.line().startswith("last output by rank (UTC): rank 1 at ")
     assert "(quiet first), rank 0 at" in ranks.line()
+
+
+SLEEPER = r'''
+import sys, time
+
+
+def waiting_for_data():
+    print("ready", flush=True)
+    time.sleep(120)
+
+
+waiting_for_data()
+'''
+
+
+def test_watch_reads_the_ranked_processes_it_can_see(ingest: RunningIngest,
+                                                     tmp_path: Path) -> None:
+    """`watch` has no command: it looks at the processes a launcher gave a RANK. Where ptrace is
+    refused (a sibling under Yama 1, without CAP_SYS_PTRACE) one line says so instead."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 0.5}\n')
+    rank = subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE,
+                            env={**os.environ, "RANK": "0"})
+    try:
+        assert rank.stdout is not None
+        rank.stdout.readline()
+        env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+        proc = Sidecar(["watch", "--jsonl", str(metrics), "--stall-after", "1"], env,
+                       tmp_path / "watch")
+
+        def said() -> list[str]:
+            lines = log_lines(ingest)
+            return [line for line in lines if re.match(
+                r"\[sidecar\]   rank 0: waiting_for_data \(<string>:\d+\)$", line)
+                or "cannot be taken: ptrace is not allowed here" in line]
+
+        wait_until(said, 60, "the stacks block, or why it cannot be had")
+        proc.proc.terminate()
+        assert proc.wait(30).status == 0
+    finally:
+        rank.kill()
+        rank.wait()
