@@ -205,13 +205,15 @@ def _why(stderr: str) -> str:
     return f"py-spy: {first.removeprefix('Error: ')[:200]}"
 
 
-def dump(tool: str, procs: Sequence[Process], *, native: bool, timeout_s: float) -> None:
+def dump(tool: str, procs: Sequence[Process], *, native: bool, timeout_s: float,
+         python_done: Callable[[], None] = lambda: None) -> None:
     """Every process at once, each on its own thread (blocking until all are back or given up),
     with Python frames; then, with `native`, those waiting in torch.distributed again with native
     frames (the collective's C++ frame). Only those: py-spy keeps a torch process stopped while it
     unwinds, seconds while it reads libtorch's symbols (tests/bench/bench_stacks.py), which costs
     a rank that waits for the others nothing, and one still working that much of its step."""
     _in_parallel(procs, lambda process: _dump_one(tool, process, False, timeout_s), timeout_s)
+    python_done()
     if not native:
         return
     waiting = [p for p in procs if not p.error and _in_collective(p)]
@@ -397,6 +399,8 @@ class StackTaker:
         # one look at a time: a second tracer is refused by the kernel (EPERM), so a look asked
         # for while one runs waits for it and shares what it saw
         self._running: asyncio.Future[Stacks | None] | None = None
+        # the look under way, once its Python frames are in (its native pass may take seconds)
+        self.python_pass: Stacks | None = None
 
     @property
     def available(self) -> bool:
@@ -422,9 +426,15 @@ class StackTaker:
             return None
         started, taken_at = time.monotonic(), time.time()
 
+        self.python_pass = None
+
         def look() -> list[Process]:
             procs = list(self.pids())
-            dump(tool, procs, native=native, timeout_s=timeout_s)
+
+            def python_done() -> None:  # in the thread: what a SIGTERM may use meanwhile
+                self.python_pass = Stacks(reason, taken_at, procs, time.monotonic() - started)
+
+            dump(tool, procs, native=native, timeout_s=timeout_s, python_done=python_done)
             return procs
 
         try:
@@ -501,9 +511,10 @@ def spawn_once(name: str, work: Callable[[], Coroutine[Any, Any, None]]) -> asyn
 
 
 async def take_with_budget(taker: StackTaker, reason: str, budget_s: float) -> Stacks | None:
-    """A Python-only look that is over within `budget_s` whatever happens (a SIGTERM's)."""
+    """A Python-only look that is over within `budget_s` whatever happens (a SIGTERM's); while
+    a stall's look is still in its native pass, the Python frames it already has."""
     try:
         async with asyncio.timeout(budget_s):
             return await taker.take(reason, native=False, timeout_s=budget_s * 0.8)
     except TimeoutError:
-        return None
+        return taker.python_pass
