@@ -244,9 +244,6 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
         taken = await stacks.take("on-demand") if fresh else stacks.last
         if taken is None:
             return "no stacks were taken yet: no stall was said"
-        doc = taken.to_json()
-        doc["refused"] = stacks.block(taken, "")[0] if all(
-            p.error.startswith("refused") for p in taken.processes) and taken.processes else ""
-        return doc
+        return taken.to_json()
 
     return await start_status_server(cfg.status_addr, run_dir, snapshot, stacks=look)

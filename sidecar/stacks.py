@@ -151,7 +151,11 @@ def ranked_processes() -> list[Process]:
     own = os.getpid()
     roots = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != own and "RANK" in _environment(int(entry)):
+        if not entry.isdigit() or int(entry) == own:
+            continue
+        stat = _stat(int(entry))
+        # our own py-spy runs carry our environment, a node's RANK among it
+        if stat is not None and stat[0] != own and "RANK" in _environment(int(entry)):
             roots.append(int(entry))
     seen: set[int] = set()
     found = []
@@ -257,8 +261,15 @@ class Stacks:
             reason, taken_at, processes, took_s)
         self.file: Path | None = None
 
+    @property
+    def refused(self) -> bool:
+        """Every process refused py-spy: ptrace is not allowed here."""
+        return bool(self.processes) and all(p.error.startswith("refused")
+                                            for p in self.processes)
+
     def to_json(self) -> dict[str, Any]:
         return {"reason": self.reason, "taken_at": self.taken_at, "took_s": self.took_s,
+                "refused": refused_line("") if self.refused else "",
                 "summary": self.summary(), "processes": [p.to_json() for p in self.processes]}
 
     def summary(self) -> list[str]:
@@ -275,15 +286,27 @@ class Stacks:
                 continue
             groups.setdefault(where(process), []).append(process)
         lines = [f"{_who(members, ranks)}: {place}" for place, members in
-                 sorted(groups.items(), key=lambda item: _order(item[1]))]
+                 sorted(groups.items(), key=lambda item: _order(item[1], ranks))]
         for why, count in skipped.items():
             lines.append(f"{count} process{'es' if count > 1 else ''} {why}, not shown")
         return lines
 
 
-def _order(members: Sequence[Process]) -> tuple[int, int]:
-    ranked = [p.rank for p in members if p.rank is not None]
-    return (0, min(ranked)) if ranked else (1, min(p.pid for p in members))
+def refused_line(where_said: str) -> str:
+    return (f"[sidecar] stacks {where_said}{' ' if where_said else ''}cannot be taken: ptrace is "
+            "not allowed here (py-spy was refused; give the sidecar CAP_SYS_PTRACE, "
+            "docs/stalls.md#where-it-cannot-look)")
+
+
+def _order(members: Sequence[Process], ranks: Mapping[int, int | None]) -> tuple[int, int]:
+    """Ranks first, by rank; then their workers; then the processes without one, by PID."""
+    main = [p.rank for p in members if p.rank is not None and ranks.get(p.ppid) != p.rank]
+    workers = [p.rank for p in members if p.rank is not None and ranks.get(p.ppid) == p.rank]
+    if main:
+        return 0, min(r for r in main if r is not None)
+    if workers:
+        return 1, min(r for r in workers if r is not None)
+    return 2, min(p.pid for p in members)
 
 
 def _who(members: Sequence[Process], ranks: Mapping[int, int | None]) -> str:
@@ -446,21 +469,21 @@ class StackTaker:
         stacks = Stacks(reason, taken_at, procs, time.monotonic() - started)
         run_dir = self.run_dir
         if run_dir is not None and procs:
-            stacks.file = await off_loop(lambda: _keep(run_dir, stacks), 5, "stacks-file")
+            try:
+                stacks.file = await off_loop(lambda: _keep(run_dir, stacks), 5, "stacks-file")
+            except TimeoutError:  # a hung disk: the summary goes out all the same
+                log.warning("stacks: writing the full dump to %s took more than 5 s", run_dir)
         if procs:
             self.last = stacks
         return stacks
 
     def block(self, stacks: Stacks, where_said: str, extra: Sequence[str] = ()) -> list[str]:
         """The lines for /logs: a heading, a line a group, `extra` (the rank clock's line)."""
-        refused = [p for p in stacks.processes if p.error.startswith("refused")]
-        if stacks.processes and len(refused) == len(stacks.processes):
+        if stacks.refused:
             if self.refused_said:
                 return []
             self.refused_said = True
-            return [f"[sidecar] stacks {where_said} cannot be taken: ptrace is not allowed here "
-                    "(py-spy was refused; give the sidecar CAP_SYS_PTRACE, "
-                    "docs/stalls.md#where-it-cannot-look)"]
+            return [refused_line(where_said)]
         if not stacks.processes:  # watch, where no process in view has a RANK
             log.info("stacks %s: no process of the command is in view", where_said)
             return []

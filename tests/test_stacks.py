@@ -260,3 +260,85 @@ def test_watch_reads_the_ranked_processes_it_can_see(ingest: RunningIngest,
     finally:
         rank.kill()
         rank.wait()
+
+
+def frame(name: str, filename: str, line: int = 1, module: str | None = None) -> dict[str, object]:
+    """A frame as py-spy's JSON has it (`module`: a native frame's library)."""
+    short = (filename.split("site-packages/")[-1] if "site-packages/" in filename
+             else filename.rsplit("/", 1)[-1])
+    return {"name": name, "filename": filename, "short_filename": short, "line": line,
+            "module": module}
+
+
+def thread(pid: int, *frames: dict[str, object]) -> dict[str, object]:
+    return {"os_thread_id": pid, "active": False, "frames": list(frames)}
+
+
+SITE = "/venv/lib/python3.11/site-packages/"
+
+
+def test_the_summary_groups_ranks_by_where_they_are_and_names_workers_by_their_parent() -> None:
+    from sidecar.stacks import Process, Stacks
+
+    procs = [Process(100, 1, "python", {})]
+    procs[0].threads = [thread(100, frame("_poll", "/usr/lib/python3.11/subprocess.py", 9),
+                               frame("main", "launch.py", 5))]
+    for rank in range(8):
+        process = Process(200 + rank, 100, "python", {"RANK": str(rank)})
+        if rank == 7:
+            inner = [frame("_next_data", SITE + "torch/utils/data/dataloader.py", 1524)]
+        else:
+            inner = [frame("clock_nanosleep", "/lib/libc.so.6", 0, "/lib/libc.so.6"),
+                     frame("c10d::Work::wait", "libtorch_cpu.so", 0, "/x/libtorch_cpu.so"),
+                     frame("all_reduce", SITE + "torch/distributed/distributed_c10d.py", 3252),
+                     frame("wrapper", SITE + "torch/distributed/c10d_logger.py", 83)]
+        process.threads = [thread(200 + rank, *inner, frame("step", "train.py", 88))]
+        procs.append(process)
+    worker = Process(300, 200, "pt_data_worker", {"RANK": "0"})
+    worker.threads = [thread(300, frame("get", "/usr/lib/python3.11/queue.py", 180),
+                             frame("_worker_loop", SITE + "torch/utils/data/_utils/worker.py"))]
+    shell = Process(400, 100, "bash", {})
+    shell.error = "not a Python process"
+    gone = Process(401, 100, "python", {"RANK": "9"})
+    gone.error = "exited meanwhile"
+    stacks = Stacks("stall", 0.0, [*procs, worker, shell, gone], 0.1)
+    assert stacks.summary() == [
+        "ranks 0-6: all_reduce [c10d::Work::wait] <- step (train.py:88)",
+        "rank 7: _next_data <- step (train.py:88)",
+        "rank 9: (exited meanwhile)",
+        "worker of rank 0 (PID 300): get (queue.py:180)",  # no frame of the trainer's own
+        "PID 100 python: _poll <- main (launch.py:5)",
+        "1 process not a Python process, not shown",
+    ]
+
+
+def fake_tool(tmp_path: Path, body: str) -> str:
+    tool = tmp_path / "py-spy"
+    tool.write_text(f"#!/bin/sh\n{body}\n")
+    tool.chmod(0o755)
+    return str(tool)
+
+
+async def test_a_dump_that_takes_too_long_is_abandoned_and_a_refusal_is_said_once(
+        tmp_path: Path) -> None:
+    import time as clock
+
+    from sidecar.stacks import Process, StackTaker
+
+    hung = StackTaker(lambda: [Process(os.getpid(), 1, "python", {"RANK": "0"})], None,
+                      tool=fake_tool(tmp_path, "exec sleep 30"))
+    started = clock.monotonic()
+    taken = await hung.take("stall", timeout_s=0.5)
+    assert taken is not None and clock.monotonic() - started < 10
+    assert taken.processes[0].error == "py-spy took more than 0.5 s: abandoned"
+    refusing = StackTaker(lambda: [Process(os.getpid(), 1, "python", {"RANK": "0"})], None,
+                          tool=fake_tool(tmp_path, "echo 'Error: Permission denied (os error "
+                                         "13)' >&2; exit 1"))
+    first = await refusing.take("stall", timeout_s=5)
+    assert first is not None
+    assert refusing.block(first, "at the stall") == [
+        "[sidecar] stacks at the stall cannot be taken: ptrace is not allowed here (py-spy was "
+        "refused; give the sidecar CAP_SYS_PTRACE, docs/stalls.md#where-it-cannot-look)"]
+    second = await refusing.take("stall", timeout_s=5)
+    assert second is not None and refusing.block(second, "at the stall") == []  # once
+    assert second.to_json()["refused"].startswith("[sidecar] stacks cannot be taken")
