@@ -120,13 +120,26 @@ def _status_arguments(status: argparse.ArgumentParser) -> None:
                         help="print the daemon's /status document once, as JSON")
     status.add_argument("--once", action="store_true",
                         help="print the table once and exit (for scripts)")
-    _add(status, "--run-id", None, "the run whose daemon to show, when several run on this "
+    _status_arguments_common(status)
+
+
+def _stacks_arguments(stacks: argparse.ArgumentParser) -> None:
+    stacks.add_argument("--full", action="store_true",
+                        help="every thread's frames after the summary")
+    stacks.add_argument("--json", action="store_true", help="print the dump as JSON")
+    stacks.add_argument("--last", action="store_true",
+                        help="the stacks taken at the stall or the SIGTERM, not new ones")
+    _status_arguments_common(stacks)
+
+
+def _status_arguments_common(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--run-id", None, "the run whose daemon to show, when several run on this "
          "node", metavar="ID", shown="the platform's run id variable, else the only daemon")
-    _add(status, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
+    _add(parser, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
          shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
          env="SIDECAR_STATUS_ADDR")
-    add_option(status, "state-dir")
-    add_option(status, "config")
+    add_option(parser, "state-dir")
+    add_option(parser, "config")
 
 
 def _lifecycle_arguments(lifecycle: argparse.ArgumentParser) -> None:
@@ -186,6 +199,8 @@ SUBCOMMANDS = (
     Subcommand("config", "print the configuration `run` would start with, each value with where "
                "it came from; contacts nothing, starts nothing", _config_arguments),
     Subcommand("status", "counters of the running daemon", _status_arguments),
+    Subcommand("stacks", "where every process of the running daemon's command is, now",
+               _stacks_arguments),
     Subcommand("lifecycle", "post one lifecycle event, strictly", _lifecycle_arguments),
     Subcommand("replay", "deliver what an earlier run left spooled", _replay_arguments),
     Subcommand("receive", "a local ingest server that checks every request as docs/ingest.md "
@@ -247,6 +262,11 @@ HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
          "sidecar status --json --status-addr 127.0.0.1:9620"),
         ("0  the daemon answered", "1  nothing answered at the address",
          "2  several daemons run here and no --run-id picks one, or a bad --status-addr")),
+    "stacks": (
+        ("sidecar stacks", "sidecar stacks --full --run-id run-4f2a91", "sidecar stacks --last"),
+        ("0  the stacks were printed (from the state folder when no daemon answers)",
+         "1  nothing answered and no dump is kept", "2  several daemons run here and no "
+         "--run-id picks one", "3  the daemon cannot take them (no py-spy)")),
     "lifecycle": (
         ("sidecar lifecycle running   # in a `run --running-when marker` child",
          "sidecar lifecycle failed --timeout 10"),
@@ -494,6 +514,14 @@ def _status(args: argparse.Namespace) -> int:
     return status_command(args)
 
 
+def _stacks(args: argparse.Namespace) -> int:
+    from sidecar.commands.stacks import stacks_command
+
+    setup()
+    _warn_unknown_variables()
+    return stacks_command(args)
+
+
 def _lifecycle(args: argparse.Namespace) -> int:
     from sidecar.delivery import handoff
 
@@ -568,5 +596,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": _run, "watch": _watch, "check": _check, "config": _config,
-            "status": _status, "lifecycle": _lifecycle, "replay": _replay, "receive": _receive,
+            "status": _status, "stacks": _stacks,
+            "lifecycle": _lifecycle, "replay": _replay, "receive": _receive,
             "demo": _demo, "completion": _completion}

@@ -234,8 +234,10 @@ OPTIONS: tuple[Option, ...] = (
            metavar="HOST:PORT", check=check_status_addr, probe=refuse_busy_status_addr),
     Option("drain-timeout", "float", 20.0, "seconds shutdown may spend delivering what is left",
            at_least=0),
-    Option("stall-after", "float", 1800.0, "seconds without output or a new metric step before "
-           "a stall is said in /logs and on the status endpoint; 0 turns it off", at_least=0),
+    Option("stall-after", "float", None, "seconds without output or a new metric step before "
+           "a stall is said in /logs and on the status endpoint, and the command's stacks are "
+           "taken; 0 turns it off", at_least=0,
+           shown_default="the run's cadence: 3 x its longest quiet gap, at least 120"),
     Option("token-file", "path", None, "read the token from this file (wins over the variable)"),
     Option("running-when", "str", "spawn", "post running as the child is spawned, or on its marker",
            choices=("spawn", "marker"), only="run"),
@@ -340,7 +342,7 @@ class Config(NamedTuple):
     state_dir: Path
     status_addr: str
     drain_timeout: float
-    stall_after: float
+    stall_after: float | None  # None: judged against the run's cadence
     token_file: Path | None
     running_when: str
     log_prefix: str

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # types only: watch never loads the wrapper's modules, nor th
     from sidecar.observe.endpoint import StatusServer
     from sidecar.pipeline import Pipeline
     from sidecar.sources.console.signatures import Scanner
+    from sidecar.stacks import StackTaker
 
 TICK_S = 0.25  # how often quiet partial lines and progress bars are looked at
 STALL_LOOK_S = 60.0  # watch: the longest sleep between looks for a stall
@@ -115,7 +116,22 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
     stall = stall_watch(cfg, report, pipeline.announce)  # between the followed files' lines
     pipeline.on_activity = stall.activity
     stall_ticker = supervise("stall-watch", lambda: _watch_stall(stall))
-    status = await serve_status(cfg, node, "watch", client, pipeline, None, report)
+    from sidecar.stacks import StackTaker, ranked_processes, spawn_once
+
+    # watch has no command: the processes here that a launcher gave a rank
+    stacks = StackTaker(ranked_processes, cfg.run_dir)
+
+    def stacks_at_stall() -> None:
+        async def look() -> None:
+            taken = await stacks.take("stall")
+            if taken is not None and stall.stalled:  # not after its resume line
+                for line in stacks.block(taken, "at the stall"):
+                    pipeline.announce(line)
+
+        spawn_once("stacks-at-stall", look)  # without py-spy, one line in our log says so
+
+    stall.on_stall = stacks_at_stall
+    status = await serve_status(cfg, node, "watch", client, pipeline, None, report, stacks)
     files = ", ".join(f"{len(cfg.files.get(kind.name, ()))} {kind.name}" for kind in FILE_KINDS)
     log.info("watching %s source(s), %d checkpoint folder(s)", files, len(cfg.checkpoints))
     await stop.wait()
@@ -172,7 +188,7 @@ def stall_watch(cfg: Config, report: Report, announce: Callable[[str], None]) ->
 
 async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient | None,
                         pipeline: Pipeline | None, lifecycle: Lifecycle | None,
-                        report: Report) -> StatusServer | None:
+                        report: Report, stacks: StackTaker | None = None) -> StatusServer | None:
     """The local status endpoint (--status-addr), reading the live objects at request time."""
     if cfg.status_addr == "off":
         return None  # nor is the endpoint's module imported
@@ -220,4 +236,14 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
             checkpoints=checkpoints)
 
     run_dir = cfg.run_dir if client is not None else None
-    return await start_status_server(cfg.status_addr, run_dir, snapshot)
+    async def look(fresh: bool) -> dict[str, Any] | str:
+        """/stacks: a look now; /stacks/last: the one taken at the stall or the signal."""
+        if stacks is None or not stacks.available:
+            return ("the stacks cannot be taken: py-spy is not installed here "
+                    "(docs/stalls.md#where-it-cannot-look)")
+        taken = await stacks.take("on-demand") if fresh else stacks.last
+        if taken is None:
+            return "no stacks were taken yet: no stall was said"
+        return taken.to_json()
+
+    return await start_status_server(cfg.status_addr, run_dir, snapshot, stacks=look)

@@ -50,25 +50,31 @@ class Failure(NamedTuple):
     node: str = ""
     rank: int = 0
     multi_node: bool = False
+    stall: str = ""  # a stall before the end, and where the ranks were (docs/stalls.md)
 
     def line(self) -> str:
         """The summary line for /logs and the sidecar's own log (without a line end)."""
         where = f" on node {self.node} (rank {self.rank})" if self.multi_node else ""
         quoted = f" ({self.stream}: \"{self.quote}\")" if self.quote else ""
+        stall = f"; {self.stall}" if self.stall else ""
         return (f"[sidecar] run failed{where}: exit status {self.exit_status} after "
-                f"{format_duration(self.duration_s)}; likely cause: {self.cause}{quoted}")
+                f"{format_duration(self.duration_s)}; likely cause: {self.cause}{quoted}{stall}")
 
     def to_json(self) -> dict[str, Any]:
-        """/status's `failure`: the fields in order."""
-        return self._asdict()
+        """/status's `failure`: the fields in order; `stall` only after one."""
+        doc = self._asdict()
+        if not self.stall:
+            del doc["stall"]
+        return doc
 
 
 def diagnose(exit_status: int, duration_s: float, scanner: Scanner, node: Node,
-             oom_kills: Sequence[OomKill] = (), xids: Sequence[XidEvent] = ()) -> Failure:
+             oom_kills: Sequence[OomKill] = (), xids: Sequence[XidEvent] = (),
+             stall: str = "") -> Failure:
     """The likeliest cause of a failed run, from the evidence at hand."""
     cause, signature, stream, quote = _cause(exit_status, scanner, oom_kills, xids)
     return Failure(exit_status, duration_s, cause, signature, stream, quote, node.name,
-                   node.rank, node.multi_node)
+                   node.rank, node.multi_node, stall)
 
 
 def _cause(exit_status: int, scanner: Scanner, oom_kills: Sequence[OomKill],

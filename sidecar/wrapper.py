@@ -47,6 +47,14 @@ from sidecar.sources.console.lines import SCREEN_SLICE_CHARS, LineAssembler
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
+from sidecar.stacks import (
+    SIGNAL_BUDGET_S,
+    RankClock,
+    StackTaker,
+    processes_of,
+    spawn_once,
+    take_with_budget,
+)
 from sidecar.stall import StallWatch
 from sidecar.statefile import release
 from sidecar.supervise import fault_point, supervise
@@ -80,6 +88,9 @@ GIL_SWITCH_S = 0.0005
 # characters a writer the command left behind may write while the crash tail, taken before
 # them, is delivered; more is dropped and counted
 MAX_BEHIND_TAIL_CHARS = 1 << 20
+# a SIGTERM to a run quiet this long (or stalled) waits for the stacks, at most SIGNAL_BUDGET_S,
+# before it is forwarded (docs/stalls.md#when-the-platform-stops-the-run)
+QUIET_FOR_STACKS_S = 60.0
 
 
 class _BehindTail:
@@ -134,6 +145,7 @@ class _Stream:
         self.scanner = scanner  # failure signatures, looked for beside the log path
         self.tail = tail  # the recent text and what of it the ingest acknowledged (crash tail)
         self.stall = stall  # told of every block, read or skipped
+        self.ranks: RankClock | None = None  # told of every block read: who printed last
         self.closed = asyncio.Event()  # the pipe's end: no process holds it any more
         self.ended = False  # finished for /logs: what comes after is not forwarded
         self.others: Sequence[_Stream] = ()  # the command's other streams (none with --tty)
@@ -163,6 +175,8 @@ class _Stream:
         if self.ended:
             return
         self.stall.activity()
+        if self.ranks is not None:
+            self.ranks.feed(block)
         if self.shipper is None:
             return
         self.scanner.feed(self.name, block)
@@ -357,8 +371,13 @@ class _Run:
                                         screen_slice_chars=SCREEN_SLICE_CHARS),
                     self.shipper, budget, self.scanner, tail, self.stall)
             for name, tail in zip(names, new_tails(len(names)), strict=True))
+        self.ranks = RankClock()
         for stream in self.streams:
             stream.others = [other for other in self.streams if other is not stream]
+            stream.ranks = self.ranks
+        self.stacks: StackTaker | None = None
+        self.stacks_at_signal = ""  # where the ranks were when the platform stopped the run
+        self.signal_stacks: asyncio.Task[None] | None = None
 
     def spawn(self) -> tuple[int, ...]:
         """Start the command; its output's descriptors. SpawnError when it cannot start."""
@@ -397,7 +416,7 @@ class _Run:
         """Forward our signals to the command, and its output to ours and to the streams."""
         self.loop = asyncio.get_running_loop()
         for signum in FORWARDED_SIGNALS:
-            self.loop.add_signal_handler(signum, _on_signal, self.child, signum, self.interrupted)
+            self.loop.add_signal_handler(signum, self._on_signal, signum)
         order = ReadOrder()
         for fd, sink, stream in zip(fds, (1, 2)[:len(fds)], self.streams, strict=True):
             Pump(stream.name, fd, sink, stream, stream.feed, stream.skip, stream.closed.set,
@@ -419,9 +438,59 @@ class _Run:
             pipeline.on_activity = self.stall.activity
             self.report.gpus = pipeline
             self.pipeline = pipeline
+        pid = self.child.pid
+        self.stacks = StackTaker(lambda: processes_of(pid) if pid else [],
+                                 self.cfg.run_dir if client is not None else None)
+        self.stall.on_stall = self._stacks_at_stall
         self.status = await serve_status(self.cfg, self.node, "run", client, self.pipeline,
-                                         self.lifecycle, self.report)
+                                         self.lifecycle, self.report, self.stacks)
         self.ticker = supervise("ticker", lambda: _tick(self.streams, self.stall))
+
+    def _stacks_at_stall(self) -> None:
+        """The stall was said: the stacks follow it, off the loop, as one block."""
+        taker = self.stacks
+        if taker is None:
+            return
+
+        async def look() -> None:  # without py-spy, one line in our log says so
+            stacks = await taker.take("stall")
+            # said while the stall lasts: after its resume line it would say a past moment
+            if stacks is not None and self.child.running and self.stall.stalled:
+                for line in taker.block(stacks, "at the stall", [self.ranks.line()]):
+                    _announce(self.streams, line)
+
+        spawn_once("stacks-at-stall", look)
+
+    def _on_signal(self, signum: int) -> None:
+        """A SIGTERM to a quiet or stalled run: the stacks first (within SIGNAL_BUDGET_S), then
+        the signal; any other, or a second one, is forwarded at once."""
+        taker = self.stacks
+        if (signum != signal.SIGTERM or taker is None or not taker.available
+                or not self.child.running or self.interrupted.is_set()
+                or self.signal_stacks is not None
+                or not (self.stall.stalled or self.stall.quiet_s >= QUIET_FOR_STACKS_S)):
+            _on_signal(self.child, signum, self.interrupted)
+            return
+
+        async def look_then_forward() -> None:
+            try:
+                stacks = await take_with_budget(taker, "sigterm", SIGNAL_BUDGET_S)
+            finally:
+                _on_signal(self.child, signum, self.interrupted)
+            if stacks is None:
+                return
+            where_said = "at SIGTERM"
+            if self.stall.stalled:
+                where_said += f", stalled for {format_duration(self.stall.stalled_s)}"
+            block = taker.block(stacks, where_said, [self.ranks.line()])
+            for line in block:
+                _announce(self.streams, line)
+            if block and stacks.processes:
+                self.stacks_at_signal = "; ".join(stacks.summary())
+
+        log.info("SIGTERM to a quiet run: taking the command's stacks first (at most %g s)",
+                 SIGNAL_BUDGET_S)
+        self.signal_stacks = spawn_once("stacks-at-sigterm", look_then_forward)
 
     async def wait(self) -> int:
         """The command's exit status, once it exited."""
@@ -471,7 +540,8 @@ class _Run:
             self.report.failure = diagnose(
                 exit_status, duration_s, self.scanner, self.node,
                 await asyncio.to_thread(oom_kills_since, self.oom_before, self.cgroups),
-                tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else ())
+                tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else (),
+                stall=self._stall_note())
             log.error("%s", mask(self.report.failure.line().removeprefix("[sidecar] ")))
             # The crash tail's last line.
             _announce(streams, self.report.failure.line())
@@ -480,6 +550,15 @@ class _Run:
             self.behind = _BehindTail() if held else None
             await _journal_tail(pipeline.shipper, self.crash_tail, streams, self.behind,
                                 _logs_by(self.cfg, self.deadline))
+
+    def _stall_note(self) -> str:
+        """What the failure summary says of a stall: how long, and where the ranks were."""
+        note = ""
+        if self.stall.stalled:
+            note = f"stalled for {format_duration(self.stall.stalled_s)} before it"
+        if self.stacks_at_signal:
+            note += ("; " if note else "") + f"at SIGTERM: {self.stacks_at_signal}"
+        return note
 
     async def drain(self) -> None:
         """Deliver what is left by the deadline, beside the output of a writer the command

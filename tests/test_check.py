@@ -84,8 +84,9 @@ def test_healthy_endpoint_exits_0(ingest: RunningIngest, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     result = run_check(platform_env(ingest, tmp_path), capsys)
     assert result.code == EXIT_OK, result.out
-    assert list(result.steps) == ["configuration", "state", "dns", "address", "tcp", "tls",
-                                  "probe"]
+    assert list(result.steps) == ["configuration", "stacks", "state", "dns", "address", "tcp",
+                                  "tls", "probe"]
+    assert result.line("stacks").startswith("ok ")  # py-spy may read a child of ours here
     assert "StarForge" in result.line("configuration")
     assert "token from STARFORGE_TOKEN" in result.line("configuration")
     assert result.line("probe").startswith("ok ")
@@ -102,7 +103,8 @@ def test_json_is_one_document(ingest: RunningIngest, tmp_path: Path,
     assert doc["ok"] is True and doc["exit_status"] == 0
     assert doc["run_id"] == RUN_ID and doc["endpoint"] == ingest.base_url
     assert [(s["name"], s["status"]) for s in doc["steps"]] == [
-        ("configuration", "ok"), ("state", "ok"), ("dns", "ok"), ("address", "ok"),
+        ("configuration", "ok"), ("stacks", "ok"), ("state", "ok"), ("dns", "ok"),
+        ("address", "ok"),
         ("tcp", "ok"), ("tls", "skip"), ("probe", "ok")]
     assert doc["steps"][-1]["details"] == {"http_status": 200, "verdict": "accepted"}
 

@@ -13,8 +13,8 @@ from sidecar.cli import build_parser
 from sidecar.config import OPTIONS, options_of
 from tests.conftest import SIDECAR, clean_environ
 
-COMMANDS = ("run", "watch", "check", "config", "status", "lifecycle", "replay", "receive", "demo",
-            "completion")
+COMMANDS = ("run", "watch", "check", "config", "status", "stacks", "lifecycle", "replay",
+            "receive", "demo", "completion")
 # The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
 METAVARS = {"PATH", "DIR", "FILE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT", "TEMPLATE",
             "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI", "FIELD=NAME"}

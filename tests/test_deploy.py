@@ -264,6 +264,24 @@ def test_sidecar_sees_gpus_without_requesting_any_and_the_trainers_processes(
 
 
 @needs_kubectl
+def test_the_stacks_overlay_may_trace_the_trainer_and_nothing_more() -> None:
+    """docs/stalls.md#where-it-cannot-look: the sidecar sees the trainer's processes and may
+    ptrace them (CAP_SYS_PTRACE, effective only for root: Kubernetes sets no ambient
+    capabilities); every other capability dropped, no escalation, a read-only root."""
+    spec = pod_spec("stacks")
+    assert spec["shareProcessNamespace"] is True
+    sc = container(spec, "sidecar")["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
+    assert sc["runAsUser"] == 0 and sc["runAsNonRoot"] is False
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert not sc.get("privileged", False)
+    assert container(spec, "trainer") == container(pod_spec("native-sidecar"), "trainer")
+    base = pod_spec("native-sidecar")  # the rest as the base has it
+    for key in ("args", "env", "volumeMounts", "resources"):
+        assert container(spec, "sidecar")[key] == container(base, "sidecar")[key], key
+
+
+@needs_kubectl
 def test_the_wrapper_is_its_containers_pid_1() -> None:
     assert "shareProcessNamespace" not in pod_spec("wrapper")
 

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import ssl
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -161,6 +162,8 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     # Past a mistake, what can still be looked at is: the sources, and the endpoint when its
     # variable is good (a missing token still lets DNS, TCP and TLS be tried).
     _sources(cfg, report)
+    if cfg.platform.enabled:  # with reporting off nothing is said of a stall
+        _stacks(report)
     code = EXIT_OK
     if cfg.platform.enabled and cfg.platform.endpoint:
         code = asyncio.run(_check_endpoint(cfg, environ, report, timeout_s))
@@ -308,6 +311,44 @@ def _sources(cfg: Config, report: _Report) -> None:
         _checkpoints(cfg, folder, report)
     if cfg.hparams is not None:
         _hparams(cfg.hparams, report)
+
+
+def _stacks(report: _Report) -> None:
+    """Whether stacks can be taken at a stall (docs/stalls.md#where-it-cannot-look): py-spy is
+    here, and may read a child of ours (`run`'s case) and a ranked process in view (`watch`'s)."""
+    from sidecar.stacks import Process, dump, find_tool, ranked_processes
+
+    tool = find_tool()
+    if tool is None:
+        report.add("stacks", "warn", "py-spy is not installed: a stall is said without the "
+                   "command's stacks; install the package with its dependencies "
+                   "(docs/stalls.md#where-it-cannot-look)")
+        return
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; print(flush=True); "
+                              "time.sleep(30)"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert child.stdout is not None
+        child.stdout.readline()
+        probe = Process(child.pid, os.getpid(), "python")
+        dump(tool, [probe], native=False, timeout_s=5.0)
+    finally:
+        child.kill()
+        child.wait()
+    if probe.error:
+        report.add("stacks", "warn", f"py-spy cannot read even a child of ours ({probe.error}): "
+                   "a stall is said without the stacks; a container needs CAP_SYS_PTRACE "
+                   "(docs/stalls.md#where-it-cannot-look)", tool=tool)
+        return
+    ranked = [p for p in ranked_processes() if p.pid != os.getpid()][:1]
+    if ranked:
+        dump(tool, ranked, native=False, timeout_s=5.0)
+        if ranked[0].error.startswith("refused"):
+            report.add("stacks", "warn", f"`run`'s command can be read, but not PID "
+                       f"{ranked[0].pid} (RANK {ranked[0].rank}), which `watch` would read: "
+                       "ptrace is refused; give the sidecar CAP_SYS_PTRACE "
+                       "(deploy/kubernetes/overlays/stacks)", tool=tool)
+            return
+    report.add("stacks", "ok", f"stacks can be taken at a stall ({tool})", tool=tool)
 
 
 def _hparams(path: Path, report: _Report) -> None:

@@ -261,7 +261,11 @@ class _Answer(NamedTuple):
 _Handler = Callable[[], Awaitable[_Answer]]
 
 
-def _routes(snapshot: Callable[[], StatusSnapshot]) -> dict[str, _Handler]:
+Stacks = Callable[[bool], Awaitable[dict[str, Any] | str]]  # a look now, or the last; or why not
+
+
+def _routes(snapshot: Callable[[], StatusSnapshot],
+            stacks: Stacks | None = None) -> dict[str, _Handler]:
     prometheus = _Prometheus(snapshot)
 
     async def healthz() -> _Answer:
@@ -279,7 +283,17 @@ def _routes(snapshot: Callable[[], StatusSnapshot]) -> dict[str, _Handler]:
     async def status() -> _Answer:
         return _Answer(200, json.dumps(snapshot().to_json(), ensure_ascii=False), JSON)
 
-    return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics, "/status": status}
+    def stacks_route(fresh: bool) -> _Handler:
+        async def answer() -> _Answer:
+            doc = await stacks(fresh) if stacks is not None else "no stacks in this mode"
+            if isinstance(doc, str):
+                return _Answer(503, doc + "\n")
+            return _Answer(200, json.dumps(doc, ensure_ascii=False), JSON)
+
+        return answer
+
+    return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics, "/status": status,
+            "/stacks": stacks_route(True), "/stacks/last": stacks_route(False)}
 
 
 async def _answer(routes: Mapping[str, _Handler], request: h11.Request) -> _Answer:
@@ -483,7 +497,8 @@ class StatusServer:
 
 async def start_status_server(addr: str, run_dir: Path | None,
                               snapshot: Callable[[], StatusSnapshot], *,
-                              idle_timeout_s: float = IDLE_TIMEOUT_S) -> StatusServer | None:
+                              idle_timeout_s: float = IDLE_TIMEOUT_S,
+                              stacks: Stacks | None = None) -> StatusServer | None:
     """Serve the status endpoint on `addr` (HOST:PORT, or "off" for none); never raises for a
     port that cannot be had. The default address, busy, falls back to an ephemeral port of the
     same interface; an address given explicitly is checked before the start (cli.py), so one
@@ -491,7 +506,7 @@ async def start_status_server(addr: str, run_dir: Path | None,
     if addr == "off":
         return None
     host, port = parse_host_port(addr, "--status-addr")
-    connections = _Connections(_routes(snapshot), idle_timeout_s)
+    connections = _Connections(_routes(snapshot, stacks), idle_timeout_s)
     try:
         listener = await asyncio.start_server(connections.accept, host, port,
                                               limit=MAX_REQUEST_BYTES)
