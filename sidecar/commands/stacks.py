@@ -68,7 +68,7 @@ def _fetch(address: str, path: str) -> dict[str, Any]:
 
 def _from_state_folder(args: argparse.Namespace, environ: Mapping[str, str],
                        problem: str) -> int:
-    _, state_dir, _ = _configured(args, environ)
+    _, state_dir, _, _ = _configured(args, environ)
     dumps = sorted(state_dir.glob("*/stacks/*.json"), key=_mtime)
     dumps += sorted(state_dir.glob("*/*/stacks/*.json"), key=_mtime)
     if not dumps:
