@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import math
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -123,15 +124,24 @@ def check_artifact_uri(mapping: str, source: str) -> str:
     return mapping
 
 
+_URI_START = re.compile(r"=([A-Za-z][A-Za-z0-9+.-]*://)")  # RFC 3986's scheme, then ://
+
+
 def parse_artifact_uri(text: str) -> tuple[str, str]:
-    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
+    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not.
+    The URI is the part from its `scheme://` on, so a local path may hold `=` (a Hydra
+    folder `lr=0.1`)."""
     import os
 
-    local, sep, uri = text.partition("=")
-    if not sep or not local.strip() or not uri.strip():
-        raise ValueError("is not LOCAL=URI")
-    if "://" not in uri:
+    start = _URI_START.search(text)
+    if start is None:
+        local, sep, uri = text.partition("=")
+        if not sep or not local.strip() or not uri.strip():
+            raise ValueError("is not LOCAL=URI")
         raise ValueError(f"names {uri.strip()!r}, which is not a URI (such as s3://bucket/path)")
+    local, uri = text[:start.start()], text[start.start() + 1:]
+    if not local.strip():
+        raise ValueError("is not LOCAL=URI: the local folder is missing")
     return os.path.abspath(os.path.expanduser(local.strip())), uri.strip()
 
 
@@ -184,6 +194,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("artifact-uri", "list", (), "the object-store URI a local prefix mirrors, posted "
            "instead of the local path (repeatable)", metavar="LOCAL=URI",
            check=check_artifact_uri),
+    Option("checkpoint-upload", "str", "auto", "upload an unmapped checkpoint through the "
+           "ingest's signed URLs and register its object-store URI: auto (in a container), "
+           "always, never", choices=("auto", "always", "never")),
+    Option("upload-rate", "int", 100_000_000, "bytes a second all checkpoint uploads together "
+           "send at most (0.8 Gbit/s: the node's network stays training's); 0: no limit",
+           metavar="BYTES_PER_S", at_least=0),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off",
            at_least=0, check=check_hardware_interval),
     Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",
@@ -293,6 +309,8 @@ class Config(NamedTuple):
     hparams: Path | None
     checkpoints: tuple[str, ...]
     artifact_uri: tuple[str, ...]
+    checkpoint_upload: str
+    upload_rate: int
     hardware_interval: float
     gpus: str
     # the option's default, None, is found by `resolve`: a Config always has a folder

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import quote
 
 from sidecar.aio import wait_set
 from sidecar.log import log
@@ -33,6 +35,7 @@ from sidecar.sources.files.checkpoint_formats import (
     folder_shape,
     is_alias_name,
     marker_identity,
+    object_name_problem,
     work_in_progress,
 )
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
@@ -47,10 +50,16 @@ EVENT_SETTLE_S = 0.5  # after an event, more usually follow: one walk for the lo
 # a walk of a large tree (10,000 files: tens of ms) then costs at most 1 % of a core.
 WALK_SPACING = 100.0
 MIN_LOOK_S = 0.05
+MISSING_LOOK_S = 1.0  # while a --checkpoints folder does not exist yet (its parent's events too)
+MAX_NAMED_AT_EXIT = 20  # candidates named one a line at the exit; the rest counted
 CONTAINER_HINT = "--artifact-uri"
+UPLOAD_HINT = "--checkpoint-upload auto or always"
 # An export saved into a folder that also holds the run's checkpoints (the Trainer's final
 # save_model into output_dir): its own files are the export, its folders are looked into.
 FLAT_FORMATS = frozenset({"hf", "accelerate"})
+# What a path segment may hold as it is (RFC 3986's pchar, but the unreserved, which are always
+# kept): anything else is percent-encoded in a mapped URI.
+URI_PATH_SAFE = "/:@!$&'()*+,;="
 
 
 class Found(NamedTuple):
@@ -63,6 +72,9 @@ class Found(NamedTuple):
     step: int | None
     size_bytes: int
     fingerprint: str
+    root: str  # the --checkpoints folder it lies under
+    files: tuple[str, ...]  # relative to `local`; empty for a checkpoint that is one file
+    upload: bool  # unmapped: to be uploaded, `path` is then its local path
 
 
 class Entry:
@@ -119,18 +131,29 @@ class FolderState(NamedTuple):
 
 class ArtifactPaths:
     """Local paths as the platform can use them (`--artifact-uri LOCAL=URI`, longest prefix
-    first); in a container an unmapped local path is useless to it and not posted."""
+    first); an unmapped one is uploaded (`upload`), else posted as it is on bare metal, and
+    in a container, where a local path is useless to the platform, not posted."""
 
-    def __init__(self, mappings: Iterable[tuple[str, str]], container: str) -> None:
+    def __init__(self, mappings: Iterable[tuple[str, str]], container: str,
+                 upload: bool = False) -> None:
         self.mappings = sorted(mappings, key=lambda m: len(m[0]), reverse=True)
         self.container = container  # why this looks like a container, "" on bare metal
+        self.upload = upload
 
     def resolve(self, path: str) -> str | None:
+        """The URI posted for `path`: its mapping's, else the path itself on bare metal when
+        nothing is uploaded; None when it is not posted as it is."""
         for local, uri in self.mappings:
             if path == local or path.startswith(local.rstrip("/") + "/"):
-                rest = path[len(local.rstrip("/")):].lstrip("/")
+                rest = quote(path[len(local.rstrip("/")):].lstrip("/"), safe=URI_PATH_SAFE)
                 return uri.rstrip("/") + ("/" + rest if rest else "")
-        return None if self.container else path
+        return None if self.container or self.upload else path
+
+
+def uploads_unmapped(mode: str, container: str) -> bool:
+    """Whether an unmapped checkpoint is uploaded under --checkpoint-upload `mode`: auto
+    uploads in a container (`container`: why this looks like one, "" when it does not)."""
+    return mode == "always" or (mode == "auto" and bool(container))
 
 
 def container_signal(environ: Mapping[str, str], root: Path = Path("/")) -> str:
@@ -149,6 +172,19 @@ def container_signal(environ: Mapping[str, str], root: Path = Path("/")) -> str:
         if runtime in cgroup:
             return f"the cgroup names {runtime}"
     return ""
+
+
+def shown(path: str) -> str:
+    """A path as a log line may hold it: as it is, unless a character in it (a newline, a
+    byte that is not UTF-8) would split or garble the line; then with escapes."""
+    return path if path.isprintable() else ascii(path)
+
+
+def _nearest_existing(folder: str) -> str:
+    """The folder itself, else its nearest parent that exists (to be told when it is made)."""
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
 
 
 def walk(root: str) -> tuple[list[_Look], int, list[str]]:
@@ -189,6 +225,8 @@ def walk(root: str) -> tuple[list[_Look], int, list[str]]:
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:  # deleted since the folder was listed
+                    continue
+                if not stat.S_ISREG(st.st_mode):  # a FIFO is never opened: it would block
                     continue
                 looks.append(_Look(entry.path, file, (), _signature(
                     ((entry.name, st.st_size, st.st_mtime_ns),)), st.st_size))
@@ -245,7 +283,8 @@ def _folder_look(folder: str, shape: Shape, seen: list[str], recurse: bool) -> _
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            files.append((name, st.st_size, st.st_mtime_ns))
+            if stat.S_ISREG(st.st_mode):  # a FIFO, a socket, a device: never opened
+                files.append((name, st.st_size, st.st_mtime_ns))
     files.sort()
     return _Look(folder, shape, tuple(f[0] for f in files), _signature(files),
                  sum(f[1] for f in files))
@@ -297,6 +336,8 @@ class CheckpointWatcher:
         self._events: Inotify | None = None
         self._remote = False
         self._walk_cpu_s = 0.0  # what the last walk cost, in CPU seconds
+        self._missing: set[str] = set()  # folders that do not exist yet
+        self.gone: list[tuple[str, str]] = []  # the latest deleted before they were complete
 
     @property
     def quiet_s(self) -> float:
@@ -329,6 +370,8 @@ class CheckpointWatcher:
         enough, else the interval. One judged incomplete waits for a change (a file event, or
         the interval's walk) to be judged again."""
         interval = SAFETY_LOOK_S if self._events is not None else REMOTE_LOOK_S
+        if self._missing:  # a folder the trainer has yet to make: found within a second
+            interval = min(interval, MISSING_LOOK_S)
         now = time.monotonic()
         settling = [e.seen_at + self.quiet_s - now for e in self.entries.values()
                     if e.state == "waiting" and e.why == "changing"]
@@ -341,8 +384,9 @@ class CheckpointWatcher:
         present: set[str] = set()
         for folder, (looks, aliases, folders) in walks:
             self.aliases[folder] = aliases
+            self._note_missing(folder, folders)
             if self._events is not None:
-                self._events.watch(folders)
+                self._events.watch(folders or [_nearest_existing(folder)])
             for seen in looks:
                 present.add(seen.path)
                 self._update(folder, seen, now)
@@ -350,14 +394,26 @@ class CheckpointWatcher:
             gone = self.entries.pop(path)
             if gone.state == "waiting":
                 self.deleted[gone.root] += 1
-                log.info("--checkpoints: %s was deleted before it was complete; not registered",
-                         path)
+                why = f"deleted before it was complete ({gone.why})"
+                self.gone.append((path, why))
+                del self.gone[:-MAX_NAMED_AT_EXIT]
+                log.info("--checkpoints: %s was %s; not registered", shown(path), why)
         due = [e for e in self.entries.values()
                if e.state == "waiting" and self._settled(e, now)]
         if due:
             assessments = await asyncio.to_thread(lambda: [(e, *_judge(e)) for e in due])
             for entry, assessment, fingerprint in assessments:
                 self._decide(entry, assessment, fingerprint)
+
+    def _note_missing(self, folder: str, seen: list[str]) -> None:
+        """Say once that a folder does not exist yet, and once that it appeared."""
+        if seen and folder in self._missing:
+            self._missing.discard(folder)
+            log.info("--checkpoints %s: the folder exists now; watching it", shown(folder))
+        elif not seen and folder not in self._missing:
+            self._missing.add(folder)
+            log.info("--checkpoints %s does not exist yet; watching %s for it",
+                     shown(folder), shown(_nearest_existing(folder)))
 
     def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str]]]]:
         started = time.thread_time()
@@ -385,7 +441,8 @@ class CheckpointWatcher:
     def _decide(self, entry: Entry, assessment: Assessment, fingerprint: str) -> None:
         if not assessment.complete:
             if entry.why != assessment.why:
-                log.debug("--checkpoints: %s is not complete: %s", entry.path, assessment.why)
+                log.debug("--checkpoints: %s is not complete: %s", shown(entry.path),
+                          assessment.why)
             entry.why = assessment.why
             return
         entry.fingerprint = fingerprint
@@ -400,26 +457,36 @@ class CheckpointWatcher:
                 log.info("--checkpoints %s: %s is complete and not registered here: %s",
                          entry.root, entry.path, self.not_registering)
             return
+        problem = object_name_problem(entry.path)
+        if problem:
+            entry.state, entry.why = "skipped", f"its name {problem}, which no URI can carry"
+            log.warning("--checkpoints: %s is not registered: its name %s, which no URI can "
+                        "carry; rename it", shown(entry.path), problem)
+            return
         uri = self.paths.resolve(entry.path)
-        if uri is None:
+        if uri is None and not self.paths.upload:
             entry.state = "skipped"
             entry.why = (f"a local path in a container ({self.paths.container}) is useless to "
-                         f"the platform; map it with {CONTAINER_HINT}")
+                         f"the platform; map it with {CONTAINER_HINT}, or let it be uploaded "
+                         f"({UPLOAD_HINT})")
             self.not_posted[entry.root] += 1
             if entry.root not in self._warned:
                 self._warned.add(entry.root)
                 log.warning("--checkpoints %s: %s is not posted: this runs in a container (%s), "
                             "where a local path stops existing with it; give %s LOCAL=URI "
-                            "naming the object-store URI this folder mirrors", entry.root,
-                            entry.path, self.paths.container, CONTAINER_HINT)
+                            "naming the object-store URI this folder mirrors, or let it be "
+                            "uploaded (%s)", entry.root, shown(entry.path),
+                            self.paths.container, CONTAINER_HINT, UPLOAD_HINT)
             return
         step = assessment.step if assessment.step is not None else entry.shape.step
         entry.state, entry.why = "registered", ""
-        log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); registering it",
-                 entry.path, entry.shape.kind, entry.shape.format,
-                 "unknown" if step is None else step, entry.size)
-        self.register(Found(uri, entry.path, entry.shape.kind, entry.shape.format, step,
-                            entry.size, fingerprint))
+        log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); %s it",
+                 shown(entry.path), entry.shape.kind, entry.shape.format,
+                 "unknown" if step is None else step, entry.size,
+                 "registering" if uri is not None else "uploading")
+        self.register(Found(entry.path if uri is None else uri, entry.path, entry.shape.kind,
+                            entry.shape.format, step, entry.size, fingerprint, entry.root,
+                            entry.files, uri is None))
 
     def settling(self) -> int:
         """Candidates not judged since their files last changed: they may be complete."""
@@ -433,6 +500,17 @@ class CheckpointWatcher:
         while self.settling() and time.monotonic() + self.quiet_s <= deadline:
             await asyncio.sleep(min(self._next_look_in(), max(deadline - time.monotonic(), 0)))
             await self.look()
+
+    def say_unregistered(self) -> None:
+        """At the exit: every candidate seen and not registered, with why, one a line (the
+        first MAX_NAMED_AT_EXIT), so that no checkpoint is missed in silence."""
+        left = [(e.path, e.why) for e in self.entries.values() if e.state != "registered"]
+        left += self.gone
+        for path, why in left[:MAX_NAMED_AT_EXIT]:
+            log.info("--checkpoints: %s was not registered: %s", shown(path), why)
+        if len(left) > MAX_NAMED_AT_EXIT:
+            log.info("--checkpoints: %d more candidates were not registered; `sidecar "
+                        "check` names them", len(left) - MAX_NAMED_AT_EXIT)
 
     def states(self) -> list[FolderState]:
         """Each folder's checkpoints by state, for the status endpoint."""

@@ -1,0 +1,109 @@
+"""No checkpoint missed in silence: a real `sidecar watch`/`run` beside writers that save as new
+users do (torch.save into checkpoint-N/, a folder made after the sidecar started, a FIFO where
+a checkpoint belongs, a Hydra folder), the checking ingest receiving /artifact."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import platform_env, python_child, sidecar
+from tests.ingest_server import RunningIngest, wait_until
+from tests.test_checkpoints import BUCKET, QUICK_QUIET, Watch, artifacts, paths
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tests.conftest.SIDECAR", QUICK_QUIET)
+
+
+def torch_save(path: Path, payload: bytes = b"\x80\x02}q\x00.") -> None:
+    """torch.save's format (a zip, its end record last), written in place as torch.save does."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", payload * 8)
+
+
+def test_torch_save_files_in_checkpoint_n_folders_are_registered_despite_rotation(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    watch = Watch(ingest, tmp_path, root).start()
+    for step in (5, 10, 15):
+        folder = root / f"checkpoint-{step}"
+        folder.mkdir()
+        torch_save(folder / "model.pt")
+        torch_save(folder / "optimizer.pt")
+        ingest.wait_for(lambda s=step: f"{BUCKET}/checkpoint-{s}" in paths(ingest), 30,
+                        f"checkpoint-{step} registered")
+        if step == 15:  # keep the last 2
+            shutil.rmtree(root / "checkpoint-5")
+    done = watch.stop()
+    assert done.status == 0
+    by_path = {a["path"]: a for a in artifacts(ingest)}
+    assert sorted(by_path) == [f"{BUCKET}/checkpoint-{s}" for s in (10, 15, 5)]
+    assert {a["format"] for a in by_path.values()} == {"pt"}
+    assert by_path[f"{BUCKET}/checkpoint-10"]["step"] == 10
+    assert "deleted before it was complete" not in done.stderr.decode()
+
+
+def test_a_checkpoints_folder_made_after_the_start_is_found_within_a_second(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "emptydir" / "out" / "ckpt"
+    (tmp_path / "emptydir").mkdir()
+    watch = Watch(ingest, tmp_path, root).start()
+    wait_until(lambda: "does not exist yet" in watch.stderr(), 30, "said at start",
+               watch.stderr)
+    root.mkdir(parents=True)
+    torch_save(root / "step_1.pt")
+    made = time.monotonic()
+    # a minute on today's main (the walk without events); here, its parent's events and a
+    # look every second while it is missing, then the quiet time
+    ingest.wait_for(lambda: artifacts(ingest), 20, "registered")
+    assert time.monotonic() - made < 20
+    done = watch.stop()
+    assert done.status == 0
+    assert "the folder exists now" in done.stderr.decode()
+    assert paths(ingest) == {f"{BUCKET}/step_1.pt": 1}
+
+
+def test_a_fifo_named_like_a_checkpoint_never_blocks_and_the_exit_names_what_was_left(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    (root / "global_step3").mkdir(parents=True)
+    os.mkfifo(root / "step_2.pt")
+    os.mkfifo(root / "global_step3" / "mp_rank_00_model_states.pt")
+    torch_save(root / "step_1.pt")
+    (root / "step_9.pt").write_bytes(b"PK\x03\x04 half of a save")
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--checkpoints", str(root), "--artifact-uri", f"{root}={BUCKET}",
+                    "--", *python_child("pass")], env, tmp_path / "run", timeout=60)
+    assert done.status == 0, done.stderr
+    assert paths(ingest) == {f"{BUCKET}/step_1.pt": 1}
+    said = done.stderr.decode()
+    assert f"{root / 'step_9.pt'} was not registered: no zip end record yet" in said, said
+
+
+def test_a_hydra_folder_maps_and_names_are_percent_encoded_or_refused(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "outputs" / "lr=0.1,bs=8"
+    root.mkdir(parents=True)
+    torch_save(root / "step 1#a?b%20.pt")
+    torch_save(root / "epoch=0-step=2.pt")
+    torch_save(root / "step_3\nx.pt")
+    watch = Watch(ingest, tmp_path, root, mapped=False)
+    watch.args += ["--artifact-uri", f"{root}=s3://bucket/run=1"]
+    watch.start()
+    ingest.wait_for(lambda: len(artifacts(ingest)) >= 2, 30, "two registered")
+    wait_until(lambda: "which no URI can carry" in watch.stderr(), 30, "the newline refused",
+               watch.stderr)
+    done = watch.stop()
+    assert done.status == 0
+    assert sorted(paths(ingest)) == ["s3://bucket/run=1/epoch=0-step=2.pt",
+                                     "s3://bucket/run=1/step%201%23a%3Fb%2520.pt"]
+    refused = [line for line in done.stderr.decode().splitlines() if "no URI can" in line]
+    assert "step_3\\nx.pt" in refused[0]  # escaped: the newline does not split the line
