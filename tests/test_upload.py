@@ -223,3 +223,41 @@ def test_a_file_too_large_for_one_put_is_dead_lettered_with_the_ingests_reason(
     line = next(li for li in done.stderr.decode().splitlines() if "ERROR" in li)
     assert "HTTP 400" in line and "EntityTooLarge" in line, line
     assert not artifacts(ingest)
+
+
+def test_status_and_prometheus_show_an_upload_under_way_and_what_it_sent(
+        tmp_path: Path, s3: S3Store) -> None:
+    import urllib.request
+
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, "--upload-rate", "1000000", mapped=False,
+                      SIDECAR_STATUS_ADDR="127.0.0.1:0", **CONTAINER).start()
+        data = safetensors(3_000_000, 5)
+        save_file(folder, "step_60.safetensors", data)
+        addr_file = tmp_path / "state" / RUN_ID / "status-addr"
+        wait_until(addr_file.exists, 20, "the status address written", watch.stderr)
+        address = addr_file.read_text().strip()
+
+        def fetch(path: str) -> str:
+            with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as answer:
+                text: str = answer.read().decode()
+            return text
+
+        def under_way() -> list[dict[str, Any]]:
+            shown: list[dict[str, Any]] = json.loads(fetch("/status"))["uploads"]
+            return shown
+
+        wait_until(lambda: any(0 < u["bytes_sent"] < u["bytes"] for u in under_way()), 30,
+                   "an upload under way", watch.stderr)
+        (shown,) = under_way()
+        assert shown["path"] == str(folder / "step_60.safetensors")
+        assert shown["bytes"] == len(data) and shown["files"] == 1
+        ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
+        metrics = fetch("/metrics")
+        assert f"sidecar_upload_bytes_total {float(len(data)):g}" in metrics, metrics
+        assert "sidecar_upload_files_total 1.0" in metrics
+        assert watch.stop().status == 0
+        assert s3.read(f"{PREFIX}/step_60.safetensors") == data

@@ -44,6 +44,7 @@ ROUTE = "artifact/upload-url"
 NAME_PREFIX = "checkpoints"  # the object names asked for: checkpoints/<path under the folder>
 FILES_IN_FLIGHT = 4
 PUT_IDLE_TIMEOUT_S = 60.0  # a store that takes nothing, nor answers, for this long: retried
+PROGRESS_EVERY_S = 10.0
 MAX_FRESH_URLS = 5  # expired URLs in a row for one file: then it is a refusal (a clock far off)
 # Where hard links cannot be made: another filesystem, one that has none, a link limit.
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -215,12 +216,15 @@ class Uploads:
             await asyncio.to_thread(self._stage, job)
         missing = [rel for rel, f in job.files.items() if not f.stored]
         if missing:
+            progress = asyncio.create_task(self._say_progress(job))
             try:
                 async with asyncio.TaskGroup() as group:
                     for rel in missing:
                         group.create_task(self._upload_file(job, rel))
             except* Refused as refusals:  # the first refusal stops the checkpoint's others
                 raise _first(refusals) from None
+            finally:
+                progress.cancel()
         uri = _checkpoint_uri(job)
         self._register(job.cp.local, job.cp.fingerprint, {**job.cp.body, "path": uri})
         await self._append({"op": "registered", "id": job.id})
@@ -228,6 +232,20 @@ class Uploads:
         log.info("--checkpoints: %s uploaded (%d file(s), %d bytes) to %s; registering it",
                  _shown(job.cp.local), len(job.files), job.size, uri)
         await asyncio.to_thread(self._unstage, job)
+
+    async def _say_progress(self, job: _Job) -> None:
+        """The terminal's progress line: every PROGRESS_EVERY_S while the upload goes on."""
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            shown = next((p for p in self.progress() if p["path"] == job.cp.local), None)
+            if shown is None:
+                return
+            eta = "unknown" if shown["eta_s"] is None else f"{shown['eta_s']:.0f} s"
+            log.info("--checkpoints: uploading %s: %d%% (%d of %d bytes, %d of %d files), "
+                     "%.1f MB/s, %s left", _shown(job.cp.local),
+                     100 * shown["bytes_sent"] // max(shown["bytes"], 1), shown["bytes_sent"],
+                     shown["bytes"], shown["files_stored"], shown["files"],
+                     shown["rate_bytes_per_s"] / 1e6, eta)
 
     async def _upload_file(self, job: _Job, rel: str) -> None:
         file = job.files[rel]
