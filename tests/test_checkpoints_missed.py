@@ -107,3 +107,77 @@ def test_a_hydra_folder_maps_and_names_are_percent_encoded_or_refused(
                                      "s3://bucket/run=1/step%201%23a%3Fb%2520.pt"]
     refused = [line for line in done.stderr.decode().splitlines() if "no URI can" in line]
     assert "step_3\\nx.pt" in refused[0]  # escaped: the newline does not split the line
+
+
+def test_a_rewritten_last_pt_is_registered_again_only_when_something_tells_them_apart(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    watch = Watch(ingest, tmp_path, root).start()
+    torch_save(root / "last.pt")
+    ingest.wait_for(lambda: artifacts(ingest), 30, "registered")
+    for _ in range(2):  # saved over again, the same size: nothing tells the two apart
+        time.sleep(0.01)  # a later modification time
+        torch_save(root / "last.pt")
+        wait_until(lambda n=_: watch.stderr().count("rewritten with the same step") > n, 30,
+                   "the rewrite judged", watch.stderr)
+    torch_save(root / "last.pt", b"\x80\x02}q\x01(." * 3)  # another size: another checkpoint
+    ingest.wait_for(lambda: len(artifacts(ingest)) >= 2, 30, "the bigger one registered")
+    assert watch.stop().status == 0
+    sizes = [a["size_bytes"] for a in artifacts(ingest)]
+    assert len(sizes) == 2 and sizes[0] != sizes[1]
+
+
+def test_an_export_whose_tokenizer_lands_after_its_weights_is_registered_once_whole(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    import json
+    import struct
+
+    root = tmp_path / "ckpt"
+    export = root / "final-model"
+    export.mkdir(parents=True)
+    watch = Watch(ingest, tmp_path, root).start()
+    header = json.dumps({"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}).encode()
+    (export / "config.json").write_text('{"model_type": "demo"}')
+    (export / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"abcd")
+    time.sleep(1.5)  # the Trainer's save_model: the tokenizer seconds after the weights
+    (export / "tokenizer.json").write_text('{"version": "1.0"}')
+    ingest.wait_for(lambda: artifacts(ingest), 30, "registered")
+    done = watch.stop()
+    assert done.status == 0
+    (registered,) = artifacts(ingest)
+    assert registered["size_bytes"] == sum(f.stat().st_size for f in export.iterdir())
+
+
+def test_a_legacy_pickle_still_open_for_writing_is_never_complete_however_long_it_pauses(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    go = tmp_path / "go"
+    go.write_text("")
+    # torch.save(..., _use_new_zipfile_serialization=False): a pickle, nothing to check at its
+    # end; half of it written, then a pause far past the quiet time
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "with open(sys.argv[1], 'wb') as fh:\n"
+        "    fh.write(b'\\x80\\x02\\x8a\\nl\\xfc\\x9cF\\xf9 j\\xa8P\\x19.' + b'x' * 500_000)\n"
+        "    fh.flush()\n"
+        "    while open(sys.argv[2]).read() != 'finish':\n"
+        "        time.sleep(0.05)\n"
+        "    fh.write(b'y' * 500_000)\n"), str(root / "step_1.pth"), str(go)])
+    try:
+        watch = Watch(ingest, tmp_path, root, "--log-level", "debug").start()
+        wait_until(lambda: "still open for writing by process" in watch.stderr(), 30,
+                   "judged while its writer holds it", watch.stderr)
+        assert not artifacts(ingest)
+        go.write_text("finish")
+        assert writer.wait(30) == 0
+    finally:
+        writer.kill()
+    ingest.wait_for(lambda: artifacts(ingest), 30, "registered once closed")
+    assert watch.stop().status == 0
+    (registered,) = artifacts(ingest)
+    assert registered["size_bytes"] == (root / "step_1.pth").stat().st_size

@@ -39,9 +39,11 @@ from sidecar.sources.files.checkpoint_formats import (
     work_in_progress,
 )
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
+from sidecar.sources.files.writers import open_for_writing
 from sidecar.supervise import fault_point
 
 QUIET_S = 2.0  # no file of a candidate changed for this long, over two looks: it settled
+EXPORT_QUIET_FACTOR = 5.0  # an HF export: 10 s (its tokenizer lands 4 s after its weights)
 REMOTE_QUIET_S = 30.0  # on NFS and the like, where attributes are cached and no event arrives
 REMOTE_LOOK_S = 10.0  # how often a folder on a network filesystem is walked
 SAFETY_LOOK_S = 60.0  # with inotify: a walk even without events (a watch lost, a full queue)
@@ -84,6 +86,7 @@ class Entry:
         "files",
         "fingerprint",
         "path",
+        "registered_as",
         "root",
         "seen_at",
         "shape",
@@ -104,6 +107,8 @@ class Entry:
         self.state = "waiting"  # waiting, registered, skipped
         self.why = "changing"
         self.fingerprint = ""
+        # the step and size it was registered with by this start (None: not registered)
+        self.registered_as: tuple[int | None, int] | None = None
 
 
 class _Look(NamedTuple):
@@ -304,6 +309,12 @@ def _judge(entry: Entry) -> tuple[Assessment, str]:
         assessment = assess(entry.shape, path, entry.files)
         if not assessment.complete:
             return assessment, ""
+        # whole by its structure, or with none to check (a legacy pickle): a writer that
+        # still holds a file open for writing says otherwise
+        writer = open_for_writing(
+            {os.path.join(entry.path, rel) for rel in entry.files} or {entry.path})
+        if writer:
+            return Assessment(False, f"still open for writing by process {writer}"), ""
         fingerprint = (f"{assessment.marker}:{marker_identity(path / assessment.marker)}"
                        if assessment.marker else f"files:{entry.signature}")
         if not os.path.exists(entry.path):  # deleted (rotated away) while it was judged
@@ -373,7 +384,7 @@ class CheckpointWatcher:
         if self._missing:  # a folder the trainer has yet to make: found within a second
             interval = min(interval, MISSING_LOOK_S)
         now = time.monotonic()
-        settling = [e.seen_at + self.quiet_s - now for e in self.entries.values()
+        settling = [e.seen_at + self._quiet_of(e) - now for e in self.entries.values()
                     if e.state == "waiting" and e.why == "changing"]
         return max(min([interval, *settling]), MIN_LOOK_S)
 
@@ -436,7 +447,13 @@ class CheckpointWatcher:
         entry.why = "changing"
 
     def _settled(self, entry: Entry, now: float) -> bool:
-        return now - entry.seen_at >= self.quiet_s
+        return now - entry.seen_at >= self._quiet_of(entry)
+
+    def _quiet_of(self, entry: Entry) -> float:
+        """How long a candidate must be quiet: a save_pretrained export longer, as the
+        Trainer's save_model writes the tokenizer and its arguments seconds after the
+        weights, and nothing marks the export's end."""
+        return self.quiet_s * (EXPORT_QUIET_FACTOR if entry.shape.format == "hf" else 1)
 
     def _decide(self, entry: Entry, assessment: Assessment, fingerprint: str) -> None:
         if not assessment.complete:
@@ -479,7 +496,15 @@ class CheckpointWatcher:
                             self.paths.container, CONTAINER_HINT, UPLOAD_HINT)
             return
         step = assessment.step if assessment.step is not None else entry.shape.step
-        entry.state, entry.why = "registered", ""
+        if entry.registered_as == (step, entry.size) and not assessment.marker:
+            # Nothing would tell the two registrations apart (a `last.pt` saved over again):
+            # a rewrite is registered again with a step or a size of its own, or when its
+            # writer's marker says it saved again.
+            entry.state, entry.why = "registered", ""
+            log.info("--checkpoints: %s was rewritten with the same step (%s) and size: not "
+                     "registered again", shown(entry.path), "unknown" if step is None else step)
+            return
+        entry.state, entry.why, entry.registered_as = "registered", "", (step, entry.size)
         log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); %s it",
                  shown(entry.path), entry.shape.kind, entry.shape.format,
                  "unknown" if step is None else step, entry.size,
