@@ -127,6 +127,28 @@ def check_artifact_uri(mapping: str, source: str) -> str:
 _URI_START = re.compile(r"=([A-Za-z][A-Za-z0-9+.-]*://)")  # RFC 3986's scheme, then ://
 
 
+def _split_list(name: str, text: str) -> list[str]:
+    """A list option's SIDECAR_* value, split at its separator. For --artifact-uri a comma
+    ends an item only where what follows holds a mapping of its own: a piece without a URI
+    belongs to its neighbour (a Hydra folder `lr=0.1,bs=8`, a URI `s3://b/a,b`)."""
+    parts = [p for p in text.split(LIST_SEPARATORS.get(name, ":")) if p]
+    if name != "artifact-uri":
+        return parts
+    items: list[str] = []
+    carried = ""  # pieces of a local folder that holds the separator
+    for part in parts:
+        if "://" in part:
+            items.append(carried + part)
+            carried = ""
+        elif "=" in part or not items:
+            carried += part + ","
+        else:  # a piece of the URI before it
+            items[-1] += "," + part
+    if carried:  # no URI after it: the option's check names it
+        items.append(carried.rstrip(","))
+    return items
+
+
 def parse_artifact_uri(text: str) -> tuple[str, str]:
     """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not.
     The URI is the part from its `scheme://` on, so a local path may hold `=` (a Hydra
@@ -688,7 +710,7 @@ def _pick(opt: Option, cli: Any, environ: Mapping[str, str],
     elif opt.env in environ:
         source, raw = opt.env, environ[opt.env]
         if opt.kind == "list":
-            raw = [p for p in raw.split(LIST_SEPARATORS.get(opt.name, ":")) if p]
+            raw = _split_list(opt.name, raw)
     elif opt.name in file_values:
         source, raw = f"{opt.name} in --config", file_values[opt.name]
     else:

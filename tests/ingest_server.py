@@ -229,7 +229,7 @@ class S3Store:
         body: bytes = self.client.get_object(Bucket=self.BUCKET, Key=key)["Body"].read()
         return body
 
-    def keys(self) -> list[str]:
+    def object_keys(self) -> list[str]:
         listed = self.client.list_objects_v2(Bucket=self.BUCKET).get("Contents", [])
         return sorted(str(item["Key"]) for item in listed)
 

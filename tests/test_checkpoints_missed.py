@@ -181,3 +181,26 @@ def test_a_legacy_pickle_still_open_for_writing_is_never_complete_however_long_i
     assert watch.stop().status == 0
     (registered,) = artifacts(ingest)
     assert registered["size_bytes"] == (root / "step_1.pth").stat().st_size
+
+
+def test_a_walk_stops_at_its_time_limit_and_says_it_did_not_see_everything(
+        tmp_path: Path) -> None:
+    from sidecar.sources.files.checkpoints import walk
+
+    for step in range(3):
+        (tmp_path / f"run{step}").mkdir()
+        torch_save(tmp_path / f"run{step}" / f"step_{step}.pt")
+    assert walk(str(tmp_path))[3] is True and len(walk(str(tmp_path))[0]) == 3
+    looks, _, _, whole = walk(str(tmp_path), limit_s=0.0)
+    assert whole is False and looks == []
+
+
+def test_a_local_folder_holding_the_separators_maps_from_a_variable_too() -> None:
+    import argparse
+
+    from sidecar.config import resolve
+
+    environ = {"STARFORGE_ENABLED": "0",
+               "SIDECAR_ARTIFACT_URI": "/o/lr=0.1,bs=8/ck=s3://b/r,/d=gs://c/a,b"}
+    cfg = resolve(argparse.Namespace(), "watch", environ)
+    assert cfg.artifact_uri == ("/o/lr=0.1,bs=8/ck=s3://b/r", "/d=gs://c/a,b")

@@ -26,7 +26,7 @@ from typing import NamedTuple
 from urllib.parse import quote
 
 from sidecar.aio import wait_set
-from sidecar.log import log
+from sidecar.log import Throttle, log
 from sidecar.sources.files.checkpoint_formats import (
     Assessment,
     Shape,
@@ -52,6 +52,7 @@ EVENT_SETTLE_S = 0.5  # after an event, more usually follow: one walk for the lo
 # a walk of a large tree (10,000 files: tens of ms) then costs at most 1 % of a core.
 WALK_SPACING = 100.0
 MIN_LOOK_S = 0.05
+WALK_LIMIT_S = 30.0  # one walk of a folder at most: SIGTERM waits for no longer
 MISSING_LOOK_S = 1.0  # while a --checkpoints folder does not exist yet (its parent's events too)
 MAX_NAMED_AT_EXIT = 20  # candidates named one a line at the exit; the rest counted
 CONTAINER_HINT = "--artifact-uri"
@@ -192,15 +193,19 @@ def _nearest_existing(folder: str) -> str:
     return folder
 
 
-def walk(root: str) -> tuple[list[_Look], int, list[str]]:
-    """Every candidate under `root`, how many aliases were passed over, and every folder seen
-    (to be watched: a checkpoint's own folders too, even empty, as a save fills them later).
-    Blocking: call it in a thread."""
+def walk(root: str, limit_s: float = WALK_LIMIT_S) -> tuple[list[_Look], int, list[str], bool]:
+    """Every candidate under `root`, how many aliases were passed over, every folder seen (to
+    be watched: a checkpoint's own folders too, even empty, as a save fills them later), and
+    whether the walk saw everything (False: it stopped after `limit_s`, on a filesystem that
+    slow). Blocking: call it in a thread."""
     looks: list[_Look] = []
     aliases = 0
     seen: list[str] = []
     pending = [root]
+    deadline = time.monotonic() + limit_s
     while pending:
+        if time.monotonic() > deadline:
+            return looks, aliases, seen, False
         folder = pending.pop()
         entries = _entries(folder)
         if entries is None:
@@ -235,7 +240,7 @@ def walk(root: str) -> tuple[list[_Look], int, list[str]]:
                     continue
                 looks.append(_Look(entry.path, file, (), _signature(
                     ((entry.name, st.st_size, st.st_mtime_ns),)), st.st_size))
-    return looks, aliases, seen
+    return looks, aliases, seen, True
 
 
 class Surveyed(NamedTuple):
@@ -249,7 +254,7 @@ class Surveyed(NamedTuple):
 
 def survey(root: str) -> tuple[list[Surveyed], int]:
     """Every candidate under `root` with its assessment now, and the aliases passed over."""
-    looks, aliases, _ = walk(root)
+    looks, aliases, _, _ = walk(root)
     found = []
     for seen in sorted(looks, key=lambda lk: lk.path):
         entry = Entry(seen.path, root, seen.shape)
@@ -348,6 +353,7 @@ class CheckpointWatcher:
         self._remote = False
         self._walk_cpu_s = 0.0  # what the last walk cost, in CPU seconds
         self._missing: set[str] = set()  # folders that do not exist yet
+        self._throttle = Throttle()
         self.gone: list[tuple[str, str]] = []  # the latest deleted before they were complete
 
     @property
@@ -393,7 +399,15 @@ class CheckpointWatcher:
         walks = await asyncio.to_thread(self._walk_all)
         now = time.monotonic()
         present: set[str] = set()
-        for folder, (looks, aliases, folders) in walks:
+        cut_short: set[str] = set()
+        for folder, (looks, aliases, folders, whole) in walks:
+            if not whole:
+                cut_short.add(folder)
+                if self._throttle.admit(f"walk:{folder}") is not None:
+                    log.warning("--checkpoints %s: a walk stopped after %.0f s (%d folders "
+                                "seen): the filesystem answers that slowly; what lay beyond "
+                                "is looked at by the next walks", shown(folder), WALK_LIMIT_S,
+                                len(folders))
             self.aliases[folder] = aliases
             self._note_missing(folder, folders)
             if self._events is not None:
@@ -401,7 +415,8 @@ class CheckpointWatcher:
             for seen in looks:
                 present.add(seen.path)
                 self._update(folder, seen, now)
-        for path in [p for p in self.entries if p not in present]:
+        for path in [p for p, e in self.entries.items()
+                     if p not in present and e.root not in cut_short]:
             gone = self.entries.pop(path)
             if gone.state == "waiting":
                 self.deleted[gone.root] += 1
@@ -426,7 +441,7 @@ class CheckpointWatcher:
             log.info("--checkpoints %s does not exist yet; watching %s for it",
                      shown(folder), shown(_nearest_existing(folder)))
 
-    def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str]]]]:
+    def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str], bool]]]:
         started = time.thread_time()
         walks = [(folder, walk(folder)) for folder in self.folders]
         self._walk_cpu_s = time.thread_time() - started
