@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import platform_env, python_child, sidecar
+from tests.conftest import RUN_ID, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest, wait_until
 from tests.test_checkpoints import BUCKET, QUICK_QUIET, Watch, artifacts, paths
 
@@ -204,3 +204,34 @@ def test_a_local_folder_holding_the_separators_maps_from_a_variable_too() -> Non
                "SIDECAR_ARTIFACT_URI": "/o/lr=0.1,bs=8/ck=s3://b/r,/d=gs://c/a,b"}
     cfg = resolve(argparse.Namespace(), "watch", environ)
     assert cfg.artifact_uri == ("/o/lr=0.1,bs=8/ck=s3://b/r", "/d=gs://c/a,b")
+
+
+def test_status_names_a_candidate_deleted_before_it_was_complete_and_why(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import urllib.request
+
+    from tests.conftest import SIDECAR
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    watch = Watch(ingest, tmp_path, root, "--log-level", "debug",
+                  SIDECAR_STATUS_ADDR="127.0.0.1:0").start()
+    (root / "step_9.pt").write_bytes(b"PK\x03\x04 half of a save")
+    wait_until(lambda: "step_9.pt is not complete" in watch.stderr(), 30, "judged",
+               watch.stderr)
+    (root / "step_9.pt").unlink()
+    wait_until(lambda: "was deleted before it was complete" in watch.stderr(), 30, "seen gone",
+               watch.stderr)
+    address = (tmp_path / "state" / RUN_ID / "status-addr").read_text().strip()
+    with urllib.request.urlopen(f"http://{address}/status", timeout=10) as answer:
+        (folder,) = json.load(answer)["checkpoints"]
+    assert folder["deleted"] == [[str(root / "step_9.pt"), "deleted before it was complete "
+                                  "(no zip end record yet (still being written))"]]
+    table = subprocess.run([*SIDECAR, "status", "--once", "--status-addr", address],
+                           capture_output=True, text=True, timeout=30,
+                           env={**watch.env, "COLUMNS": "400"})
+    assert f"deleted {root / 'step_9.pt'}: deleted before it was complete" in table.stdout
+    done = watch.stop()
+    assert f"{root / 'step_9.pt'} was not registered: deleted before" in done.stderr.decode()

@@ -263,7 +263,8 @@ def _checkpoint_lines(snap: StatusSnapshot, width: int) -> list[str]:
                      if folder.not_posted else ""))
         lines += ["", *textwrap.wrap(f"CHECKPOINTS {folder.folder}: " + (
             folder.note or counts), width, subsequent_indent="    ")]
-        for state, entries in (("waiting", folder.waiting), ("skipped", folder.skipped)):
+        for state, entries in (("waiting", folder.waiting), ("skipped", folder.skipped),
+                               ("deleted", folder.deleted)):
             lines += [wrapped for path, why in entries for wrapped in textwrap.wrap(
                 f"{state} {path}: {why}", width, initial_indent="  ",
                 subsequent_indent="      ")]

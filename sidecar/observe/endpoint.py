@@ -111,6 +111,7 @@ class CheckpointSnapshot(NamedTuple):
     not_posted: int = 0  # unmapped local paths in a container
     deleted_before_complete: int = 0
     note: str = ""  # why the folder shows nothing ("does not exist yet"), else ""
+    deleted: tuple[tuple[str, str], ...] = ()  # the latest deleted before complete, and why
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CheckpointSnapshot:
@@ -118,7 +119,8 @@ class CheckpointSnapshot(NamedTuple):
                    tuple((str(p), str(w)) for p, w in doc.get("waiting", ())),
                    tuple((str(p), str(w)) for p, w in doc.get("skipped", ())),
                    int(doc.get("aliases", 0)), int(doc.get("not_posted", 0)),
-                   int(doc.get("deleted_before_complete", 0)), str(doc.get("note", "")))
+                   int(doc.get("deleted_before_complete", 0)), str(doc.get("note", "")),
+                   tuple((str(p), str(w)) for p, w in doc.get("deleted", ())))
 
 
 class UploadSnapshot(NamedTuple):

@@ -133,6 +133,7 @@ class FolderState(NamedTuple):
     not_posted: int  # unmapped local paths in a container
     deleted_before_complete: int
     note: str  # "" or why the folder shows nothing (missing, not a folder)
+    deleted: tuple[tuple[str, str], ...]  # the latest deleted before they were complete, why
 
 
 class ArtifactPaths:
@@ -354,7 +355,8 @@ class CheckpointWatcher:
         self._walk_cpu_s = 0.0  # what the last walk cost, in CPU seconds
         self._missing: set[str] = set()  # folders that do not exist yet
         self._throttle = Throttle()
-        self.gone: list[tuple[str, str]] = []  # the latest deleted before they were complete
+        # the latest deleted before they were complete: folder, path, why
+        self.gone: list[tuple[str, str, str]] = []
 
     @property
     def quiet_s(self) -> float:
@@ -421,7 +423,7 @@ class CheckpointWatcher:
             if gone.state == "waiting":
                 self.deleted[gone.root] += 1
                 why = f"deleted before it was complete ({gone.why})"
-                self.gone.append((path, why))
+                self.gone.append((gone.root, path, why))
                 del self.gone[:-MAX_NAMED_AT_EXIT]
                 log.info("--checkpoints: %s was %s; not registered", shown(path), why)
         due = [e for e in self.entries.values()
@@ -545,7 +547,7 @@ class CheckpointWatcher:
         """At the exit: every candidate seen and not registered, with why, one a line (the
         first MAX_NAMED_AT_EXIT), so that no checkpoint is missed in silence."""
         left = [(e.path, e.why) for e in self.entries.values() if e.state != "registered"]
-        left += self.gone
+        left += [(path, why) for _, path, why in self.gone]
         for path, why in left[:MAX_NAMED_AT_EXIT]:
             log.info("--checkpoints: %s was not registered: %s", shown(path), why)
         if len(left) > MAX_NAMED_AT_EXIT:
@@ -564,5 +566,5 @@ class CheckpointWatcher:
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "waiting")),
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "skipped")),
                 self.aliases.get(folder, 0), self.not_posted[folder], self.deleted[folder],
-                note))
+                note, tuple((p, w) for root, p, w in self.gone if root == folder)))
         return result
