@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import math
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -154,17 +155,46 @@ def check_validation_map(mapping: str, source: str) -> str:
         raise ConfigError(f"{source}={mapping!r} {exc}, as in reward=score "
                           "(docs/validation.md#fields)") from None
     return mapping
+_URI_START = re.compile(r"=([A-Za-z][A-Za-z0-9+.-]*://)")  # RFC 3986's scheme, then ://
+
+
+def _split_list(name: str, text: str) -> list[str]:
+    """A list option's SIDECAR_* value, split at its separator. For --artifact-uri a comma
+    ends an item only where what follows holds a mapping of its own: a piece without a URI
+    belongs to its neighbour (a Hydra folder `lr=0.1,bs=8`, a URI `s3://b/a,b`)."""
+    parts = [p for p in text.split(LIST_SEPARATORS.get(name, ":")) if p]
+    if name != "artifact-uri":
+        return parts
+    items: list[str] = []
+    carried = ""  # pieces of a local folder that holds the separator
+    for part in parts:
+        if "://" in part:
+            items.append(carried + part)
+            carried = ""
+        elif "=" in part or not items:
+            carried += part + ","
+        else:  # a piece of the URI before it
+            items[-1] += "," + part
+    if carried:  # no URI after it: the option's check names it
+        items.append(carried.rstrip(","))
+    return items
 
 
 def parse_artifact_uri(text: str) -> tuple[str, str]:
-    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not."""
+    """`LOCAL=URI` (--artifact-uri) as (absolute local prefix, URI); ValueError saying why not.
+    The URI is the part from its `scheme://` on, so a local path may hold `=` (a Hydra
+    folder `lr=0.1`)."""
     import os
 
-    local, sep, uri = text.partition("=")
-    if not sep or not local.strip() or not uri.strip():
-        raise ValueError("is not LOCAL=URI")
-    if "://" not in uri:
+    start = _URI_START.search(text)
+    if start is None:
+        local, sep, uri = text.partition("=")
+        if not sep or not local.strip() or not uri.strip():
+            raise ValueError("is not LOCAL=URI")
         raise ValueError(f"names {uri.strip()!r}, which is not a URI (such as s3://bucket/path)")
+    local, uri = text[:start.start()], text[start.start() + 1:]
+    if not local.strip():
+        raise ValueError("is not LOCAL=URI: the local folder is missing")
     return os.path.abspath(os.path.expanduser(local.strip())), uri.strip()
 
 
@@ -223,6 +253,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("validation-samples", "int", None, "samples of a validation round that keep their "
            "text, spread over its rewards (the rest count in avg_reward and accuracy only); 0: "
            "scores only", shown_default="all of a round of up to 128, else 32", at_least=0),
+    Option("checkpoint-upload", "str", "auto", "upload an unmapped checkpoint through the "
+           "ingest's signed URLs and register its object-store URI: auto (in a container), "
+           "always, never", choices=("auto", "always", "never")),
+    Option("upload-rate", "int", 100_000_000, "bytes a second all checkpoint uploads together "
+           "send at most (0.8 Gbit/s: the node's network stays training's); 0: no limit",
+           metavar="BYTES_PER_S", at_least=0),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off",
            at_least=0, check=check_hardware_interval),
     Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",
@@ -336,6 +372,8 @@ class Config(NamedTuple):
     artifact_uri: tuple[str, ...]
     validation_map: tuple[str, ...]
     validation_samples: int | None
+    checkpoint_upload: str
+    upload_rate: int
     hardware_interval: float
     gpus: str
     # the option's default, None, is found by `resolve`: a Config always has a folder
@@ -782,7 +820,7 @@ def _pick(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mappin
     elif opt.env in environ:
         source, raw = opt.env, environ[opt.env]
         if opt.kind == "list":
-            raw = [p for p in raw.split(LIST_SEPARATORS.get(opt.name, ":")) if p]
+            raw = _split_list(opt.name, raw)
     elif opt.name in file_values:
         source, raw = f"--config {config_file or 'file'}: {opt.name}", file_values[opt.name]
     else:

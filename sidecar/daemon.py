@@ -199,6 +199,7 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
         RouteSnapshot,
         SourceSnapshot,
         StatusSnapshot,
+        UploadSnapshot,
         start_status_server,
     )
 
@@ -220,6 +221,10 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
         watcher = pipeline.checkpoints if pipeline is not None else None
         checkpoints = tuple(CheckpointSnapshot(*folder)
                             for folder in (watcher.states() if watcher is not None else ()))
+        uploads = pipeline.uploads if pipeline is not None else None
+        upload_totals = {} if uploads is None else {
+            "bytes": uploads.bytes_uploaded, "files": uploads.files_uploaded,
+            "refused": uploads.refused}
         return StatusSnapshot(
             run_id=cfg.platform.run_id, node=node.name, mode=mode, offline=client is None,
             started_at=started_at,
@@ -233,7 +238,9 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
             signatures=report.scanner.counts if report.scanner is not None else {},
             failure=report.failure.to_json() if report.failure is not None else None,
             stalled_s=report.stall.stalled_s if report.stall is not None else 0.0,
-            checkpoints=checkpoints)
+            checkpoints=checkpoints,
+            uploads=tuple(UploadSnapshot(**u) for u in (uploads.progress() if uploads else ())),
+            upload_totals=upload_totals)
 
     run_dir = cfg.run_dir if client is not None else None
     async def look(fresh: bool) -> dict[str, Any] | str:

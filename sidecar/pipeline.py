@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sidecar.aio import cancel
+from sidecar.aio import cancel, wait_set
 from sidecar.config import Config
 from sidecar.delivery.artifacts import JOURNAL as ARTIFACT_JOURNAL
 from sidecar.delivery.artifacts import Artifacts
@@ -30,6 +30,8 @@ from sidecar.delivery.client import ROUTES, IngestClient
 from sidecar.delivery.keys import KeyBudget
 from sidecar.delivery.logs import LogShipper
 from sidecar.delivery.spool import MAX_SPOOL_BYTES, Spool
+from sidecar.delivery.upload import LEDGER as UPLOAD_LEDGER
+from sidecar.delivery.upload import Uploads
 from sidecar.log import log, state_write_failed
 from sidecar.masking import mask
 from sidecar.node import Node
@@ -118,25 +120,41 @@ def _spec(kind: FileKind, patterns: tuple[str, ...], follow: Follow) -> SourceSp
                       option=kind.flag, tree=kind.tree, silence=kind.silence)
 
 
-def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts) -> CheckpointWatcher:
-    """--checkpoints: found checkpoints to /artifact; rank 0 alone registers on a multi-node
-    run (a folder on a shared filesystem is seen by every node, and a trainer saves on its
-    main process, so node-local folders of other nodes hold no checkpoint of the run's own)."""
+def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts,
+                        uploads: Uploads) -> CheckpointWatcher:
+    """--checkpoints: found checkpoints to /artifact, uploaded first when unmapped and asked
+    to; rank 0 alone registers on a multi-node run (a folder on a shared filesystem is seen
+    by every node, and a trainer saves on its main process, so node-local folders of other
+    nodes hold no checkpoint of the run's own)."""
     from sidecar.config import parse_artifact_uri
-    from sidecar.sources.files.checkpoints import ArtifactPaths, CheckpointWatcher, container_signal
+    from sidecar.delivery.upload import Checkpoint
+    from sidecar.sources.files.checkpoints import (
+        ArtifactPaths,
+        CheckpointWatcher,
+        container_signal,
+        uploads_unmapped,
+    )
 
     def register(found: Found) -> None:
         body: dict[str, Any] = {"kind": found.kind, "path": found.path, "format": found.format,
                                 "size_bytes": found.size_bytes}
         if found.step is not None:
             body["step"] = found.step
-        artifacts.register(found.local, found.fingerprint, body)
+        if not found.upload:
+            artifacts.register(found.local, found.fingerprint, body)
+            return
+        name = os.path.relpath(found.local, found.root).replace(os.sep, "/")
+        uploads.submit(Checkpoint(found.local, found.fingerprint, name, found.files, body))
+
+    def known(path: str, fingerprint: str) -> bool:
+        return artifacts.known(path, fingerprint) or uploads.known(path, fingerprint)
 
     not_registering = "" if node.rank == 0 else (
         f"this is node rank {node.rank}: on a multi-node run, node rank 0 registers checkpoints")
-    paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri],
-                          container_signal(os.environ))
-    return CheckpointWatcher(cfg.checkpoints, register, artifacts.known, paths,
+    container = container_signal(os.environ)
+    paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri], container,
+                          upload=uploads_unmapped(cfg.checkpoint_upload, container))
+    return CheckpointWatcher(cfg.checkpoints, register, known, paths,
                              not_registering, mode=cfg.file_watch)
 
 
@@ -164,6 +182,7 @@ class Pipeline(Sink):
         self._sampler_task: asyncio.Task[None] | None = None
         self._hparams_task: asyncio.Task[None] | None = None
         self._checkpoints_task: asyncio.Task[None] | None = None
+        self._uploads_task: asyncio.Task[None] | None = None
         self.read = asyncio.Event()  # the drain read the files to their end (or gave up)
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
         self.shipper = log_shipper or LogShipper(
@@ -191,8 +210,10 @@ class Pipeline(Sink):
         for batcher in self.routed.values():
             batcher.on_room = self.follower.room
         self.artifacts = Artifacts(run_dir, run_id, client)
-        self.checkpoints = _checkpoint_watcher(cfg, node, self.artifacts) if cfg.checkpoints \
-            else None
+        self.uploads = Uploads(run_dir, run_id, client, self.artifacts.register,
+                               self.artifacts.known, cfg.upload_rate)
+        self.checkpoints = _checkpoint_watcher(cfg, node, self.artifacts, self.uploads) \
+            if cfg.checkpoints else None
 
     @property
     def batchers(self) -> list[Batcher]:
@@ -214,13 +235,22 @@ class Pipeline(Sink):
             self._follow_task = supervise("follow", self.follower.run)
         if self.checkpoints is not None or (self.cfg.run_dir / ARTIFACT_JOURNAL).exists():
             self.artifacts.start()
+        if self.checkpoints is not None or (self.cfg.run_dir / UPLOAD_LEDGER).exists():
+            self._uploads_task = supervise("uploads-open", self._start_uploads)
         if self.checkpoints is not None:
             self._checkpoints_task = supervise("checkpoints", self._watch_checkpoints)
 
+    async def _start_uploads(self) -> None:
+        """The uploads, once the registrations of earlier starts are known (an upload whose
+        registration was made is not made again)."""
+        await self.artifacts.opened.wait()
+        self.uploads.start()
+
     async def _watch_checkpoints(self) -> None:
-        """--checkpoints, once the registrations of earlier starts are known."""
+        """--checkpoints, once the registrations and the uploads of earlier starts are known."""
         assert self.checkpoints is not None
         await self.artifacts.opened.wait()
+        await self.uploads.opened.wait()
         await self.checkpoints.run()
 
     def _record_sources(self) -> None:
@@ -372,8 +402,11 @@ class Pipeline(Sink):
     async def _drain_checkpoints(self, deadline: float) -> None:
         """Judge the checkpoints that are settling, then deliver the registrations, by
         `deadline`."""
-        if self.checkpoints is not None and self.artifacts.opened.is_set():
+        if self.checkpoints is not None and await wait_set(
+                self.uploads.opened, max(deadline - time.monotonic(), 0.0)):
             await self.checkpoints.drain(deadline)
+            self.checkpoints.say_unregistered()
+        await self.uploads.drain(max(deadline - time.monotonic(), 0.0))
         await self.artifacts.drain(max(deadline - time.monotonic(), 0.0))
 
     async def stop_reading(self) -> None:
@@ -393,6 +426,8 @@ class Pipeline(Sink):
         self.key_budget.report_refused()
         await self.shipper.stop()
         await cancel(self._checkpoints_task)
+        await cancel(self._uploads_task)
+        await self.uploads.close()
         await self.artifacts.close()
         await asyncio.gather(*(b.stop() for b in self.batchers))
         for batcher in self.documents.values():

@@ -20,10 +20,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sidecar.commands.receive import DEFAULT_PREFIX, IngestServer, IngestStats
+from sidecar.commands.receive import (
+    DEFAULT_PREFIX,
+    URL_LIFETIME_S,
+    IngestServer,
+    IngestStats,
+    LocalObjects,
+)
 from tests.faulty_ingest import Fault, Faults
 
 T = TypeVar("T")
+Signer = Callable[[str, str, int], dict[str, Any]]
 
 CALL_TIMEOUT_S = 10.0
 _POLL_INTERVAL_S = 0.01
@@ -62,6 +69,16 @@ class RunningIngest(LoopHandle):
     def url(self, route: str) -> str:
         """The full URL of one route, e.g. url("environment/nodes")."""
         return f"{self.base_url}/{route}"
+
+    @property
+    def objects(self) -> LocalObjects:
+        """The server's own object folder (what `sidecar receive` signs URLs for)."""
+        return self._server.objects
+
+    def sign_locally(self, run_id: str, name: str, size: int,
+                     lifetime_s: float = URL_LIFETIME_S) -> dict[str, Any]:
+        """An upload-url answer for the server's own object folder (for a test's signer)."""
+        return self._server.objects.sign(self._server.origin, run_id, name, size, lifetime_s)
 
     @property
     def stats(self) -> IngestStats:
@@ -146,12 +163,15 @@ def running_ingest(
     run_id: str | None = None,
     faults: bool = False,
     prefix: str = DEFAULT_PREFIX,
+    signer: Signer | None = None,
 ) -> Iterator[RunningIngest]:
     """An IngestServer listening on an ephemeral loopback port for the block's duration, its
-    faults armed through the handle; with `faults`, also over HTTP (faulty_ingest.CONTROL_PATH)."""
+    faults armed through the handle; with `faults`, also over HTTP (faulty_ingest.CONTROL_PATH).
+    `signer`: its answers to artifact/upload-url (S3Store.sign; default: its own objects)."""
     with background_loop("ingest-server") as loop:
         layer = Faults(control=faults)
-        server = IngestServer(store_dir, token=token, run_id=run_id, hooks=layer, prefix=prefix)
+        server = IngestServer(store_dir, token=token, run_id=run_id, hooks=layer, prefix=prefix,
+                              signer=signer)
         handle = RunningIngest(server, layer, loop)
         handle._run(server.start())
         try:
@@ -172,3 +192,46 @@ def background_loop(name: str) -> Iterator[asyncio.AbstractEventLoop]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(CALL_TIMEOUT_S)
         loop.close()
+
+
+class S3Store:
+    """A real S3 protocol server (moto's server mode) on loopback, with a bucket, and the
+    ingest's side of it: `sign` answers artifact/upload-url with a presigned PUT (boto3, SigV4,
+    path-style), as the platform does. moto checks neither expiry nor signatures."""
+
+    BUCKET = "ckpt"
+
+    def __init__(self) -> None:
+        import boto3
+        from botocore.config import Config
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.client = boto3.client(
+            "s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
+            aws_access_key_id="test", aws_secret_access_key="test",
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}))
+        self.client.create_bucket(Bucket=self.BUCKET)
+
+    def sign(self, run_id: str, name: str, size: int) -> dict[str, Any]:
+        key = f"{run_id}/{name}"
+        url = self.client.generate_presigned_url(
+            "put_object", ExpiresIn=3600, Params={
+                "Bucket": self.BUCKET, "Key": key, "ContentType": "application/octet-stream"})
+        return {"url": url, "path": f"s3://{self.BUCKET}/{key}", "method": "PUT",
+                "headers": {"Content-Type": "application/octet-stream"}}
+
+    def read(self, uri: str) -> bytes:
+        """The object at s3://BUCKET/KEY, read back through the S3 API."""
+        key = uri.removeprefix(f"s3://{self.BUCKET}/")
+        body: bytes = self.client.get_object(Bucket=self.BUCKET, Key=key)["Body"].read()
+        return body
+
+    def object_keys(self) -> list[str]:
+        listed = self.client.list_objects_v2(Bucket=self.BUCKET).get("Contents", [])
+        return sorted(str(item["Key"]) for item in listed)
+
+    def stop(self) -> None:
+        self._server.stop()

@@ -545,6 +545,7 @@ def test_in_a_container_a_mapped_folder_is_posted_an_unmapped_one_not_and_status
     unmapped.mkdir()
     (mapped / "partial.safetensors").write_bytes(b"\x10\0\0\0")  # a writer that died
     watch = Watch(ingest, tmp_path, mapped, "--checkpoints", str(unmapped),
+                  "--checkpoint-upload", "never",
                   KUBERNETES_SERVICE_HOST="10.0.0.1", SIDECAR_STATUS_ADDR="127.0.0.1:0").start()
     save_files(mapped, 5)
     save_files(unmapped, 7, 8)
@@ -617,8 +618,8 @@ def test_check_says_what_each_folder_matches_and_whether_it_would_be_posted(
     save_files(root, 7)
     (root / "last.ckpt").symlink_to("step_7.pt")
     env = {**clean_environ(), "STARFORGE_ENABLED": "0", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
-    done = sidecar(["check", "--json", "--checkpoints", str(root), "--checkpoints",
-                    str(tmp_path / "later")], env, tmp_path / "check")
+    done = sidecar(["check", "--json", "--checkpoint-upload", "never", "--checkpoints",
+                    str(root), "--checkpoints", str(tmp_path / "later")], env, tmp_path / "check")
     assert done.status == 0, done.stderr
     steps = [s for s in json.loads(done.stdout)["steps"] if s["name"] == "checkpoints"]
     first, later = ({**s, **s["details"]} for s in steps)
@@ -631,6 +632,9 @@ def test_check_says_what_each_folder_matches_and_whether_it_would_be_posted(
     mapped = sidecar(["check", "--checkpoints", str(root), "--artifact-uri",
                       f"{root}={BUCKET}"], env, tmp_path / "check2")
     assert f"posted as {BUCKET}/..." in mapped.stdout.decode(), mapped.stdout
+    uploaded = sidecar(["check", "--checkpoints", str(root)], env, tmp_path / "check3")
+    assert "uploaded through the ingest's signed URLs (--checkpoint-upload auto, in a " \
+           "container)" in uploaded.stdout.decode(), uploaded.stdout
 
 
 def test_options_from_variables_and_the_file_and_a_bad_mapping_named(tmp_path: Path) -> None:

@@ -58,6 +58,10 @@ def test_demo_runs_the_bundled_trainer_to_success(tmp_path: Path) -> None:
                                                                   "succeeded", "failed")]
     assert events == ["starting", "running", "succeeded"]
     assert "can't open file" not in done.stdout + done.stderr
+    # its checkpoint, uploaded to the receiver's own object folder and registered
+    uploaded = done.stdout.split("artifacts (uploaded", 1)[1]
+    assert "checkpoint step 40, 65612 bytes: file://" in uploaded
+    assert uploaded.strip().endswith("/objects/demo-run/checkpoints/step_40.safetensors")
 
 
 # -- flags: typos named, no abbreviation, -V ------------------------------------------------------

@@ -505,7 +505,12 @@ def _checkpoints(cfg: Config, folder: str, report: _Report) -> None:
     from collections import Counter
 
     from sidecar.config import parse_artifact_uri
-    from sidecar.sources.files.checkpoints import ArtifactPaths, container_signal, survey
+    from sidecar.sources.files.checkpoints import (
+        ArtifactPaths,
+        container_signal,
+        survey,
+        uploads_unmapped,
+    )
 
     what = f"--checkpoints {folder}"
     if not os.path.isdir(folder):
@@ -515,8 +520,10 @@ def _checkpoints(cfg: Config, folder: str, report: _Report) -> None:
                    folder=folder, matched=0)
         return
     found, aliases = survey(os.path.abspath(folder))
-    paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri],
-                          container_signal(os.environ))
+    container = container_signal(os.environ)
+    upload = uploads_unmapped(cfg.checkpoint_upload, container)
+    paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri], container,
+                          upload=upload)
     formats = Counter(f"{c.shape.format} ({c.shape.kind})" for c in found)
     waiting = [f"{os.path.relpath(c.path, folder)}: {c.assessment.why}" for c in found
                if not c.assessment.complete]
@@ -529,11 +536,16 @@ def _checkpoints(cfg: Config, folder: str, report: _Report) -> None:
                + (f"; {aliases} aliases (last.ckpt, links) passed over" if aliases else ""))
     status = "ok"
     posted = paths.resolve(os.path.abspath(folder))
-    if posted is None:
+    if posted is None and upload:
+        message += (f"; uploaded through the ingest's signed URLs (--checkpoint-upload "
+                    f"{cfg.checkpoint_upload}{', in a container' if container else ''}), "
+                    "then posted as the object-store URI it answers")
+    elif posted is None:
         status = "warn"
         message += (f"; NOT POSTED: this runs in a container ({paths.container}), where a local "
                     "path is useless to the platform: give --artifact-uri LOCAL=URI naming "
-                    "the object-store URI this folder mirrors")
+                    "the object-store URI this folder mirrors, or let it be uploaded "
+                    "(--checkpoint-upload auto)")
     elif posted != os.path.abspath(folder):
         message += f"; posted as {posted}/..."
     report.add("checkpoints", status, message, folder=folder, matched=len(found),

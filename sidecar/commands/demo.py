@@ -1,5 +1,6 @@
 """`sidecar demo`: a local receiver, the bundled example trainer under `sidecar run`, and what
-arrived, so a new user sees the whole path work in one command."""
+arrived, so a new user sees the whole path work in one command: its checkpoint too, uploaded
+to the receiver's own object folder through signed URLs and registered."""
 
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ async def _demo(workdir: Path) -> int:
                STARFORGE_RUN_ID=RUN_ID, STARFORGE_TOKEN=TOKEN,
                SIDECAR_STATE_DIR=str(workdir / "state"), SIDECAR_STATUS_ADDR="off")
     print(f"== receiver on {server.base_url}; running the example trainer under `sidecar run`")
+    checkpoints = workdir / "checkpoints"
+    checkpoints.mkdir(parents=True, exist_ok=True)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sidecar", "run", "--", sys.executable, str(TRAINER), env=env)
+        sys.executable, "-m", "sidecar", "run", "--checkpoints", str(checkpoints),
+        "--checkpoint-upload", "always", "--", sys.executable, str(TRAINER), str(checkpoints),
+        env=env)
     status = await proc.wait()
     await server.stop()
     _report(server, status)
@@ -48,3 +53,7 @@ def _report(server: IngestServer, status: int) -> None:
           f"{len(text)} characters:")
     for line in lines:
         print(f"  | {line}")
+    print("artifacts (uploaded through artifact/upload-url, then registered):")
+    for record in server.records("artifact"):
+        print(f"  {record['kind']} step {record.get('step', '?')}, {record['size_bytes']} "
+              f"bytes: {record['path']}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import math
@@ -20,6 +21,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -44,6 +46,12 @@ _SUMMARY_INTERVAL_S = 1.0
 _MAX_SHOWN_CHARS = 40  # how much of an offending value a rejection reason quotes
 REJECTED_STORE = "rejected.jsonl"  # no route's store name: a route's has no "rejected"
 _MAX_KEPT_BODY_CHARS = 64 * 1024  # of a rejected body, in the rejected store
+# S3's limit on one PUT, 5 GB, read as 10^9 bytes: a margin whichever GB AWS means
+MAX_SINGLE_PUT_BYTES = 5 * 10**9
+OBJECTS_PATH = "/_objects"  # where `sidecar receive` takes uploads itself (LocalObjects)
+OBJECTS_FOLDER = "objects"  # in the store dir
+URL_LIFETIME_S = 3600.0
+_OBJECT_CHUNK_BYTES = 1 << 20
 
 
 class Rejected(Exception):
@@ -234,6 +242,21 @@ def _check_artifact(body: dict[str, Any]) -> None:
             raise _invalid(name, "an integer, 0 or more", body[name])
 
 
+def _check_upload_url(body: dict[str, Any]) -> None:
+    name = _text(body, "name")
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise Rejected(400, f"name must be a relative, /-separated path, got {_shown(name)}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise Rejected(400, f"name holds a control character: {_shown(name)}")
+    size = _integer(body, "size_bytes")
+    if size < 0:
+        raise _invalid("size_bytes", "an integer, 0 or more", size)
+    if size > MAX_SINGLE_PUT_BYTES:
+        raise Rejected(400, f"size_bytes {size} is above the {MAX_SINGLE_PUT_BYTES} bytes one "
+                       "PUT may carry (EntityTooLarge)")
+
+
 def _check_nothing(body: dict[str, Any]) -> None:
     """Routes whose body is any object carrying run_id."""
 
@@ -259,7 +282,10 @@ _ROUTES: dict[str, _Route] = {
     "validation": _Route(_check_validation, "samples"),
     "artifact": _Route(_check_artifact),
     "benchmark": _Route(_check_nothing),
+    # a GET whose query is the body: the signed URL a checkpoint's file is uploaded to
+    "artifact/upload-url": _Route(_check_upload_url),
 }
+_QUERY_ROUTES = frozenset({"artifact/upload-url"})
 ROUTE_NAMES = tuple(_ROUTES)
 
 
@@ -456,8 +482,11 @@ class IngestServer:
         run_id: str | None = None,
         hooks: Hooks | None = None,
         prefix: str = DEFAULT_PREFIX,
+        signer: Callable[[str, str, int], dict[str, Any]] | None = None,
     ) -> None:
-        """Configure the server; nothing listens until start()."""
+        """Configure the server; nothing listens until start(). `signer(run_id, name,
+        size_bytes)`: the answer of artifact/upload-url (default: URLs to the server's own
+        object folder, LocalObjects)."""
         if token == "":
             raise ValueError("token must be non-empty, or None to accept any bearer token")
         self.store_dir = store_dir
@@ -467,6 +496,8 @@ class IngestServer:
         self._prefix = prefix.rstrip("/")
         self._paths = {f"{self._prefix}/{route}": route for route in _ROUTES}
         self._hooks = hooks or Hooks()
+        self.objects = LocalObjects(store_dir / OBJECTS_FOLDER)
+        self._signer = signer or self._local_signer
         self._stopping = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -554,6 +585,7 @@ class IngestServer:
 
         app = web.Application(middlewares=[count_requests], client_max_size=_MAX_BODY_BYTES)
         app.router.add_routes(self._hooks.routes())
+        app.router.add_route("PUT", OBJECTS_PATH + "/{path:.*}", self.objects.handle)
         app.router.add_route("*", "/{path:.*}", self._handle_ingest)
         return app
 
@@ -578,10 +610,14 @@ class IngestServer:
         return _answer(200, payload)
 
     async def _ingest(self, route: str, request: web.Request) -> dict[str, Any]:
-        if request.method != "POST":
-            raise Rejected(405, f"{request.method} is not allowed; use POST", {"Allow": "POST"})
+        method = "GET" if route in _QUERY_ROUTES else "POST"
+        if request.method != method:
+            raise Rejected(405, f"{request.method} is not allowed; use {method}",
+                           {"Allow": method})
         await self._hooks.arrived(route, self._stopping)
         self._check_auth(request)
+        if route in _QUERY_ROUTES:
+            return self._sign(route, request)
         raw = await self._read(request)
         self._hooks.read(route, raw)
         body = _parse_body(raw)
@@ -592,6 +628,26 @@ class IngestServer:
         self._store(route, body, items)
         await self._hooks.stored(route, self._stopping)
         return {"ok": True, "inserted": items} if _ROUTES[route].answers_inserted else {"ok": True}
+
+    def _sign(self, route: str, request: web.Request) -> dict[str, Any]:
+        """artifact/upload-url: the query checked and stored as a body, then signed."""
+        body: dict[str, Any] = dict(request.query)
+        if "size_bytes" in body:
+            with contextlib.suppress(ValueError):
+                body["size_bytes"] = int(body["size_bytes"])
+        self._check_run_id(body)
+        self._hooks.parsed(route, 0)
+        _ROUTES[route].check(body)
+        self._store(route, body, 0)
+        return self._signer(body["run_id"], body["name"], body["size_bytes"])
+
+    def _local_signer(self, run_id: str, name: str, size: int) -> dict[str, Any]:
+        return self.objects.sign(self.origin, run_id, name, size)
+
+    @property
+    def origin(self) -> str:
+        """http://HOST:PORT of the server."""
+        return self.base_url[: -len(self._prefix)] if self._prefix else self.base_url
 
     def _check_auth(self, request: web.Request) -> None:
         bearer = _bearer(request.headers.get("Authorization", ""))
@@ -654,6 +710,76 @@ class IngestServer:
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with (self.store_dir / REJECTED_STORE).open("a", encoding="utf-8") as store:
             store.write(line)
+
+
+class LocalObjects:
+    """An object folder that takes PUTs to the URLs it signed, as an object store does: each
+    URL is good for one object and for URL_LIFETIME_S (a 403 once it expired, one for a
+    signature that does not match); the body needs its Content-Length and is written to disk
+    as it arrives. Stored under `folder/<run_id>/<name>`, answered with the MD5 as the ETag."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.stored = 0  # objects taken
+        self.refused: list[tuple[int, str]] = []  # status and code of each refused PUT
+        self._key = os.urandom(32)
+
+    def sign(self, origin: str, run_id: str, name: str, size: int,
+             lifetime_s: float = URL_LIFETIME_S) -> dict[str, Any]:
+        """The upload-url answer for one object, as an ingest gives it."""
+        from urllib.parse import quote
+
+        expires = int(time.time() + lifetime_s)
+        key = f"{run_id}/{name}"
+        url = (f"{origin}{OBJECTS_PATH}/{quote(key)}?expires={expires}&size={size}"
+               f"&signature={self._signature(key, expires, size)}")
+        return {"url": url, "path": (self.folder / key).as_uri(), "method": "PUT",
+                "expires_at": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+    def _signature(self, key: str, expires: int, size: int) -> str:
+        message = f"{key}\n{expires}\n{size}".encode()
+        return hmac.new(self._key, message, "sha256").hexdigest()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        key = request.match_info["path"]
+        try:
+            expires, size = int(request.query["expires"]), int(request.query["size"])
+            signature = request.query["signature"]
+        except (KeyError, ValueError):
+            return self._refuse(403, "AccessDenied", "Query-string authentication is required")
+        if not hmac.compare_digest(signature, self._signature(key, expires, size)):
+            return self._refuse(403, "SignatureDoesNotMatch", "The request signature we "
+                                "calculated does not match the signature you provided")
+        if time.time() > expires:
+            return self._refuse(403, "AccessDenied", "Request has expired")
+        if request.headers.get("Transfer-Encoding"):
+            return self._refuse(501, "NotImplemented", "A header you provided implies "
+                                "functionality that is not implemented")
+        if request.content_length != size:
+            return self._refuse(400, "BadRequest", f"Content-Length {request.content_length} "
+                                f"is not the {size} bytes signed")
+        target = self.folder / key
+        if ".." in Path(key).parts:
+            return self._refuse(400, "InvalidObjectName", "the name leaves the folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+        digest = hashlib.md5(usedforsecurity=False)
+        with partial.open("wb") as out:
+            async for chunk in request.content.iter_chunked(_OBJECT_CHUNK_BYTES):
+                digest.update(chunk)
+                out.write(chunk)
+        if partial.stat().st_size != size:
+            partial.unlink()
+            return self._refuse(400, "IncompleteBody", "the body ended before its length")
+        os.replace(partial, target)
+        self.stored += 1
+        return web.Response(status=200, headers={"ETag": f'"{digest.hexdigest()}"'})
+
+    def _refuse(self, status: int, code: str, message: str) -> web.Response:
+        self.refused.append((status, code))
+        body = f"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code>" \
+               f"<Message>{message}</Message></Error>"
+        return web.Response(status=status, text=body, content_type="application/xml")
 
 
 def _abort(request: web.Request) -> None:

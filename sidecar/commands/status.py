@@ -257,6 +257,21 @@ def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str,
                         [_file_row(file, snap.taken_at) for file in snap.files], "",
                         left=(0, 1), width=width)
     lines += _checkpoint_lines(snap, width)
+    lines += _upload_lines(snap, width)
+    return lines
+
+
+def _upload_lines(snap: StatusSnapshot, width: int) -> list[str]:
+    """Each checkpoint upload under way: bytes sent of how many, files, rate, time left."""
+    if not snap.uploads:
+        return []
+    lines = ["", "UPLOADS"]
+    for up in snap.uploads:
+        eta = "unknown" if up.eta_s is None else f"{up.eta_s:.0f} s"
+        lines += textwrap.wrap(
+            f"{up.path}: {up.bytes_sent:,} of {up.bytes:,} bytes, {up.files_stored} of "
+            f"{up.files} files, {up.rate_bytes_per_s / 1e6:.1f} MB/s, {eta} left", width,
+            initial_indent="  ", subsequent_indent="      ")
     return lines
 
 
@@ -271,7 +286,8 @@ def _checkpoint_lines(snap: StatusSnapshot, width: int) -> list[str]:
                      if folder.not_posted else ""))
         lines += ["", *textwrap.wrap(f"CHECKPOINTS {folder.folder}: " + (
             folder.note or counts), width, subsequent_indent="    ")]
-        for state, entries in (("waiting", folder.waiting), ("skipped", folder.skipped)):
+        for state, entries in (("waiting", folder.waiting), ("skipped", folder.skipped),
+                               ("deleted", folder.deleted)):
             lines += [wrapped for path, why in entries for wrapped in textwrap.wrap(
                 f"{state} {path}: {why}", width, initial_indent="  ",
                 subsequent_indent="      ")]

@@ -98,6 +98,11 @@ ROUTES: dict[str, RoutePolicy] = {
     "artifact": RoutePolicy(
         path="/artifact", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
+    # a GET: the signed URL a checkpoint's file is uploaded to (delivery/upload.py)
+    "artifact/upload-url": RoutePolicy(
+        path="/artifact/upload-url", guarantee=Guarantee.STRICT, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0,
+        carries="the checkpoint being uploaded"),
 }
 
 CONNECT_TIMEOUT_S = 5.0
@@ -131,6 +136,7 @@ class Answer(NamedTuple):
     detail: str = ""
     reason: str = ""  # what the ingest's body said about a refusal, bounded, no token in it
     failure: TransportFailure | None = None  # why no answer came, when none did
+    body: bytes = b""  # what an accepted request was answered (a GET's document)
 
     @property
     def ok(self) -> bool:
@@ -325,9 +331,10 @@ class IngestClient:
     def route_stats(self, route: str) -> RouteStats:
         return self.stats.setdefault(route, RouteStats())
 
-    async def post(self, route: str, body: bytes) -> Answer:
-        """One attempt to POST `body` to `route`; never raises (but for a cancellation): a
-        network or HTTP failure, or anything unexpected, is an Answer to retry."""
+    async def post(self, route: str, body: bytes, query: str = "") -> Answer:
+        """One attempt to POST `body` to `route` (a GET of `route?query` when `query` is
+        given); never raises (but for a cancellation): a network or HTTP failure, or anything
+        unexpected, is an Answer to retry."""
         await self._ready.wait()  # a sender may be started before the transport is
         assert self._transport is not None
         policy = ROUTES[route]
@@ -337,9 +344,13 @@ class IngestClient:
         headers.update(dict.fromkeys(self.token_headers, self._token))
         started = time.monotonic()
         try:
-            reply = await self._transport.post(policy.path, body, headers, policy.timeout_s)
+            reply = await self._transport.post(
+                policy.path + (f"?{query}" if query else ""), body, headers, policy.timeout_s,
+                method="GET" if query else "POST")
             answer = classify(reply.status, reply.headers.get("retry-after"))
-            if not answer.ok:
+            if answer.ok:
+                answer = answer._replace(body=reply.body)
+            else:
                 answer = answer._replace(reason=refusal_reason(reply.body, self._token))
             if answer.verdict is Verdict.REDIRECT:
                 target = urlsplit(reply.headers.get("location", ""))
@@ -502,14 +513,14 @@ class IngestClient:
                         cause.paths, answer.detail or f"HTTP {answer.status}", more)
 
     async def deliver(self, route: str, body: bytes,
-                      give_up: Callable[[], bool] | None = None) -> Answer:
+                      give_up: Callable[[], bool] | None = None, query: str = "") -> Answer:
         """POST with the route's retry policy; returns the final answer (accepted or given up).
         `give_up`, asked after each failed attempt: True ends the retries there (the /logs
         buffer behind the payload is full). The retry machinery is set up only once the first
         attempt failed: it cost more CPU per request than the request itself on the bulk /logs
         path."""
         policy = ROUTES[route]
-        first = await self.post(route, body)
+        first = await self.post(route, body, query)
         if first.ok or not _retryable(policy, first) or policy.max_attempts == 1:
             return first
         from tenacity import (  # nor is tenacity's import, most runs never retry
@@ -532,7 +543,7 @@ class IngestClient:
         made: list[Answer] = [first]
 
         async def attempt() -> Answer:  # the first attempt was made above
-            return made.pop() if made else await self.post(route, body)
+            return made.pop() if made else await self.post(route, body, query)
 
         def count_retry(state: RetryCallState) -> None:
             self.route_stats(route).retries += 1

@@ -210,9 +210,10 @@ class Transport:
         self._busy: set[_Connection] = set()
 
     async def post(self, path: str, body: bytes, headers: dict[str, str],
-                   timeout_s: float) -> Reply:
-        """POST `body` to the origin's path + `path`. Raises TransportError or TimeoutError
-        (past `timeout_s` in all, connecting included); any answer, 3xx to 5xx, is a Reply."""
+                   timeout_s: float, method: str = "POST") -> Reply:
+        """POST `body` (or another `method`'s) to the origin's path + `path`. Raises
+        TransportError or TimeoutError (past `timeout_s` in all, connecting included); any
+        answer, 3xx to 5xx, is a Reply."""
         async with asyncio.timeout(timeout_s), self._slots:  # waiting for a connection counts
             while self._idle:
                 conn = self._idle.pop()
@@ -220,8 +221,8 @@ class Transport:
                     conn.close()
                     continue
                 with contextlib.suppress(_Stale):
-                    return await self._exchange(conn, path, body, headers, reused=True)
-            return await self._exchange(await self._connect(), path, body, headers,
+                    return await self._exchange(conn, method, path, body, headers, reused=True)
+            return await self._exchange(await self._connect(), method, path, body, headers,
                                         reused=False)
 
     async def close(self) -> None:
@@ -252,13 +253,13 @@ class Transport:
                                  f"({exc.strerror or exc.__class__.__name__})") from None
         return conn
 
-    async def _exchange(self, conn: _Connection, path: str, body: bytes,
+    async def _exchange(self, conn: _Connection, method: str, path: str, body: bytes,
                         headers: dict[str, str], *, reused: bool) -> Reply:
         """One request and its answer on `conn`, which is then kept for the next or closed."""
         self._busy.add(conn)
         try:
             try:
-                await self._send(conn, path, body, headers)
+                await self._send(conn, method, path, body, headers)
             except OSError as exc:  # the server may have answered early (a 413) and closed
                 sent: OSError | None = exc
             else:
@@ -284,11 +285,11 @@ class Transport:
             conn.close()
         return reply
 
-    async def _send(self, conn: _Connection, path: str, body: bytes,
+    async def _send(self, conn: _Connection, method: str, path: str, body: bytes,
                     headers: dict[str, str]) -> None:
         fields = [("Host", self.origin.host_header), ("User-Agent", USER_AGENT),
                   ("Content-Length", str(len(body))), *headers.items()]
-        request = h11.Request(method="POST", target=self.origin.path + path, headers=fields)
+        request = h11.Request(method=method, target=self.origin.path + path, headers=fields)
         for event in (request, h11.Data(data=body), h11.EndOfMessage()):
             for data in conn.h11.send_with_data_passthrough(event) or ():
                 conn.write(data)  # the body is written as it is, never copied

@@ -111,6 +111,7 @@ class CheckpointSnapshot(NamedTuple):
     not_posted: int = 0  # unmapped local paths in a container
     deleted_before_complete: int = 0
     note: str = ""  # why the folder shows nothing ("does not exist yet"), else ""
+    deleted: tuple[tuple[str, str], ...] = ()  # the latest deleted before complete, and why
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CheckpointSnapshot:
@@ -118,7 +119,20 @@ class CheckpointSnapshot(NamedTuple):
                    tuple((str(p), str(w)) for p, w in doc.get("waiting", ())),
                    tuple((str(p), str(w)) for p, w in doc.get("skipped", ())),
                    int(doc.get("aliases", 0)), int(doc.get("not_posted", 0)),
-                   int(doc.get("deleted_before_complete", 0)), str(doc.get("note", "")))
+                   int(doc.get("deleted_before_complete", 0)), str(doc.get("note", "")),
+                   tuple((str(p), str(w)) for p, w in doc.get("deleted", ())))
+
+
+class UploadSnapshot(NamedTuple):
+    """One checkpoint upload under way: how far, how fast, how long still."""
+
+    path: str
+    bytes_sent: int
+    bytes: int
+    files_stored: int
+    files: int
+    rate_bytes_per_s: int
+    eta_s: float | None
 
 
 class StatusSnapshot:
@@ -129,7 +143,7 @@ class StatusSnapshot:
                  "matches",
                  "mode", "node", "offline", "routes", "run_id", "sampler_duration_s",
                  "signatures", "sources", "stalled_s", "started_at", "taken_at",
-                 "task_restarts")
+                 "task_restarts", "upload_totals", "uploads")
 
     def __init__(self, run_id: str, node: str, mode: str, offline: bool, started_at: float,
                  routes: tuple[RouteSnapshot, ...] = (),
@@ -142,7 +156,9 @@ class StatusSnapshot:
                  signatures: dict[str, int] | None = None,
                  failure: dict[str, Any] | None = None, stalled_s: float = 0.0,
                  taken_at: float | None = None,
-                 checkpoints: tuple[CheckpointSnapshot, ...] = ()) -> None:
+                 checkpoints: tuple[CheckpointSnapshot, ...] = (),
+                 uploads: tuple[UploadSnapshot, ...] = (),
+                 upload_totals: dict[str, int] | None = None) -> None:
         self.run_id = run_id
         self.node = node
         self.mode = mode  # "run" or "watch"
@@ -163,6 +179,9 @@ class StatusSnapshot:
         self.stalled_s = stalled_s
         self.taken_at = time.time() if taken_at is None else taken_at
         self.checkpoints = checkpoints  # one per --checkpoints folder
+        self.uploads = uploads  # the checkpoint uploads under way
+        # bytes and files uploaded, checkpoints refused, since the start
+        self.upload_totals = {} if upload_totals is None else upload_totals
 
     @property
     def ready(self) -> bool:
@@ -187,6 +206,8 @@ class StatusSnapshot:
             "failure": copy.deepcopy(self.failure), "stalled_s": self.stalled_s,
             "taken_at": self.taken_at, "ready": self.ready, "version": __version__,
             "checkpoints": tuple(c._asdict() for c in self.checkpoints),
+            "uploads": tuple(u._asdict() for u in self.uploads),
+            "upload_totals": dict(self.upload_totals),
         }
 
     @classmethod
@@ -211,6 +232,8 @@ class StatusSnapshot:
                 taken_at=float(doc.get("taken_at", time.time())),
                 checkpoints=tuple(CheckpointSnapshot.from_json(c)
                                   for c in doc.get("checkpoints", ())),
+                uploads=tuple(UploadSnapshot(**u) for u in doc.get("uploads", ())),
+                upload_totals={str(k): int(v) for k, v in doc.get("upload_totals", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a sidecar /status document ({exc!r})") from None

@@ -76,6 +76,7 @@ class _SnapshotCollector:
         yield from _source_metrics(snap)
         yield from _diagnosis_metrics(snap)
         yield from _checkpoint_metrics(snap)
+        yield from _upload_metrics(snap)
 
 
 def _run_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
@@ -177,6 +178,24 @@ def _diagnosis_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
         failure.add_metric([str(snap.failure.get(key, "")) for key in (
             "cause", "signature", "exit_status", "node", "rank")], 1)
         yield failure
+
+
+def _upload_metrics(snap: StatusSnapshot) -> Iterator[Metric]:
+    """Checkpoint uploads (docs/checkpoints.md#uploads): what went, what was refused, what
+    is left of those under way."""
+    if not snap.upload_totals:
+        return
+    for key, name, what in (
+            ("bytes", "sidecar_upload_bytes", "checkpoint bytes the object store took"),
+            ("files", "sidecar_upload_files", "checkpoint files the object store took"),
+            ("refused", "sidecar_upload_refused", "checkpoints refused for good (dead-lettered)")):
+        counter = CounterMetricFamily(name, what)
+        counter.add_metric([], snap.upload_totals.get(key, 0))
+        yield counter
+    left = GaugeMetricFamily("sidecar_upload_pending_bytes",
+                             "bytes of the checkpoints under way not yet sent")
+    left.add_metric([], sum(u.bytes - u.bytes_sent for u in snap.uploads))
+    yield left
 
 
 def _checkpoint_metrics(snap: StatusSnapshot) -> Iterator[Metric]:

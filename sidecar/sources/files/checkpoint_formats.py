@@ -9,13 +9,15 @@ end). The table of docs/checkpoints.md#which-paths-are-checkpoints is this modul
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 # Names a writer gives what it has not finished: never a checkpoint, whatever they hold.
 _WORK_IN_PROGRESS = re.compile(
@@ -46,6 +48,18 @@ class Assessment(NamedTuple):
     why: str = ""  # when not complete: what is missing
     step: int | None = None  # a step the marker holds (trainer_state.json, a tracker)
     marker: str = ""  # the file whose identity stands for the checkpoint's ("" : every file)
+
+
+def object_name_problem(name: str) -> str:
+    """Why `name` cannot be an object's name ("" when it can): not UTF-8 (a byte the filesystem
+    holds that no URI can carry), or a control character."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds bytes that are not UTF-8"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "holds a control character (a newline, a tab)"
+    return ""
 
 
 def work_in_progress(name: str) -> bool:
@@ -106,11 +120,23 @@ def _hf_weights(names: frozenset[str]) -> bool:
         n.endswith(".bin") and n != "training_args.bin") for n in names)
 
 
+# What the HF Trainer writes into checkpoint-N/, the first of it (config.json, the weights) too.
+_HF_TRAINER_FILE = re.compile(
+    r"(trainer_state\.json|training_args\.bin|config\.json|adapter_config\.json"
+    r"|generation_config\.json|rng_state.*\.pth|tokenizer.*|special_tokens_map\.json"
+    r"|model\.safetensors.*|model-\d{5}-of-\d{5}\..*|pytorch_model.*|adapter_model.*)$")
+_TORCH_FILES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
+
+
 def folder_shape(name: str, names: frozenset[str], subfolders: frozenset[str]) -> Shape | None:
     """The shape of a folder named `name` holding files `names` and folders `subfolders`, when
     it is a checkpoint; None when it is only a folder that may hold some."""
     step = step_in_name(name)
     if re.fullmatch(r"checkpoint-\d+", name):
+        if names and not any(_HF_TRAINER_FILE.match(n) for n in names) and all(
+                n.endswith(_TORCH_FILES) for n in names):
+            # the name is the Trainer's, the files are not: torch.save's own, judged as such
+            return Shape("pt", "checkpoint", step)
         return Shape("hf-trainer", "checkpoint", step)
     if re.fullmatch(r"global_step\d+", name):
         return Shape("deepspeed", "checkpoint", step)
@@ -154,11 +180,26 @@ def file_shape(name: str) -> Shape | None:
 
 # -- completeness -------------------------------------------------------------------------------
 
+def _open(path: Path) -> BinaryIO:
+    """`path` opened for reading, never blocking: OSError when it is not a regular file (a
+    FIFO put where a checkpoint was would hold an open for reading until a writer came)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return os.fdopen(fd, "rb")
+
+
+def _read(path: Path) -> bytes:
+    with _open(path) as fh:
+        return fh.read()
+
+
 def zip_complete(path: Path) -> str:
     """"" when `path` ends with a zip's end-of-central-directory record (torch.save writes it
     last), else what is wrong."""
     size = path.stat().st_size
-    with open(path, "rb") as fh:
+    with _open(path) as fh:
         head = fh.read(4)
         if head != b"PK\x03\x04":
             return "" if head else "empty"  # the legacy pickle format: no structure to check
@@ -177,7 +218,7 @@ def zip_complete(path: Path) -> str:
 def safetensors_complete(path: Path) -> str:
     """"" when the header's tensors end exactly at the file's end, else what is wrong."""
     size = path.stat().st_size
-    with open(path, "rb") as fh:
+    with _open(path) as fh:
         raw = fh.read(8)
         if len(raw) < 8:
             return "shorter than a safetensors header"
@@ -209,7 +250,7 @@ def tar_complete(path: Path) -> str:
     size = path.stat().st_size
     if size < 2 * _TAR_BLOCK or size % _TAR_BLOCK:
         return "not a whole number of tar blocks yet"
-    with open(path, "rb") as fh:
+    with _open(path) as fh:
         fh.seek(size - 2 * _TAR_BLOCK)
         if fh.read(2 * _TAR_BLOCK).strip(b"\0"):
             return "no tar end of archive yet"
@@ -218,7 +259,7 @@ def tar_complete(path: Path) -> str:
 
 def json_complete(path: Path) -> str:
     try:
-        json.loads(path.read_bytes())
+        json.loads(_read(path))
     except ValueError:
         return f"{path.name} is not whole JSON yet"
     return ""
@@ -256,7 +297,7 @@ def _index_problem(root: Path, names: frozenset[str]) -> str:
     """Every shard a `*.index.json` names is there (save_pretrained writes the index last)."""
     for name in sorted(n for n in names if n.endswith(".index.json")):
         try:
-            doc = json.loads((root / name).read_bytes())
+            doc = json.loads(_read(root / name))
         except (OSError, ValueError):
             return f"{name} is not whole JSON yet"
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -270,7 +311,7 @@ def _index_problem(root: Path, names: frozenset[str]) -> str:
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text(encoding="utf-8").strip()
+        text = _read(path).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return int(text) if text.isdigit() else None
@@ -303,7 +344,7 @@ def _hf_trainer(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     if marker not in names:
         return Assessment(False, f"no {marker} yet")
     try:
-        state = json.loads((path / marker).read_bytes())
+        state = json.loads(_read(path / marker))
     except (OSError, ValueError):
         return Assessment(False, f"{marker} is not whole JSON yet")
     assessment = _whole_files(shape, path, names)
@@ -342,7 +383,7 @@ def _deepspeed(shape: Shape, path: Path, names: frozenset[str]) -> Assessment:
     latest_path = path.parent / DEEPSPEED_LATEST
     if latest_path.exists():
         try:
-            latest = latest_path.read_text(encoding="utf-8").strip()
+            latest = _read(latest_path).decode("utf-8").strip()
             written = latest_path.stat().st_mtime_ns
             newest = max((os.stat(path / n).st_mtime_ns for n in names), default=0)
         except (OSError, UnicodeDecodeError):

@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import quote
 
 from sidecar.aio import wait_set
-from sidecar.log import log
+from sidecar.log import Throttle, log
 from sidecar.sources.files.checkpoint_formats import (
     Assessment,
     Shape,
@@ -33,12 +35,15 @@ from sidecar.sources.files.checkpoint_formats import (
     folder_shape,
     is_alias_name,
     marker_identity,
+    object_name_problem,
     work_in_progress,
 )
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
+from sidecar.sources.files.writers import open_for_writing
 from sidecar.supervise import fault_point
 
 QUIET_S = 2.0  # no file of a candidate changed for this long, over two looks: it settled
+EXPORT_QUIET_FACTOR = 5.0  # an HF export: 10 s (its tokenizer lands 4 s after its weights)
 REMOTE_QUIET_S = 30.0  # on NFS and the like, where attributes are cached and no event arrives
 REMOTE_LOOK_S = 10.0  # how often a folder on a network filesystem is walked
 SAFETY_LOOK_S = 60.0  # with inotify: a walk even without events (a watch lost, a full queue)
@@ -47,10 +52,17 @@ EVENT_SETTLE_S = 0.5  # after an event, more usually follow: one walk for the lo
 # a walk of a large tree (10,000 files: tens of ms) then costs at most 1 % of a core.
 WALK_SPACING = 100.0
 MIN_LOOK_S = 0.05
+WALK_LIMIT_S = 30.0  # one walk of a folder at most: SIGTERM waits for no longer
+MISSING_LOOK_S = 1.0  # while a --checkpoints folder does not exist yet (its parent's events too)
+MAX_NAMED_AT_EXIT = 20  # candidates named one a line at the exit; the rest counted
 CONTAINER_HINT = "--artifact-uri"
+UPLOAD_HINT = "--checkpoint-upload auto or always"
 # An export saved into a folder that also holds the run's checkpoints (the Trainer's final
 # save_model into output_dir): its own files are the export, its folders are looked into.
 FLAT_FORMATS = frozenset({"hf", "accelerate"})
+# What a path segment may hold as it is (RFC 3986's pchar, but the unreserved, which are always
+# kept): anything else is percent-encoded in a mapped URI.
+URI_PATH_SAFE = "/:@!$&'()*+,;="
 
 
 class Found(NamedTuple):
@@ -63,6 +75,9 @@ class Found(NamedTuple):
     step: int | None
     size_bytes: int
     fingerprint: str
+    root: str  # the --checkpoints folder it lies under
+    files: tuple[str, ...]  # relative to `local`; empty for a checkpoint that is one file
+    upload: bool  # unmapped: to be uploaded, `path` is then its local path
 
 
 class Entry:
@@ -72,6 +87,7 @@ class Entry:
         "files",
         "fingerprint",
         "path",
+        "registered_as",
         "root",
         "seen_at",
         "shape",
@@ -92,6 +108,8 @@ class Entry:
         self.state = "waiting"  # waiting, registered, skipped
         self.why = "changing"
         self.fingerprint = ""
+        # the step and size it was registered with by this start (None: not registered)
+        self.registered_as: tuple[int | None, int] | None = None
 
 
 class _Look(NamedTuple):
@@ -115,22 +133,34 @@ class FolderState(NamedTuple):
     not_posted: int  # unmapped local paths in a container
     deleted_before_complete: int
     note: str  # "" or why the folder shows nothing (missing, not a folder)
+    deleted: tuple[tuple[str, str], ...]  # the latest deleted before they were complete, why
 
 
 class ArtifactPaths:
     """Local paths as the platform can use them (`--artifact-uri LOCAL=URI`, longest prefix
-    first); in a container an unmapped local path is useless to it and not posted."""
+    first); an unmapped one is uploaded (`upload`), else posted as it is on bare metal, and
+    in a container, where a local path is useless to the platform, not posted."""
 
-    def __init__(self, mappings: Iterable[tuple[str, str]], container: str) -> None:
+    def __init__(self, mappings: Iterable[tuple[str, str]], container: str,
+                 upload: bool = False) -> None:
         self.mappings = sorted(mappings, key=lambda m: len(m[0]), reverse=True)
         self.container = container  # why this looks like a container, "" on bare metal
+        self.upload = upload
 
     def resolve(self, path: str) -> str | None:
+        """The URI posted for `path`: its mapping's, else the path itself on bare metal when
+        nothing is uploaded; None when it is not posted as it is."""
         for local, uri in self.mappings:
             if path == local or path.startswith(local.rstrip("/") + "/"):
-                rest = path[len(local.rstrip("/")):].lstrip("/")
+                rest = quote(path[len(local.rstrip("/")):].lstrip("/"), safe=URI_PATH_SAFE)
                 return uri.rstrip("/") + ("/" + rest if rest else "")
-        return None if self.container else path
+        return None if self.container or self.upload else path
+
+
+def uploads_unmapped(mode: str, container: str) -> bool:
+    """Whether an unmapped checkpoint is uploaded under --checkpoint-upload `mode`: auto
+    uploads in a container (`container`: why this looks like one, "" when it does not)."""
+    return mode == "always" or (mode == "auto" and bool(container))
 
 
 def container_signal(environ: Mapping[str, str], root: Path = Path("/")) -> str:
@@ -151,15 +181,32 @@ def container_signal(environ: Mapping[str, str], root: Path = Path("/")) -> str:
     return ""
 
 
-def walk(root: str) -> tuple[list[_Look], int, list[str]]:
-    """Every candidate under `root`, how many aliases were passed over, and every folder seen
-    (to be watched: a checkpoint's own folders too, even empty, as a save fills them later).
-    Blocking: call it in a thread."""
+def shown(path: str) -> str:
+    """A path as a log line may hold it: as it is, unless a character in it (a newline, a
+    byte that is not UTF-8) would split or garble the line; then with escapes."""
+    return path if path.isprintable() else ascii(path)
+
+
+def _nearest_existing(folder: str) -> str:
+    """The folder itself, else its nearest parent that exists (to be told when it is made)."""
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def walk(root: str, limit_s: float = WALK_LIMIT_S) -> tuple[list[_Look], int, list[str], bool]:
+    """Every candidate under `root`, how many aliases were passed over, every folder seen (to
+    be watched: a checkpoint's own folders too, even empty, as a save fills them later), and
+    whether the walk saw everything (False: it stopped after `limit_s`, on a filesystem that
+    slow). Blocking: call it in a thread."""
     looks: list[_Look] = []
     aliases = 0
     seen: list[str] = []
     pending = [root]
+    deadline = time.monotonic() + limit_s
     while pending:
+        if time.monotonic() > deadline:
+            return looks, aliases, seen, False
         folder = pending.pop()
         entries = _entries(folder)
         if entries is None:
@@ -190,9 +237,11 @@ def walk(root: str) -> tuple[list[_Look], int, list[str]]:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:  # deleted since the folder was listed
                     continue
+                if not stat.S_ISREG(st.st_mode):  # a FIFO is never opened: it would block
+                    continue
                 looks.append(_Look(entry.path, file, (), _signature(
                     ((entry.name, st.st_size, st.st_mtime_ns),)), st.st_size))
-    return looks, aliases, seen
+    return looks, aliases, seen, True
 
 
 class Surveyed(NamedTuple):
@@ -206,7 +255,7 @@ class Surveyed(NamedTuple):
 
 def survey(root: str) -> tuple[list[Surveyed], int]:
     """Every candidate under `root` with its assessment now, and the aliases passed over."""
-    looks, aliases, _ = walk(root)
+    looks, aliases, _, _ = walk(root)
     found = []
     for seen in sorted(looks, key=lambda lk: lk.path):
         entry = Entry(seen.path, root, seen.shape)
@@ -245,7 +294,8 @@ def _folder_look(folder: str, shape: Shape, seen: list[str], recurse: bool) -> _
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            files.append((name, st.st_size, st.st_mtime_ns))
+            if stat.S_ISREG(st.st_mode):  # a FIFO, a socket, a device: never opened
+                files.append((name, st.st_size, st.st_mtime_ns))
     files.sort()
     return _Look(folder, shape, tuple(f[0] for f in files), _signature(files),
                  sum(f[1] for f in files))
@@ -265,6 +315,12 @@ def _judge(entry: Entry) -> tuple[Assessment, str]:
         assessment = assess(entry.shape, path, entry.files)
         if not assessment.complete:
             return assessment, ""
+        # whole by its structure, or with none to check (a legacy pickle): a writer that
+        # still holds a file open for writing says otherwise
+        writer = open_for_writing(
+            {os.path.join(entry.path, rel) for rel in entry.files} or {entry.path})
+        if writer:
+            return Assessment(False, f"still open for writing by process {writer}"), ""
         fingerprint = (f"{assessment.marker}:{marker_identity(path / assessment.marker)}"
                        if assessment.marker else f"files:{entry.signature}")
         if not os.path.exists(entry.path):  # deleted (rotated away) while it was judged
@@ -297,6 +353,10 @@ class CheckpointWatcher:
         self._events: Inotify | None = None
         self._remote = False
         self._walk_cpu_s = 0.0  # what the last walk cost, in CPU seconds
+        self._missing: set[str] = set()  # folders that do not exist yet
+        self._throttle = Throttle()
+        # the latest deleted before they were complete: folder, path, why
+        self.gone: list[tuple[str, str, str]] = []
 
     @property
     def quiet_s(self) -> float:
@@ -329,8 +389,10 @@ class CheckpointWatcher:
         enough, else the interval. One judged incomplete waits for a change (a file event, or
         the interval's walk) to be judged again."""
         interval = SAFETY_LOOK_S if self._events is not None else REMOTE_LOOK_S
+        if self._missing:  # a folder the trainer has yet to make: found within a second
+            interval = min(interval, MISSING_LOOK_S)
         now = time.monotonic()
-        settling = [e.seen_at + self.quiet_s - now for e in self.entries.values()
+        settling = [e.seen_at + self._quiet_of(e) - now for e in self.entries.values()
                     if e.state == "waiting" and e.why == "changing"]
         return max(min([interval, *settling]), MIN_LOOK_S)
 
@@ -339,19 +401,31 @@ class CheckpointWatcher:
         walks = await asyncio.to_thread(self._walk_all)
         now = time.monotonic()
         present: set[str] = set()
-        for folder, (looks, aliases, folders) in walks:
+        cut_short: set[str] = set()
+        for folder, (looks, aliases, folders, whole) in walks:
+            if not whole:
+                cut_short.add(folder)
+                if self._throttle.admit(f"walk:{folder}") is not None:
+                    log.warning("--checkpoints %s: a walk stopped after %.0f s (%d folders "
+                                "seen): the filesystem answers that slowly; what lay beyond "
+                                "is looked at by the next walks", shown(folder), WALK_LIMIT_S,
+                                len(folders))
             self.aliases[folder] = aliases
+            self._note_missing(folder, folders)
             if self._events is not None:
-                self._events.watch(folders)
+                self._events.watch(folders or [_nearest_existing(folder)])
             for seen in looks:
                 present.add(seen.path)
                 self._update(folder, seen, now)
-        for path in [p for p in self.entries if p not in present]:
+        for path in [p for p, e in self.entries.items()
+                     if p not in present and e.root not in cut_short]:
             gone = self.entries.pop(path)
             if gone.state == "waiting":
                 self.deleted[gone.root] += 1
-                log.info("--checkpoints: %s was deleted before it was complete; not registered",
-                         path)
+                why = f"deleted before it was complete ({gone.why})"
+                self.gone.append((gone.root, path, why))
+                del self.gone[:-MAX_NAMED_AT_EXIT]
+                log.info("--checkpoints: %s was %s; not registered", shown(path), why)
         due = [e for e in self.entries.values()
                if e.state == "waiting" and self._settled(e, now)]
         if due:
@@ -359,7 +433,17 @@ class CheckpointWatcher:
             for entry, assessment, fingerprint in assessments:
                 self._decide(entry, assessment, fingerprint)
 
-    def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str]]]]:
+    def _note_missing(self, folder: str, seen: list[str]) -> None:
+        """Say once that a folder does not exist yet, and once that it appeared."""
+        if seen and folder in self._missing:
+            self._missing.discard(folder)
+            log.info("--checkpoints %s: the folder exists now; watching it", shown(folder))
+        elif not seen and folder not in self._missing:
+            self._missing.add(folder)
+            log.info("--checkpoints %s does not exist yet; watching %s for it",
+                     shown(folder), shown(_nearest_existing(folder)))
+
+    def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str], bool]]]:
         started = time.thread_time()
         walks = [(folder, walk(folder)) for folder in self.folders]
         self._walk_cpu_s = time.thread_time() - started
@@ -380,12 +464,19 @@ class CheckpointWatcher:
         entry.why = "changing"
 
     def _settled(self, entry: Entry, now: float) -> bool:
-        return now - entry.seen_at >= self.quiet_s
+        return now - entry.seen_at >= self._quiet_of(entry)
+
+    def _quiet_of(self, entry: Entry) -> float:
+        """How long a candidate must be quiet: a save_pretrained export longer, as the
+        Trainer's save_model writes the tokenizer and its arguments seconds after the
+        weights, and nothing marks the export's end."""
+        return self.quiet_s * (EXPORT_QUIET_FACTOR if entry.shape.format == "hf" else 1)
 
     def _decide(self, entry: Entry, assessment: Assessment, fingerprint: str) -> None:
         if not assessment.complete:
             if entry.why != assessment.why:
-                log.debug("--checkpoints: %s is not complete: %s", entry.path, assessment.why)
+                log.debug("--checkpoints: %s is not complete: %s", shown(entry.path),
+                          assessment.why)
             entry.why = assessment.why
             return
         entry.fingerprint = fingerprint
@@ -400,26 +491,44 @@ class CheckpointWatcher:
                 log.info("--checkpoints %s: %s is complete and not registered here: %s",
                          entry.root, entry.path, self.not_registering)
             return
+        problem = object_name_problem(entry.path)
+        if problem:
+            entry.state, entry.why = "skipped", f"its name {problem}, which no URI can carry"
+            log.warning("--checkpoints: %s is not registered: its name %s, which no URI can "
+                        "carry; rename it", shown(entry.path), problem)
+            return
         uri = self.paths.resolve(entry.path)
-        if uri is None:
+        if uri is None and not self.paths.upload:
             entry.state = "skipped"
             entry.why = (f"a local path in a container ({self.paths.container}) is useless to "
-                         f"the platform; map it with {CONTAINER_HINT}")
+                         f"the platform; map it with {CONTAINER_HINT}, or let it be uploaded "
+                         f"({UPLOAD_HINT})")
             self.not_posted[entry.root] += 1
             if entry.root not in self._warned:
                 self._warned.add(entry.root)
                 log.warning("--checkpoints %s: %s is not posted: this runs in a container (%s), "
                             "where a local path stops existing with it; give %s LOCAL=URI "
-                            "naming the object-store URI this folder mirrors", entry.root,
-                            entry.path, self.paths.container, CONTAINER_HINT)
+                            "naming the object-store URI this folder mirrors, or let it be "
+                            "uploaded (%s)", entry.root, shown(entry.path),
+                            self.paths.container, CONTAINER_HINT, UPLOAD_HINT)
             return
         step = assessment.step if assessment.step is not None else entry.shape.step
-        entry.state, entry.why = "registered", ""
-        log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); registering it",
-                 entry.path, entry.shape.kind, entry.shape.format,
-                 "unknown" if step is None else step, entry.size)
-        self.register(Found(uri, entry.path, entry.shape.kind, entry.shape.format, step,
-                            entry.size, fingerprint))
+        if entry.registered_as == (step, entry.size) and not assessment.marker:
+            # Nothing would tell the two registrations apart (a `last.pt` saved over again):
+            # a rewrite is registered again with a step or a size of its own, or when its
+            # writer's marker says it saved again.
+            entry.state, entry.why = "registered", ""
+            log.info("--checkpoints: %s was rewritten with the same step (%s) and size: not "
+                     "registered again", shown(entry.path), "unknown" if step is None else step)
+            return
+        entry.state, entry.why, entry.registered_as = "registered", "", (step, entry.size)
+        log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); %s it",
+                 shown(entry.path), entry.shape.kind, entry.shape.format,
+                 "unknown" if step is None else step, entry.size,
+                 "registering" if uri is not None else "uploading")
+        self.register(Found(entry.path if uri is None else uri, entry.path, entry.shape.kind,
+                            entry.shape.format, step, entry.size, fingerprint, entry.root,
+                            entry.files, uri is None))
 
     def settling(self) -> int:
         """Candidates not judged since their files last changed: they may be complete."""
@@ -434,6 +543,17 @@ class CheckpointWatcher:
             await asyncio.sleep(min(self._next_look_in(), max(deadline - time.monotonic(), 0)))
             await self.look()
 
+    def say_unregistered(self) -> None:
+        """At the exit: every candidate seen and not registered, with why, one a line (the
+        first MAX_NAMED_AT_EXIT), so that no checkpoint is missed in silence."""
+        left = [(e.path, e.why) for e in self.entries.values() if e.state != "registered"]
+        left += [(path, why) for _, path, why in self.gone]
+        for path, why in left[:MAX_NAMED_AT_EXIT]:
+            log.info("--checkpoints: %s was not registered: %s", shown(path), why)
+        if len(left) > MAX_NAMED_AT_EXIT:
+            log.info("--checkpoints: %d more candidates were not registered; `sidecar "
+                        "check` names them", len(left) - MAX_NAMED_AT_EXIT)
+
     def states(self) -> list[FolderState]:
         """Each folder's checkpoints by state, for the status endpoint."""
         result = []
@@ -446,5 +566,5 @@ class CheckpointWatcher:
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "waiting")),
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "skipped")),
                 self.aliases.get(folder, 0), self.not_posted[folder], self.deleted[folder],
-                note))
+                note, tuple((p, w) for root, p, w in self.gone if root == folder)))
         return result

@@ -1,0 +1,534 @@
+"""Checkpoints uploaded through the ingest's signed URLs, then registered with the object-store
+URI the ingest answered (docs/checkpoints.md#uploads): where a local path outlives nothing (a
+container), a checkpoint nothing else copies to a bucket reaches the platform this way.
+
+One checkpoint at a time, in the order they completed: its files are first staged (hard links
+into the run's folder, so that a rotation deleting the checkpoint takes nothing from the upload;
+open descriptors where the state folder is on another filesystem), then each is sent, at most
+FILES_IN_FLIGHT at once, under one bandwidth cap (delivery/put.py): ask `artifact/upload-url`
+for it, send it to the URL answered, ask again when that URL expired. What each file's send was
+answered is appended to a ledger in the run's folder before anything else happens, so a restart
+resumes with the files not yet stored, and the checkpoint's one `/artifact` goes (through the
+strict, journaled sender of delivery/artifacts.py) only once every file is stored. A refusal for
+good (a 4xx of `upload-url`, a signature the store refuses) dead-letters the checkpoint with the
+reason, in one ERROR line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import quote, urlencode
+
+from sidecar.aio import cancel, wait_set
+from sidecar.delivery.client import ROUTES, IngestClient, json_body, retry_wait
+from sidecar.delivery.deadletter import dead_letter
+from sidecar.delivery.put import PutAnswer, RateLimit, Stopped, Target, put_file
+from sidecar.log import Throttle, log, state_write_failed
+from sidecar.statefile import open_checked, read_state
+from sidecar.supervise import supervise
+
+LEDGER = "uploads.ledger"
+STAGED = "staged"  # the run's folder's subfolder of hard links, one folder a checkpoint
+ROUTE = "artifact/upload-url"
+NAME_PREFIX = "checkpoints"  # the object names asked for: checkpoints/<path under the folder>
+FILES_IN_FLIGHT = 4
+PUT_IDLE_TIMEOUT_S = 60.0  # a store that takes nothing, nor answers, for this long: retried
+PROGRESS_EVERY_S = 10.0
+MAX_FRESH_URLS = 5  # expired URLs in a row for one file: then it is a refusal (a clock far off)
+# Where hard links cannot be made: another filesystem, one that has none, a link limit.
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class Refused(Exception):
+    """A checkpoint that cannot be uploaded, for good: the reason, the status, what was asked."""
+
+    def __init__(self, reason: str, status: int | None = None, asked: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.asked = asked
+
+
+class Checkpoint(NamedTuple):
+    """A complete checkpoint handed to `Uploads.submit`."""
+
+    local: str  # its absolute local path
+    fingerprint: str
+    name: str  # its path under its --checkpoints folder, `/`-separated
+    files: tuple[str, ...]  # relative to `local`; empty for a checkpoint that is one file
+    body: dict[str, Any]  # the /artifact body but its path
+
+
+class _File:
+    __slots__ = ("fd", "mode", "path", "sent", "size", "stored")
+
+    def __init__(self, size: int, mode: str) -> None:
+        self.size = size
+        self.mode = mode  # link (staged), fd (held open), path (read where it lies)
+        self.fd: int | None = None
+        self.stored = ""  # the object's URI, once the store took it
+        self.sent = [0]  # bytes sent of the current attempt (progress, from its thread)
+
+
+class _Job:
+    """One checkpoint's upload."""
+
+    def __init__(self, ident: str, cp: Checkpoint) -> None:
+        self.id = ident
+        self.cp = cp
+        self.files: dict[str, _File] = {}
+        self.state = "uploading"  # uploading, registered, refused
+        self.started = time.monotonic()
+        self.sent_before = 0  # bytes stored by earlier starts (not this one's rate)
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    @property
+    def sent(self) -> int:
+        return sum(f.size if f.stored else f.sent[0] for f in self.files.values())
+
+
+def _shown(path: str) -> str:
+    """A path as a log line may hold it: with escapes where a character would split it."""
+    return path if path.isprintable() else ascii(path)
+
+
+def _ident(local: str, fingerprint: str) -> str:
+    key = f"{local}\0{fingerprint}".encode("utf-8", "surrogateescape")
+    return hashlib.blake2b(key, digest_size=10).hexdigest()
+
+
+class Uploads:
+    """Every checkpoint of one run uploaded through signed URLs, then registered."""
+
+    def __init__(self, run_dir: Path, run_id: str, client: IngestClient,
+                 register: Callable[[str, str, dict[str, Any]], None],
+                 registered: Callable[[str, str], bool], rate_bytes_per_s: int) -> None:
+        """`register(local, fingerprint, body)`: the /artifact registration (journaled);
+        `registered(local, fingerprint)`: whether it was made already (by an earlier start)."""
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.client = client
+        self._register = register
+        self._registered = registered
+        self.limit = RateLimit(rate_bytes_per_s)
+        self.jobs: dict[str, _Job] = {}
+        self.bytes_uploaded = 0
+        self.files_uploaded = 0
+        self.refused = 0
+        self.opened = asyncio.Event()
+        self.idle = asyncio.Event()
+        self._queue: list[_Job] = []
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(FILES_IN_FLIGHT)
+        self._throttle = Throttle()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = supervise("uploads", self._run)
+
+    def known(self, local: str, fingerprint: str) -> bool:
+        """Whether this checkpoint is (or was) uploaded, or refused: not to be handed on again."""
+        return _ident(local, fingerprint) in self.jobs
+
+    @property
+    def pending(self) -> int:
+        """Checkpoints not yet uploaded (nor refused)."""
+        return sum(1 for job in self.jobs.values() if job.state == "uploading")
+
+    def submit(self, cp: Checkpoint) -> None:
+        """Queue a complete checkpoint; it is staged at once (in the task). Never blocks."""
+        ident = _ident(cp.local, cp.fingerprint)
+        if ident in self.jobs:
+            return
+        job = self.jobs[ident] = _Job(ident, cp)
+        self._queue.append(job)
+        self.idle.clear()
+        self._wake.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every upload is done; False when `timeout_s` ran out (what is left is
+        resumed by the next start with this state folder)."""
+        if self._task is None or not self.pending:
+            return True
+        return await wait_set(self.idle, timeout_s)
+
+    async def close(self) -> None:
+        await cancel(self._task)
+        for job in self.jobs.values():
+            _close_fds(job)
+        if self.pending:
+            log.warning("--checkpoints: %d checkpoint upload(s) not finished; the next start "
+                        "with this state folder resumes them with the files not yet stored",
+                        self.pending)
+
+    def progress(self) -> list[dict[str, Any]]:
+        """Each upload under way: bytes sent of how many, the rate of this start, the ETA."""
+        shown = []
+        now = time.monotonic()
+        for job in self.jobs.values():
+            if job.state != "uploading":
+                continue
+            sent, size = job.sent, job.size
+            rate = max(sent - job.sent_before, 0) / max(now - job.started, 1e-3)
+            shown.append({"path": job.cp.local, "bytes_sent": sent, "bytes": size,
+                          "files_stored": sum(1 for f in job.files.values() if f.stored),
+                          "files": len(job.files), "rate_bytes_per_s": round(rate),
+                          "eta_s": round((size - sent) / rate, 1) if rate > 0 else None})
+        return shown
+
+    # -- the task -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        if not self.opened.is_set():
+            for job in await asyncio.to_thread(self._open):
+                self._queue.append(job)
+            self.opened.set()
+        while True:
+            if not self._queue:
+                self.idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            job = self._queue[0]
+            try:
+                await self._upload(job)
+            except Refused as refused:
+                await self._refuse(job, refused)
+            self._queue.pop(0)
+
+    async def _upload(self, job: _Job) -> None:
+        if not job.files:  # submitted by this start: stage it before a rotation takes it
+            await asyncio.to_thread(self._stage, job)
+        missing = [rel for rel, f in job.files.items() if not f.stored]
+        if missing:
+            progress = asyncio.create_task(self._say_progress(job))
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for rel in missing:
+                        group.create_task(self._upload_file(job, rel))
+            except* Refused as refusals:  # the first refusal stops the checkpoint's others
+                raise _first(refusals) from None
+            finally:
+                progress.cancel()
+        uri = _checkpoint_uri(job)
+        self._register(job.cp.local, job.cp.fingerprint, {**job.cp.body, "path": uri})
+        await self._append({"op": "registered", "id": job.id})
+        job.state = "registered"
+        log.info("--checkpoints: %s uploaded (%d file(s), %d bytes) to %s; registering it",
+                 _shown(job.cp.local), len(job.files), job.size, uri)
+        await asyncio.to_thread(self._unstage, job)
+
+    async def _say_progress(self, job: _Job) -> None:
+        """The terminal's progress line: every PROGRESS_EVERY_S while the upload goes on."""
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            shown = next((p for p in self.progress() if p["path"] == job.cp.local), None)
+            if shown is None:
+                return
+            eta = "unknown" if shown["eta_s"] is None else f"{shown['eta_s']:.0f} s"
+            log.info("--checkpoints: uploading %s: %d%% (%d of %d bytes, %d of %d files), "
+                     "%.1f MB/s, %s left", _shown(job.cp.local),
+                     100 * shown["bytes_sent"] // max(shown["bytes"], 1), shown["bytes_sent"],
+                     shown["bytes"], shown["files_stored"], shown["files"],
+                     shown["rate_bytes_per_s"] / 1e6, eta)
+
+    async def _upload_file(self, job: _Job, rel: str) -> None:
+        file = job.files[rel]
+        name = _object_name(job.cp, rel)
+        query = urlencode({"run_id": self.run_id, "name": name, "size_bytes": file.size},
+                          quote_via=quote, safe="/")
+        fresh = failed = 0
+        policy = ROUTES[ROUTE]
+        while True:
+            target, path = await self._ask(query)
+            async with self._slots:
+                answer = await self._put(job, rel, file, target)
+            if answer.stored:
+                file.stored = path
+                self.bytes_uploaded += file.size
+                self.files_uploaded += 1
+                await self._append({"op": "stored", "id": job.id, "rel": rel, "path": path,
+                                    "etag": answer.etag})
+                return
+            if answer.expired and fresh < MAX_FRESH_URLS:
+                fresh += 1
+                log.debug("--checkpoints: the URL for %s expired; asking for another", name)
+                continue
+            if 400 <= answer.status < 500:
+                raise Refused(f"the object store refused {_shown(name)}: HTTP {answer.status}: "
+                              f"{answer.reason or 'no reason given'}", answer.status, query)
+            failed += 1
+            if self._throttle.admit("put") is not None:
+                log.warning("--checkpoints: sending %s failed (%s); it is retried with backoff",
+                            _shown(name), answer.reason or f"HTTP {answer.status}")
+            await asyncio.sleep(retry_wait(policy, failed))
+
+    async def _ask(self, query: str) -> tuple[Target, str]:
+        """The signed URL for one file and the object's URI; Refused on a 4xx."""
+        answer = await self.client.deliver(ROUTE, b"", query=query)
+        if not answer.ok:  # the route retries what may pass: this is final
+            raise Refused(f"the ingest refused {ROUTES[ROUTE].path}: HTTP {answer.status}: "
+                          f"{answer.reason or 'no reason given'}", answer.status, query)
+        try:
+            return _target(answer.body)
+        except ValueError as exc:
+            raise Refused(f"the ingest's answer to {ROUTES[ROUTE].path} is unusable ({exc})",
+                          answer.status, query) from None
+
+    async def _put(self, job: _Job, rel: str, file: _File, target: Target) -> PutAnswer:
+        stop = threading.Event()
+        file.sent[0] = 0
+        try:
+            return await asyncio.to_thread(self._put_blocking, job, rel, file, target, stop)
+        except asyncio.CancelledError:
+            stop.set()  # the thread ends within one chunk
+            raise
+        finally:
+            if not file.stored:
+                file.sent[0] = 0
+
+    def _put_blocking(self, job: _Job, rel: str, file: _File, target: Target,
+                      stop: threading.Event) -> PutAnswer:
+        fd, owned = self._source(job, rel, file)
+        try:
+            return put_file(target, fd, file.size, self.limit, stop, PUT_IDLE_TIMEOUT_S,
+                            file.sent)
+        except Stopped:
+            return PutAnswer(0, "", "stopped")
+        finally:
+            if owned:
+                os.close(fd)
+
+    def _source(self, job: _Job, rel: str, file: _File) -> tuple[int, bool]:
+        """A descriptor to read the file from, and whether the caller closes it; Refused when
+        the file is gone."""
+        if file.mode == "fd" and file.fd is not None:
+            return file.fd, False
+        path = (self._staged(job) / _staged_name(job, rel) if file.mode == "link"
+                else Path(job.cp.local) / rel if rel else Path(job.cp.local))
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            raise Refused(f"{str(path)!a} cannot be read any more ({exc.strerror}): "
+                          + ("its staged link was removed" if file.mode == "link" else
+                             "it was deleted, and the descriptors holding it did not outlive "
+                             "the sidecar's restart")) from None
+        if os.fstat(fd).st_size < file.size:
+            os.close(fd)
+            raise Refused(f"{str(path)!a} was cut short after it completed (rewritten "
+                          "in place)")
+        return fd, True
+
+    async def _refuse(self, job: _Job, refused: Refused) -> None:
+        self.refused += 1
+        job.state = "refused"
+        letter = json_body({"run_id": self.run_id, "path": job.cp.local, "asked": refused.asked,
+                            "reason": refused.reason})
+        kept = await asyncio.to_thread(dead_letter, self.run_dir, ROUTE, refused.status, letter)
+        await self._append({"op": "refused", "id": job.id, "why": refused.reason})
+        log.error("--checkpoints: %s is not uploaded nor registered: %s; %s",
+                  _shown(job.cp.local), refused.reason,
+                  f"kept in {kept}" if kept else "not kept")
+        await asyncio.to_thread(self._unstage, job)
+
+    # -- staging ------------------------------------------------------------------------------
+
+    def _staged(self, job: _Job) -> Path:
+        return self.run_dir / STAGED / job.id
+
+    def _stage(self, job: _Job) -> None:
+        """Blocking: hold every file of the checkpoint (a hard link, else a descriptor), then
+        write its ledger record. Refused when a file is gone already or is not a regular
+        file; only regular files are ever opened."""
+        cp = job.cp
+        folder = self._staged(job)
+        can_link = True
+        try:
+            for rel in cp.files or ("",):
+                source = os.path.join(cp.local, rel) if rel else cp.local
+                try:
+                    st = os.lstat(source)
+                except FileNotFoundError:
+                    raise Refused(f"{_shown(source)} was deleted before it could be held for the "
+                                  "upload") from None
+                if not stat.S_ISREG(st.st_mode):
+                    raise Refused(f"{_shown(source)} is not a regular file")
+                if can_link:
+                    target = folder / _staged_name(job, rel)
+                    try:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        with contextlib.suppress(FileNotFoundError):
+                            target.unlink()
+                        os.link(source, target, follow_symlinks=False)
+                        job.files[rel] = _File(st.st_size, "link")
+                        continue
+                    except OSError as exc:
+                        if exc.errno == errno.ENOENT:
+                            raise Refused(f"{_shown(source)} was deleted before it could be "
+                                          "held for the upload") from None
+                        if exc.errno not in _NO_LINK:
+                            raise
+                        can_link = False
+                        log.info("--checkpoints: the state folder cannot hold hard links to %s "
+                                 "(%s): its files are held open until uploaded, which a "
+                                 "restart of the sidecar does not keep", _shown(cp.local),
+                                 exc.strerror)
+                file = job.files[rel] = _File(st.st_size, "fd")
+                try:
+                    file.fd = os.open(source, _OPEN_FLAGS)
+                except FileNotFoundError:
+                    raise Refused(f"{_shown(source)} was deleted before it could be held for the "
+                                  "upload") from None
+        except OSError as exc:
+            _close_fds(job)
+            raise Refused(f"{_shown(cp.local)} cannot be held for the upload "
+                          f"({exc.strerror or exc})") from None
+        except Refused:
+            _close_fds(job)
+            raise
+        self._append_blocking({
+            "op": "checkpoint", "id": job.id, "local": cp.local, "fingerprint": cp.fingerprint,
+            "name": cp.name, "body": cp.body,
+            "files": {rel: [f.size, f.mode] for rel, f in job.files.items()}})
+
+    def _unstage(self, job: _Job) -> None:
+        import shutil  # not at start-up: it costs more than it answers (test_footprint)
+
+        _close_fds(job)
+        shutil.rmtree(self._staged(job), ignore_errors=True)
+
+    # -- the ledger ---------------------------------------------------------------------------
+
+    async def _append(self, record: dict[str, Any]) -> None:
+        await asyncio.to_thread(self._append_blocking, record)
+
+    def _append_blocking(self, record: dict[str, Any]) -> None:
+        path = self.run_dir / LEDGER
+        line = json.dumps(record, ensure_ascii=True).encode() + b"\n"
+        try:
+            fd = open_checked(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # a full disk: the upload goes on, a restart may repeat it
+            state_write_failed(path, exc)
+
+    def _open(self) -> list[_Job]:
+        """Blocking: the ledger read back; returns the uploads to resume, in their order."""
+        try:
+            data = read_state(self.run_dir / LEDGER) or b""
+        except OSError:
+            data = b""
+        for line in data.splitlines():
+            try:
+                self._replay(json.loads(line))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a line torn by a crash, or not ours
+        resumed = []
+        for job in self.jobs.values():
+            if job.state != "uploading":
+                continue
+            if all(f.stored for f in job.files.values()) and self._registered(
+                    job.cp.local, job.cp.fingerprint):
+                job.state = "registered"  # a crash came between the two records
+                continue
+            for file in job.files.values():
+                file.mode = "path" if file.mode == "fd" else file.mode
+            job.sent_before = job.sent
+            resumed.append(job)
+        if resumed:
+            log.info("--checkpoints: resuming %d checkpoint upload(s) left by an earlier start",
+                     len(resumed))
+        return resumed
+
+    def _replay(self, record: dict[str, Any]) -> None:
+        op = record["op"]
+        if op == "checkpoint":
+            cp = Checkpoint(str(record["local"]), str(record["fingerprint"]),
+                            str(record["name"]), tuple(r for r in record["files"] if r),
+                            dict(record["body"]))
+            job = self.jobs[record["id"]] = _Job(str(record["id"]), cp)
+            for rel, (size, mode) in record["files"].items():
+                job.files[rel] = _File(int(size), str(mode))
+            return
+        job = self.jobs[record["id"]]
+        if op == "stored":
+            job.files[record["rel"]].stored = str(record["path"])
+        elif op == "registered":
+            job.state = "registered"
+        elif op == "refused":
+            job.state = "refused"
+
+
+def _first(group: BaseExceptionGroup[Refused]) -> Refused:
+    leaf = group.exceptions[0]
+    return leaf if isinstance(leaf, Refused) else _first(leaf)
+
+
+def _close_fds(job: _Job) -> None:
+    for file in job.files.values():
+        if file.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(file.fd)
+            file.fd = None
+
+
+def _staged_name(job: _Job, rel: str) -> str:
+    return rel or os.path.basename(job.cp.local)
+
+
+def _object_name(cp: Checkpoint, rel: str) -> str:
+    return "/".join(p for p in (NAME_PREFIX, cp.name, rel) if p)
+
+
+def _target(body: bytes) -> tuple[Target, str]:
+    """The URL, method, headers and object URI of an `upload-url` answer; ValueError why not."""
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    url, path = doc.get("url"), doc.get("path")
+    method, headers = doc.get("method", "PUT"), doc.get("headers") or {}
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError("no http(s) url")
+    if not isinstance(path, str) or not path:
+        raise ValueError("no path")
+    if not isinstance(method, str) or not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise ValueError("a method or headers that are not text")
+    return Target(url, method.upper(), headers), path
+
+
+def _checkpoint_uri(job: _Job) -> str:
+    """A checkpoint's object-store URI: a file's own; a folder's, its files' common prefix
+    (each answered path ends with the name asked for)."""
+    if not job.cp.files:
+        return job.files[""].stored
+    prefixes = {f.stored[:-len(rel) - 1] if f.stored.endswith("/" + rel) else
+                os.path.dirname(f.stored) for rel, f in job.files.items()}
+    if len(prefixes) == 1:
+        return prefixes.pop()
+    split = [p.split("/") for p in sorted(prefixes)]
+    common = 0
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) > 1:
+            break
+        common += 1
+    return "/".join(split[0][:common])
+

@@ -1,0 +1,263 @@
+"""Checkpoint uploads through `artifact/upload-url`: a real `sidecar watch`, the checking ingest
+signing real presigned PUT URLs (boto3) for a real S3 protocol server (moto's server mode), every
+object read back and compared byte for byte. What moto does not check (expiry, signatures) is
+checked by the ingest's own object folder (receive.LocalObjects), which refuses as S3 does."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import struct
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import RUN_ID, TOKEN
+from tests.ingest_server import RunningIngest, S3Store, running_ingest, wait_until
+from tests.test_checkpoints import QUICK_QUIET, Watch, artifacts
+
+CONTAINER = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+PREFIX = f"s3://{S3Store.BUCKET}/{RUN_ID}/checkpoints"
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tests.conftest.SIDECAR", QUICK_QUIET)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Store]:
+    store = S3Store()
+    try:
+        yield store
+    finally:
+        store.stop()
+
+
+def safetensors(size: int, seed: int) -> bytes:
+    """A whole safetensors file of `size` data bytes (random, so that no two are alike)."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [size],
+                               "data_offsets": [0, size]}}).encode()
+    return struct.pack("<Q", len(header)) + header + random.Random(seed).randbytes(size)
+
+
+def hf_export(sizes: list[int], seed: int = 0) -> dict[str, bytes]:
+    """The files of a sharded save_pretrained export."""
+    shards = {f"model-{i + 1:05d}-of-{len(sizes):05d}.safetensors": safetensors(n, seed + i)
+              for i, n in enumerate(sizes)}
+    index = {"weight_map": {f"t{i}": name for i, name in enumerate(shards)}}
+    return {"config.json": b'{"model_type": "demo"}', **shards,
+            "model.safetensors.index.json": json.dumps(index).encode()}
+
+
+def save(folder: Path, name: str, files: dict[str, bytes]) -> Path:
+    """Write a checkpoint folder beside `folder`, then rename it in: whole when it appears."""
+    staging = folder.parent / f"writing-{name}"
+    staging.mkdir()
+    for rel, data in files.items():
+        (staging / rel).write_bytes(data)
+    os.rename(staging, folder / name)
+    return folder / name
+
+
+def save_file(folder: Path, name: str, data: bytes) -> Path:
+    partial = folder.parent / f"writing-{name}"
+    partial.write_bytes(data)
+    os.rename(partial, folder / name)
+    return folder / name
+
+
+def asked(ingest: RunningIngest) -> Counter[str]:
+    """How many signed URLs the ingest gave out, by object name."""
+    return Counter(str(r["name"]) for r in ingest.records("artifact/upload-url"))
+
+
+def ledger(tmp_path: Path) -> list[dict[str, Any]]:
+    path = tmp_path / "state" / RUN_ID / "uploads.ledger"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_in_a_container_an_unmapped_checkpoint_is_uploaded_to_s3_then_registered_once(
+        tmp_path: Path, s3: S3Store) -> None:
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
+        export = hf_export([300_000, 700_001, 5])
+        save(folder, "export-10", export)
+        loose = safetensors(1_500_000, 9)
+        save_file(folder, "step_20.safetensors", loose)
+        ingest.wait_for(lambda: len(artifacts(ingest)) >= 2, 60, "both registered")
+        done = watch.stop()
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        by_path = {a["path"]: a for a in artifacts(ingest)}
+        assert sorted(by_path) == [f"{PREFIX}/export-10", f"{PREFIX}/step_20.safetensors"]
+        assert by_path[f"{PREFIX}/export-10"]["kind"] == "hf_export"
+        assert by_path[f"{PREFIX}/export-10"]["size_bytes"] == sum(map(len, export.values()))
+        assert by_path[f"{PREFIX}/step_20.safetensors"]["step"] == 20
+        for rel, data in export.items():
+            assert s3.read(f"{PREFIX}/export-10/{rel}") == data, rel
+        assert s3.read(f"{PREFIX}/step_20.safetensors") == loose
+        assert all(n == 1 for n in asked(ingest).values()), asked(ingest)
+        # nothing left held in the state folder once uploaded
+        staged = tmp_path / "state" / RUN_ID / "staged"
+        assert not staged.exists() or not any(staged.iterdir())
+        assert len(artifacts(ingest)) == 2
+
+
+def test_a_restart_resumes_with_the_files_not_yet_stored_and_registers_once(
+        tmp_path: Path, s3: S3Store) -> None:
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        # 1 MB a second: the small shards are stored long before the large ones
+        watch = Watch(ingest, tmp_path, folder, "--checkpoint-upload", "always",
+                      "--upload-rate", "1000000", mapped=False).start()
+        export = hf_export([20_000, 30_000, 2_500_000, 2_500_000], seed=40)
+        save(folder, "export-30", export)
+        wait_until(lambda: any(r["op"] == "stored" for r in ledger(tmp_path)), 60,
+                   "a file stored", watch.stderr)
+        watch.stop(signal.SIGKILL)
+        stored = {r["rel"] for r in ledger(tmp_path) if r["op"] == "stored"}
+        assert 0 < len(stored) < len(export), stored
+        before = asked(ingest)
+        watch.args[watch.args.index("--upload-rate") + 1] = "0"  # no cap: the rest at once
+        watch.start()
+        ingest.wait_for(lambda: len(artifacts(ingest)) >= 1, 60, "registered")
+        done = watch.stop()
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        assert [a["path"] for a in artifacts(ingest)] == [f"{PREFIX}/export-30"]
+        again = asked(ingest) - before
+        assert not {f"checkpoints/export-30/{rel}" for rel in stored} & set(again), again
+        assert "resuming 1 checkpoint upload" in watch.stderr()
+        for rel, data in export.items():
+            assert s3.read(f"{PREFIX}/export-30/{rel}") == data, rel
+
+
+def test_a_checkpoint_deleted_by_rotation_while_it_is_uploaded_is_uploaded_whole(
+        tmp_path: Path, s3: S3Store) -> None:
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, "--upload-rate", "2000000", mapped=False,
+                      **CONTAINER).start()
+        export = hf_export([1_000_000, 1_000_000], seed=70)
+        saved = save(folder, "export-50", export)
+        ingest.wait_for(lambda: asked(ingest), 60, "the upload began")
+        for rel in export:  # save_total_limit: the old checkpoint goes as the next one lands
+            (saved / rel).unlink()
+        saved.rmdir()
+        ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
+        done = watch.stop()
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        assert [a["path"] for a in artifacts(ingest)] == [f"{PREFIX}/export-50"]
+        for rel, data in export.items():
+            assert s3.read(f"{PREFIX}/export-50/{rel}") == data, rel
+
+
+def test_an_expired_url_is_asked_again_and_a_refused_signature_is_dead_lettered(
+        tmp_path: Path) -> None:
+    handle: list[RunningIngest] = []
+    given: Counter[str] = Counter()
+
+    def signer(run_id: str, name: str, size: int) -> dict[str, Any]:
+        given[name] += 1
+        # each file's first URL has expired already; those of `bad-` files are forged
+        answer = handle[0].sign_locally(run_id, name, size, -60 if given[name] == 1 else 600)
+        if "bad-" in name:
+            answer["url"] = answer["url"].replace("signature=", "signature=0")
+        return answer
+
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=signer) as ingest:
+        handle.append(ingest)
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
+        good = safetensors(200_000, 1)
+        save_file(folder, "bad-step_1.safetensors", safetensors(1000, 2))
+        wait_until(lambda: "is not uploaded nor registered" in watch.stderr(), 60,
+                   "the forged one refused", watch.stderr)
+        save_file(folder, "step_2.safetensors", good)
+        ingest.wait_for(lambda: artifacts(ingest), 60, "the good one registered")
+        done = watch.stop()
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints"
+        assert (objects / "step_2.safetensors").read_bytes() == good
+        assert [a["path"] for a in artifacts(ingest)] == [
+            (objects / "step_2.safetensors").as_uri()]
+        assert given["checkpoints/step_2.safetensors"] == 2  # expired, then asked again
+        errors = [line for line in done.stderr.decode().splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and "SignatureDoesNotMatch" in errors[0], errors
+        letters = (tmp_path / "state" / RUN_ID / "dead-letter.jsonl").read_text().splitlines()
+        letter = json.loads(letters[-1])
+        assert letter["route"] == "artifact/upload-url" and letter["status"] == 403
+        assert "SignatureDoesNotMatch" in json.loads(letter["body"])["reason"]
+
+
+def test_a_file_too_large_for_one_put_is_dead_lettered_with_the_ingests_reason(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    staging = tmp_path / "writing"
+    staging.mkdir()
+    (staging / ".metadata").write_bytes(b"dcp")
+    with open(staging / "__0_0.distcp", "wb") as fh:  # sparse: 5 GB that take no room
+        fh.truncate(5 * 10**9 + 1)
+    os.rename(staging, folder / "step-7")
+    watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
+    wait_until(lambda: "is not uploaded nor registered" in watch.stderr(), 60, "refused",
+               watch.stderr)
+    done = watch.stop()
+    assert done.status == 0
+    line = next(li for li in done.stderr.decode().splitlines() if "ERROR" in li)
+    assert "HTTP 400" in line and "EntityTooLarge" in line, line
+    assert not artifacts(ingest)
+
+
+def test_status_and_prometheus_show_an_upload_under_way_and_what_it_sent(
+        tmp_path: Path, s3: S3Store) -> None:
+    import urllib.request
+
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, "--upload-rate", "1000000", mapped=False,
+                      SIDECAR_STATUS_ADDR="127.0.0.1:0", **CONTAINER).start()
+        data = safetensors(3_000_000, 5)
+        save_file(folder, "step_60.safetensors", data)
+        addr_file = tmp_path / "state" / RUN_ID / "status-addr"
+        wait_until(addr_file.exists, 20, "the status address written", watch.stderr)
+        address = addr_file.read_text().strip()
+
+        def fetch(path: str) -> str:
+            with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as answer:
+                text: str = answer.read().decode()
+            return text
+
+        def under_way() -> list[dict[str, Any]]:
+            shown: list[dict[str, Any]] = json.loads(fetch("/status"))["uploads"]
+            return shown
+
+        wait_until(lambda: any(0 < u["bytes_sent"] < u["bytes"] for u in under_way()), 30,
+                   "an upload under way", watch.stderr)
+        (shown,) = under_way()
+        assert shown["path"] == str(folder / "step_60.safetensors")
+        assert shown["bytes"] == len(data) and shown["files"] == 1
+        ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
+        metrics = fetch("/metrics")
+        assert f"sidecar_upload_bytes_total {float(len(data)):g}" in metrics, metrics
+        assert "sidecar_upload_files_total 1.0" in metrics
+        assert watch.stop().status == 0
+        assert s3.read(f"{PREFIX}/step_60.safetensors") == data
