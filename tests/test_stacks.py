@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -78,19 +79,31 @@ def block(lines: list[str], heading: str) -> list[str]:
     return []
 
 
-def start(ingest: RunningIngest, tmp_path: Path) -> tuple[Sidecar, Path]:
+@pytest.fixture
+def hung(ingest: RunningIngest, tmp_path: Path) -> Iterator[tuple[Sidecar, Path]]:
+    """The two ranks under `sidecar run`, and the file that releases rank 1. Released and
+    stopped at the end whatever the test found: ranks left waiting would outlive the suite."""
     (tmp_path / "hang.py").write_text(HANG)
     release = tmp_path / "release"
     env = platform_env(ingest, tmp_path / "state", SIDECAR_STATUS_ADDR="127.0.0.1:0",
                        SIDECAR_HARDWARE_INTERVAL="0")
     proc = Sidecar(["run", "--stall-after", "3", "--", sys.executable, "-c", LAUNCH,
                     str(tmp_path / "hang.py"), str(release)], env, tmp_path / "sc")
-    return proc, release
+    try:
+        yield proc, release
+    finally:
+        release.touch()
+        if proc.proc.poll() is None:
+            proc.proc.terminate()
+            try:
+                proc.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.proc.kill()
 
 
 def test_at_a_stall_one_block_names_each_rank_where_it_is_and_the_run_goes_on(
-        ingest: RunningIngest, tmp_path: Path) -> None:
-    proc, release = start(ingest, tmp_path)
+        ingest: RunningIngest, tmp_path: Path, hung: tuple[Sidecar, Path]) -> None:
+    proc, release = hung
     wait_until(lambda: block(log_lines(ingest), "at the stall"), 60, "the stacks block")
     lines = block(log_lines(ingest), "at the stall")
     assert "3 processes" in lines[0] and "/stacks/last" in lines[0], lines
@@ -128,8 +141,8 @@ def test_at_a_stall_one_block_names_each_rank_where_it_is_and_the_run_goes_on(
 
 
 def test_a_sigterm_to_a_stalled_run_takes_the_stacks_first_and_the_summary_names_them(
-        ingest: RunningIngest, tmp_path: Path) -> None:
-    proc, _ = start(ingest, tmp_path)
+        ingest: RunningIngest, hung: tuple[Sidecar, Path]) -> None:
+    proc, _ = hung
     # at once: the stall's own look may still be under way (its native pass takes seconds)
     wait_until(lambda: any("no output and no new metric step" in line
                            for line in log_lines(ingest)), 60, "the stall")
