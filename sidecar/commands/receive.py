@@ -269,6 +269,8 @@ class _Route:
     text_items: bool = False
     # the answer says how many items were inserted
     answers_inserted: bool = False
+    # its bodies are chunks of rounds (chunk_index of total_chunks, by step): rounds are counted
+    rounds: bool = False
 
 
 _ROUTES: dict[str, _Route] = {
@@ -279,7 +281,7 @@ _ROUTES: dict[str, _Route] = {
     "hardware": _Route(_check_hardware, "points"),
     "environment": _Route(_check_nothing),
     "environment/nodes": _Route(_check_environment_nodes, "nodes"),
-    "validation": _Route(_check_validation, "samples"),
+    "validation": _Route(_check_validation, "samples", rounds=True),
     "artifact": _Route(_check_artifact),
     "benchmark": _Route(_check_nothing),
     # a GET whose query is the body: the signed URL a checkpoint's file is uploaded to
@@ -440,7 +442,7 @@ class IngestStats:
             )
             if counts.log_bytes:
                 part += f" {_human_bytes(counts.log_bytes)}"
-            if route == "validation":
+            if _ROUTES[route].rounds:
                 part += f" in {self.complete_rounds} rounds"
             parts.append(part)
         rejected = self.rejected_total()
@@ -685,7 +687,7 @@ class IngestServer:
         self.stats.arrivals.append(route)
         counts.accepted += 1
         counts.items += items
-        if route == "validation":
+        if _ROUTES[route].rounds:
             self.stats.add_chunk(body)
         if _ROUTES[route].text_items:
             counts.log_bytes += sum(
