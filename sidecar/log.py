@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from sidecar.masking import mask
+from sidecar.masking import mask, mask_doc
 from sidecar.sources.files.kinds import FILE_KINDS
 
 log = logging.getLogger("sidecar")
@@ -56,7 +56,7 @@ class _JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return mask(json.dumps(doc, ensure_ascii=False))
+        return json.dumps(mask_doc(doc), ensure_ascii=False)
 
 
 def _concerns(message: str) -> dict[str, str]:

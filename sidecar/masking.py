@@ -273,3 +273,16 @@ def _finders(anchors: list[bytes]) -> list[Any]:
 secrets = Secrets()
 add_secret = secrets.add
 mask = secrets.mask
+
+
+def mask_doc(doc: Any) -> Any:
+    """A JSON document with every string in it masked, keys too (a followed file's path), and
+    its numbers as they are: masking its text instead would turn a number that holds 8 digits of
+    a token into `***`, and the document into something no reader parses."""
+    if isinstance(doc, str):
+        return mask(doc)
+    if isinstance(doc, dict):
+        return {mask(str(key)): mask_doc(value) for key, value in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [mask_doc(item) for item in doc]
+    return doc

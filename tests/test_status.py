@@ -18,6 +18,7 @@ import sys
 import termios
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -851,3 +852,26 @@ def test_a_malformed_status_addr_variable_is_said_not_ignored(tmp_path: Path) ->
     done = status_process(["--once"], env, cli=True)
     assert done.returncode == 2
     assert "SIDECAR_STATUS_ADDR" in done.stderr and "HOST:PORT" in done.stderr
+
+
+def test_a_number_holding_eight_digits_of_the_token_leaves_the_documents_whole() -> None:
+    """Every run of 8 characters of the token is masked: masked as text, a count that holds
+    `12345678` (the test token's digits) became `***`, and /status no longer parsed (the
+    suite's `--once` tests failed after any test that had added the token)."""
+    add_secret(TOKEN)
+    path = f"/data/{TOKEN}/train.jsonl"
+
+    def leaky() -> StatusSnapshot:
+        snap = busy_sample()
+        return sample(routes=snap.routes, sources=(*snap.sources, SourceSnapshot(
+            path, "jsonl", bytes_read=123_456_789, lines_read=1, points=1, invalid=0, skipped=0)))
+
+    with serving(leaky, None) as address:
+        with urllib.request.urlopen(f"http://{address}/status", timeout=30) as answer:
+            doc = json.loads(answer.read())
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as answer:
+            exposition = answer.read().decode()
+    assert 123_456_789 in [route["spool_bytes"] for route in doc["routes"]]
+    assert TOKEN[:8] not in json.dumps(doc) and "***" in json.dumps(doc)
+    assert list(text_string_to_metric_families(exposition))  # every line still parses
+    assert TOKEN[:8] not in exposition

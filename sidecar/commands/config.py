@@ -14,7 +14,7 @@ from typing import Any
 
 from sidecar.commands import print_out
 from sidecar.config import Config, ConfigError, option, options_of, resolve, unknown_variables
-from sidecar.masking import MASK, add_secret, mask
+from sidecar.masking import MASK, add_secret, mask, mask_doc
 
 EXIT_OK = 0
 EXIT_CONFIG = 2  # as every command's configuration error (cli.EXIT_CONFIG)
@@ -37,7 +37,8 @@ def show_config(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     add_secret(cfg.token)
     warnings = unknown_variables(environ)
     if args.json:
-        print_out(mask(json.dumps(_document(cfg, origins, warnings), indent=2, ensure_ascii=False)))
+        print_out(json.dumps(mask_doc(_document(cfg, origins, warnings)), indent=2,
+                             ensure_ascii=False))
     else:
         for line in _text(cfg, origins, warnings):
             print_out(mask(line))

@@ -33,7 +33,7 @@ from sidecar.config import DEFAULT_STATUS_ADDR, parse_host_port
 from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import RouteStats
 from sidecar.log import log
-from sidecar.masking import mask
+from sidecar.masking import mask, mask_doc
 from sidecar.statefile import read_state, write_atomic
 from sidecar.supervise import SUPERVISOR
 
@@ -279,6 +279,9 @@ class _Answer(NamedTuple):
     text: str
     content_type: str = TEXT_PLAIN
     headers: tuple[tuple[str, str], ...] = ()
+    # masked already, where it has a structure that masking the whole text could break: a
+    # number that holds 8 digits of a token would become `***` in the JSON or the exposition
+    masked: bool = False
 
 
 _Handler = Callable[[], Awaitable[_Answer]]
@@ -301,17 +304,17 @@ def _routes(snapshot: Callable[[], StatusSnapshot],
 
     async def metrics() -> _Answer:
         text = await prometheus.text()
-        return _Answer(200, text, prometheus.content_type)
+        return _Answer(200, _masked_exposition(text), prometheus.content_type, masked=True)
 
     async def status() -> _Answer:
-        return _Answer(200, json.dumps(snapshot().to_json(), ensure_ascii=False), JSON)
+        return _json_answer(snapshot().to_json())
 
     def stacks_route(fresh: bool) -> _Handler:
         async def answer() -> _Answer:
             doc = await stacks(fresh) if stacks is not None else "no stacks in this mode"
             if isinstance(doc, str):
                 return _Answer(503, doc + "\n")
-            return _Answer(200, json.dumps(doc, ensure_ascii=False), JSON)
+            return _json_answer(doc)
 
         return answer
 
@@ -458,11 +461,27 @@ async def _next_request(reader: asyncio.StreamReader, conn: h11.Connection) -> h
             return None
 
 
+def _json_answer(doc: Any) -> _Answer:
+    return _Answer(200, json.dumps(mask_doc(doc), ensure_ascii=False), JSON, masked=True)
+
+
+def _masked_exposition(text: str) -> str:
+    """Prometheus' text with its names, labels and comments masked and its values as they are."""
+    lines = []
+    for line in text.split("\n"):
+        head, space, value = line.rpartition(" ")
+        if line.startswith("#") or not space:
+            lines.append(mask(line))
+        else:
+            lines.append(mask(head) + space + value)
+    return "\n".join(lines)
+
+
 async def _send(writer: asyncio.StreamWriter, conn: h11.Connection, answer: _Answer, *,
                 head: bool = False, close: bool = False) -> None:
     """Frame, mask and write `answer` (only its headers for HEAD); TimeoutError when the client
     does not take it within WRITE_TIMEOUT_S."""
-    body = mask(answer.text).encode("utf-8")
+    body = (answer.text if answer.masked else mask(answer.text)).encode("utf-8")
     headers = [("Content-Type", answer.content_type), ("Content-Length", str(len(body))),
                *answer.headers]
     if close:
