@@ -183,6 +183,80 @@ def test_a_legacy_pickle_still_open_for_writing_is_never_complete_however_long_i
     assert registered["size_bytes"] == (root / "step_1.pth").stat().st_size
 
 
+@pytest.fixture(scope="module")
+def legacy_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """torch.save(..., _use_new_zipfile_serialization=False), by torch itself in a child: a
+    small save of every kind of storage, and one of 1.2 MB."""
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("legacy")
+    subprocess.run([sys.executable, "-c", (
+        "import sys, torch\n"
+        "small = {'h': torch.zeros(4, dtype=torch.float16), 'l': torch.arange(3),\n"
+        "         'view': torch.ones(2, 2)[0], 'b': torch.ones(3, dtype=torch.bool),\n"
+        "         'c': torch.ones(2, dtype=torch.complex64), 'empty': torch.empty(0),\n"
+        "         'u': torch.UntypedStorage(5), 'layer': torch.nn.Linear(2, 1), 'lr': [0.1, 'a']}\n"
+        "torch.save(small, sys.argv[1] + '/small.pt', _use_new_zipfile_serialization=False)\n"
+        "big = {'w': torch.arange(300_000, dtype=torch.float32), 'step': 7}\n"
+        "torch.save(big, sys.argv[1] + '/big.pt', _use_new_zipfile_serialization=False)\n"),
+        str(folder)], check=True, timeout=120)
+    return {name: (folder / f"{name}.pt").read_bytes() for name in ("small", "big")}
+
+
+def test_a_legacy_pickle_cut_anywhere_is_not_complete_and_whole_it_is(
+        legacy_saves: dict[str, bytes], tmp_path: Path) -> None:
+    from sidecar.sources.files.checkpoint_formats import zip_complete
+
+    path = tmp_path / "step_1.pt"
+    for name, whole in legacy_saves.items():
+        path.write_bytes(whole)
+        assert zip_complete(path) == "", name
+        cuts = range(1, len(whole)) if name == "small" else range(1, len(whole), 4099)
+        judged_whole = [n for n in cuts if path.write_bytes(whole[:n]) and not zip_complete(path)]
+        assert judged_whole == [], name
+    # not laid out as a legacy torch save: judged as before, by its quiet time and its writers
+    path.write_bytes(b"\x80\x04not a pickle torch wrote")
+    assert zip_complete(path) == ""
+
+
+def test_a_legacy_pickle_written_in_two_halves_is_registered_once_and_only_whole(
+        ingest: RunningIngest, tmp_path: Path, legacy_saves: dict[str, bytes]) -> None:
+    whole = legacy_saves["big"]
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    watch = Watch(ingest, tmp_path, root, "--log-level", "debug").start()
+    path = root / "step_7.pt"
+    # closed between the halves: no writer holds it, and its quiet time passes
+    path.write_bytes(whole[:len(whole) // 2])
+    wait_until(lambda: "step_7.pt is not complete" in watch.stderr() or artifacts(ingest), 30,
+               "the first half judged", watch.stderr)
+    assert not artifacts(ingest), "registered half-written"
+    assert "cut short at" in watch.stderr()
+    with path.open("ab") as fh:
+        fh.write(whole[len(whole) // 2:])
+    ingest.wait_for(lambda: artifacts(ingest), 30, "registered once whole")
+    assert watch.stop().status == 0
+    (registered,) = artifacts(ingest)
+    assert registered["size_bytes"] == len(whole)
+
+
+def test_a_legacy_pickle_cut_a_third_of_the_way_is_never_registered_and_named_at_the_exit(
+        ingest: RunningIngest, tmp_path: Path, legacy_saves: dict[str, bytes]) -> None:
+    whole = legacy_saves["big"]
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "step_7.pt").write_bytes(whole[:len(whole) // 3])  # the save killed and left
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+    done = sidecar(["run", "--checkpoints", str(root), "--artifact-uri", f"{root}={BUCKET}",
+                    "--", *python_child("pass")], env, tmp_path / "run", timeout=60)
+    assert done.status == 0, done.stderr
+    assert not artifacts(ingest)
+    said = done.stderr.decode()
+    assert f"{root / 'step_7.pt'} was not registered: cut short at {len(whole) // 3} bytes" \
+        in said, said
+
+
 def test_a_walk_stops_at_its_time_limit_and_says_it_did_not_see_everything(
         tmp_path: Path) -> None:
     from sidecar.sources.files.checkpoints import walk

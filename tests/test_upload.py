@@ -261,3 +261,98 @@ def test_status_and_prometheus_show_an_upload_under_way_and_what_it_sent(
         assert "sidecar_upload_files_total 1.0" in metrics
         assert watch.stop().status == 0
         assert s3.read(f"{PREFIX}/step_60.safetensors") == data
+
+
+class SlowDownStore:
+    """An object store's front that throttles as S3 and GCS do: the first `refusals` PUTs are
+    read and answered `503 SlowDown` (the first with `Retry-After`; the second 429, GCS's
+    answer), the rest sent on to `origin` (the ingest's own objects) as they came. Each PUT's
+    arrival time is kept."""
+
+    def __init__(self, origin: str, refusals: int, retry_after_s: int) -> None:
+        import http.client
+        import threading
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        self.arrivals: list[float] = []
+        target = urlsplit(origin)
+        store = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                store.arrivals.append(time.monotonic())
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if len(store.arrivals) <= refusals:
+                    answer = (b"<Error><Code>SlowDown</Code><Message>Please reduce your "
+                              b"request rate.</Message></Error>")
+                    self.send_response(429 if len(store.arrivals) == 2 else 503)
+                    if len(store.arrivals) == 1:
+                        self.send_header("Retry-After", str(retry_after_s))
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                    return
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                conn.request("PUT", self.path, body, {"Content-Length": str(len(body))})
+                reply = conn.getresponse()
+                data = reply.read()
+                self.send_response(reply.status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.origin = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_store_that_slows_down_is_waited_for_as_told_with_the_same_url(
+        tmp_path: Path) -> None:
+    handle: list[RunningIngest] = []
+    fronts: list[SlowDownStore] = []
+    given: Counter[str] = Counter()
+
+    def signer(run_id: str, name: str, size: int) -> dict[str, Any]:
+        given[name] += 1
+        answer = handle[0].sign_locally(run_id, name, size)
+        origin = answer["url"].split("/_objects/")[0]
+        if not fronts:
+            fronts.append(SlowDownStore(origin, refusals=3, retry_after_s=2))
+        answer["url"] = answer["url"].replace(origin, fronts[0].origin)
+        return answer
+
+    try:
+        with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                            signer=signer) as ingest:
+            handle.append(ingest)
+            folder = tmp_path / "ckpt"
+            folder.mkdir()
+            watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
+            data = safetensors(300_000, 7)
+            save_file(folder, "step_3.safetensors", data)
+            ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
+            done = watch.stop()
+            assert done.status == 0, done.stderr.decode()[-3000:]
+            assert len(artifacts(ingest)) == 1
+    finally:
+        for front in fronts:
+            front.stop()
+    objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints"
+    assert (objects / "step_3.safetensors").read_bytes() == data
+    # throttled three times (a 429 among them, retried too), the signed URL asked for once:
+    # the store's 503 is no reason to ask the ingest again
+    arrivals = fronts[0].arrivals
+    assert len(arrivals) == 4 and given["checkpoints/step_3.safetensors"] == 1, given
+    # the first answer said Retry-After: 2; a lower bound only, a busy machine is slower
+    assert arrivals[1] - arrivals[0] >= 2.0
+    assert "SlowDown" in done.stderr.decode()

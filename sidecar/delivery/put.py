@@ -68,6 +68,13 @@ class PutAnswer(NamedTuple):
     status: int
     etag: str
     reason: str
+    retry_after: str | None = None  # the answer's Retry-After header, as it came
+
+    @property
+    def throttled(self) -> bool:
+        """The store asks us to slow down (S3's 503 SlowDown, GCS's 429): retried, never a
+        refusal."""
+        return self.status in (429, 503)
 
     @property
     def stored(self) -> bool:
@@ -121,7 +128,8 @@ def put_file(target: Target, fd: int, size: int, limit: RateLimit, stop: threadi
         body = reply.read(MAX_ANSWER_BYTES)
         etag = reply.getheader("ETag", "") or ""
         return PutAnswer(reply.status, etag.strip('"'),
-                         "" if 200 <= reply.status < 300 else store_reason(body))
+                         "" if 200 <= reply.status < 300 else store_reason(body),
+                         reply.getheader("Retry-After"))
     except (OSError, http.client.HTTPException) as exc:
         return PutAnswer(0, "", f"{exc.__class__.__name__}: {exc}")
     finally:

@@ -31,7 +31,13 @@ from typing import Any, NamedTuple
 from urllib.parse import quote, urlencode
 
 from sidecar.aio import cancel, wait_set
-from sidecar.delivery.client import ROUTES, IngestClient, json_body, retry_wait
+from sidecar.delivery.client import (
+    ROUTES,
+    IngestClient,
+    json_body,
+    parse_retry_after,
+    retry_wait,
+)
 from sidecar.delivery.deadletter import dead_letter
 from sidecar.delivery.put import PutAnswer, RateLimit, Stopped, Target, put_file
 from sidecar.log import Throttle, log, state_write_failed
@@ -254,8 +260,13 @@ class Uploads:
                           quote_via=quote, safe="/")
         fresh = failed = 0
         policy = ROUTES[ROUTE]
+        signed: tuple[Target, str] | None = None
         while True:
-            target, path = await self._ask(query)
+            # A URL is asked for once and used until the store says it expired: a store that
+            # throttles a fleet's uploads is not answered with as many requests to the ingest.
+            if signed is None:
+                signed = await self._ask(query)
+            target, path = signed
             async with self._slots:
                 answer = await self._put(job, rel, file, target)
             if answer.stored:
@@ -267,16 +278,19 @@ class Uploads:
                 return
             if answer.expired and fresh < MAX_FRESH_URLS:
                 fresh += 1
+                signed = None
                 log.debug("--checkpoints: the URL for %s expired; asking for another", name)
                 continue
-            if 400 <= answer.status < 500:
+            if 400 <= answer.status < 500 and not answer.throttled:
                 raise Refused(f"the object store refused {_shown(name)}: HTTP {answer.status}: "
                               f"{answer.reason or 'no reason given'}", answer.status, query)
             failed += 1
             if self._throttle.admit("put") is not None:
                 log.warning("--checkpoints: sending %s failed (%s); it is retried with backoff",
                             _shown(name), answer.reason or f"HTTP {answer.status}")
-            await asyncio.sleep(retry_wait(policy, failed))
+            # full jitter; after a Retry-After, no sooner than told and spread beyond it
+            told_s = parse_retry_after(answer.retry_after) if answer.throttled else None
+            await asyncio.sleep(retry_wait(policy, failed, told_s))
 
     async def _ask(self, query: str) -> tuple[Target, str]:
         """The signed URL for one file and the object's URI; Refused on a 4xx."""

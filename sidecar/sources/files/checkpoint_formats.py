@@ -4,7 +4,8 @@ Pure functions over names and files, no state: which writer a folder or file cam
 `format` short name, its `kind`, the step its name carries), and, once it has stopped changing,
 whether it is complete: the writer's own marker where it leaves one, a structure check where
 the format allows one (a zip's end record, a safetensors header against the file size, a tar's
-end). The table of docs/checkpoints.md#which-paths-are-checkpoints is this module's table.
+end, a legacy pickle's storages against the file size). The table of
+docs/checkpoints.md#which-paths-are-checkpoints is this module's table.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickletools
 import re
 import stat
 import struct
@@ -197,12 +199,12 @@ def _read(path: Path) -> bytes:
 
 def zip_complete(path: Path) -> str:
     """"" when `path` ends with a zip's end-of-central-directory record (torch.save writes it
-    last), else what is wrong."""
+    last), or is a whole legacy pickle save, else what is wrong."""
     size = path.stat().st_size
     with _open(path) as fh:
         head = fh.read(4)
         if head != b"PK\x03\x04":
-            return "" if head else "empty"  # the legacy pickle format: no structure to check
+            return legacy_pickle_problem(fh, size) if head else "empty"
         tail_len = min(size, _ZIP_END_BYTES + _ZIP_MAX_COMMENT)
         fh.seek(size - tail_len)
         tail = fh.read(tail_len)
@@ -213,6 +215,211 @@ def zip_complete(path: Path) -> str:
             return ""
         at = tail.rfind(_ZIP_END, 0, at)
     return "no zip end record yet (still being written)"
+
+
+# torch.save(..., _use_new_zipfile_serialization=False), as torch's _legacy_save writes it:
+# five pickles one after another (the magic number, the protocol version, the system's sizes,
+# the object, whose persistent ids name its storages, and the sorted list of storage keys), then
+# each storage in that order: its element count (8 bytes, little-endian), then its bytes.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PICKLES_MAX_BYTES = 256 << 20  # more pickled than this: judged as a file without one
+_STORAGE_ELEMENT_BYTES = {
+    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2,
+    "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
+    "BoolStorage": 1, "ComplexDoubleStorage": 16, "ComplexFloatStorage": 8,
+    "QUInt8Storage": 1, "QInt8Storage": 1, "QInt32Storage": 4, "QUInt4x2Storage": 1,
+    "QUInt2x4Storage": 1, "UntypedStorage": 1,
+}
+
+
+class _Unreadable(Exception):
+    """The file is not laid out as a legacy torch save we know."""
+
+
+class _Global(NamedTuple):
+    module: str
+    name: str
+
+
+class _Opaque:
+    """A value on the pickle's stack this walk does not need."""
+
+
+_OPAQUE = _Opaque()
+_PUSH_ARG = frozenset({
+    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING",
+    "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"})
+_CONSTANTS: Mapping[str, object] = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
+
+
+class _Counted:
+    """A file read through pickletools: says whether a read met the file's end, and stops
+    one that would hold more than _LEGACY_PICKLES_MAX_BYTES in memory."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.left = _LEGACY_PICKLES_MAX_BYTES
+        self.met_end = False
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0 or n > self.left:
+            raise _Unreadable("more pickled than it is worth reading")
+        data = self.fh.read(n)
+        self.left -= len(data)
+        self.met_end |= len(data) < n
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self.fh.readline(self.left)
+        self.left -= len(line)
+        if not line.endswith(b"\n"):
+            if self.left <= 0:
+                raise _Unreadable("more pickled than it is worth reading")
+            self.met_end = True
+        return line
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
+def _walk_pickle(stream: _Counted, persistent_ids: list[object]) -> object:
+    """The value of the pickle at the stream's position, as far as this check needs it
+    (numbers, strings, tuples, lists, globals by name; anything else opaque), read opcode by
+    opcode: nothing is imported or called. Each persistent id met goes to `persistent_ids`."""
+    stack: list[object] = []
+    marks: list[int] = []
+    memo: dict[object, object] = {}
+    # genops reads with read, readline and tell only, all of which _Counted has
+    for op, arg, _ in pickletools.genops(stream):  # type: ignore[arg-type]
+        name = op.name
+        if name == "STOP":
+            return stack.pop()
+        if name == "MARK":
+            marks.append(len(stack))
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = stack[-1]
+        elif name == "MEMOIZE":
+            memo[len(memo)] = stack[-1]
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo[arg])
+        elif name == "DUP":
+            stack.append(stack[-1])
+        elif name in _PUSH_ARG:
+            stack.append(arg)
+        elif name in _CONSTANTS:
+            stack.append(_CONSTANTS[name])
+        elif name == "GLOBAL":
+            module, _, attr = str(arg).partition(" ")
+            stack.append(_Global(module, attr))
+        elif name == "STACK_GLOBAL":
+            name_, module_ = stack.pop(), stack.pop()
+            stack.append(_Global(str(module_), str(name_)))
+        elif name == "EMPTY_LIST":
+            stack.append([])
+        elif name == "EMPTY_TUPLE":
+            stack.append(())
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            count = int(name[-1])
+            last = tuple(stack[-count:])
+            del stack[-count:]
+            stack.append(last)
+        elif name in ("TUPLE", "LIST", "APPENDS"):
+            at = marks.pop()
+            items = stack[at:]
+            del stack[at:]
+            if name == "APPENDS":
+                target = stack[-1]
+                if isinstance(target, list):
+                    target.extend(items)
+            else:
+                stack.append(tuple(items) if name == "TUPLE" else items)
+        elif name == "APPEND":
+            item = stack.pop()
+            if isinstance(stack[-1], list):
+                stack[-1].append(item)
+        elif name == "BINPERSID":
+            persistent_ids.append(stack.pop())
+            stack.append(_OPAQUE)
+        else:  # what this check does not need: only its effect on the stack
+            before = op.stack_before
+            if pickletools.markobject in before:
+                at = marks.pop()
+                del stack[at:]
+                count = before.index(pickletools.markobject)
+            else:
+                count = len(before)
+            if count > len(stack):
+                raise _Unreadable("its pickle takes more from the stack than it holds")
+            del stack[len(stack) - count:]
+            stack.extend([_OPAQUE] * len(op.stack_after))
+    raise _Unreadable("no STOP")  # genops raises first
+
+
+def _storage_bytes(persistent_ids: list[object]) -> dict[str, tuple[int, int]]:
+    """Each storage's key: (its element count, bytes an element), from the persistent ids
+    `("storage", torch.FloatStorage, key, location, count, view)` torch's pickler wrote."""
+    storages = {}
+    for pid in persistent_ids:
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+            continue  # ("module", ...): a module's source, nothing stored after the pickles
+        if len(pid) != 6 or not isinstance(pid[1], _Global) or not isinstance(pid[4], int):
+            raise _Unreadable("a storage's persistent id is not torch's")
+        element_bytes = _STORAGE_ELEMENT_BYTES.get(pid[1].name)
+        if element_bytes is None or not pid[1].module.startswith("torch"):
+            raise _Unreadable(f"a storage of type {pid[1].module}.{pid[1].name}")
+        storages[str(pid[2])] = (pid[4], element_bytes)
+    return storages
+
+
+def legacy_pickle_problem(fh: BinaryIO, size: int) -> str:
+    """"" when the legacy torch save in `fh` (`size` bytes) is whole: its five pickles, then
+    every storage they name, ending at the file's end; else where it stops. "" too when it is
+    not laid out as one (what its quiet time and its writers decide then)."""
+    stream = _Counted(fh)
+    fh.seek(0)
+    try:
+        try:
+            magic = _walk_pickle(stream, [])
+        except (ValueError, IndexError, KeyError, TypeError) as exc:
+            fh.seek(0)
+            # shorter than the magic number's pickle, and begun as one (its PROTO opcode)
+            if stream.met_end and fh.read(1) == b"\x80" and size < 32:
+                return f"cut short at {size} bytes, in its first pickle (still being written)"
+            raise _Unreadable(str(exc)) from exc
+        if magic != _LEGACY_MAGIC:
+            raise _Unreadable("not torch's magic number")
+        persistent_ids: list[object] = []
+        try:
+            for _ in range(3):  # the protocol version, the system's sizes, the object
+                _walk_pickle(stream, persistent_ids)
+            keys = _walk_pickle(stream, [])
+        except (ValueError, IndexError, KeyError, TypeError) as exc:
+            if stream.met_end:
+                return f"cut short at {size} bytes, in its pickles (still being written)"
+            raise _Unreadable(str(exc)) from exc
+        storages = _storage_bytes(persistent_ids)
+        if not isinstance(keys, list) or any(key not in storages for key in keys):
+            raise _Unreadable("its storage keys are not those its object names")
+        at = fh.tell()
+        for number, key in enumerate(keys, 1):
+            fh.seek(at)
+            raw = fh.read(8)
+            if len(raw) < 8:
+                return (f"cut short at {size} bytes, before storage {number} of {len(keys)} "
+                        f"(still being written)")
+            (count,) = struct.unpack("<q", raw)
+            expected, element_bytes = storages[key]
+            if count != expected:
+                raise _Unreadable(f"storage {key} holds {count} elements, its id says {expected}")
+            at += 8 + count * element_bytes
+            if at > size:
+                return (f"cut short at {size} bytes, in storage {number} of {len(keys)}, which "
+                        f"ends at {at} (still being written)")
+        if at != size:
+            raise _Unreadable(f"its storages end at {at} of {size} bytes")
+        return ""
+    except _Unreadable:
+        return ""
 
 
 def safetensors_complete(path: Path) -> str:
