@@ -258,7 +258,7 @@ OPTIONS: tuple[Option, ...] = (
            "always, never", choices=("auto", "always", "never")),
     Option("upload-rate", "int", 100_000_000, "bytes a second all checkpoint uploads together "
            "send at most (0.8 Gbit/s: the node's network stays training's); 0: no limit",
-           metavar="BYTES_PER_S", at_least=0),
+           metavar="BYTES/S", at_least=0),
     Option("hardware-interval", "float", 10.0, "seconds between /hardware samples; 0 turns it off",
            at_least=0, check=check_hardware_interval),
     Option("gpus", "str", "", "the job's GPUs to sample: NVML indexes or UUIDs, comma-separated",

@@ -17,7 +17,8 @@ COMMANDS = ("run", "watch", "check", "config", "status", "stacks", "lifecycle", 
             "receive", "demo", "completion")
 # The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
 METAVARS = {"PATH", "DIR", "FILE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT", "TEMPLATE",
-            "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI", "FIELD=NAME"}
+            "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI", "FIELD=NAME",
+            "BYTES/S"}
 
 
 def help_of(command: str, monkeypatch: pytest.MonkeyPatch) -> str:
