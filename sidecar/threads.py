@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+BACKGROUND_NICE = 19  # the lowest priority: CPU the trainer does not use
 
 
 class WorkerBusy(Exception):
@@ -81,6 +84,26 @@ def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | No
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+async def in_background(fn: Callable[[], T], name: str) -> T:
+    """fn() on a daemon thread of its own at the lowest CPU priority (nice 19), so that it takes
+    only the CPU the trainer leaves: for long bulk work such as an upload. Awaiting it can be
+    cancelled; the thread itself ends when fn returns (fn must watch for its own stop)."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # Linux: the nice value is the thread's own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the awaiting side, never lost here
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            future.get_loop().call_soon_threadsafe(_resolve, future, result, error)
+
+    threading.Thread(target=serve, name=name, daemon=True).start()
+    return await future
 
 
 async def off_loop(fn: Callable[[], T], timeout_s: float, name: str) -> T:

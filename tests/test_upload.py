@@ -263,6 +263,39 @@ def test_status_and_prometheus_show_an_upload_under_way_and_what_it_sent(
         assert s3.read(f"{PREFIX}/step_60.safetensors") == data
 
 
+def _nice_values(pid: int) -> dict[int, int]:
+    """Each thread's nice value, by native id, from /proc/PID/task/TID/stat (field 19)."""
+    values = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        values[int(task.name)] = int(fields[16])
+    return values
+
+
+def test_the_upload_sends_at_the_lowest_cpu_priority_and_nothing_else_does(
+        tmp_path: Path, s3: S3Store) -> None:
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, "--upload-rate", "1000000", mapped=False,
+                      **CONTAINER).start()
+        assert watch.proc is not None
+        pid = watch.proc.proc.pid
+        data = safetensors(4_000_000, 6)
+        save_file(folder, "step_70.safetensors", data)
+        wait_until(lambda: 19 in _nice_values(pid).values(), 30,
+                   "a thread sending at nice 19", watch.stderr)
+        # the loop (its log forwarding, its posts) keeps the sidecar's own priority
+        assert _nice_values(pid)[pid] == 0
+        ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
+        assert watch.stop().status == 0
+        assert s3.read(f"{PREFIX}/step_70.safetensors") == data
+
+
 class SlowDownStore:
     """An object store's front that throttles as S3 and GCS do: the first `refusals` PUTs are
     read and answered `503 SlowDown` (the first with `Retry-After`; the second 429, GCS's

@@ -43,6 +43,7 @@ from sidecar.delivery.put import PutAnswer, RateLimit, Stopped, Target, put_file
 from sidecar.log import Throttle, log, state_write_failed
 from sidecar.statefile import open_checked, read_state
 from sidecar.supervise import supervise
+from sidecar.threads import in_background
 
 LEDGER = "uploads.ledger"
 STAGED = "staged"  # the run's folder's subfolder of hard links, one folder a checkpoint
@@ -308,7 +309,10 @@ class Uploads:
         stop = threading.Event()
         file.sent[0] = 0
         try:
-            return await asyncio.to_thread(self._put_blocking, job, rel, file, target, stop)
+            # at the lowest CPU priority: sending is the bulk of an upload's CPU, and it
+            # must never take a core the trainer wants
+            return await in_background(
+                lambda: self._put_blocking(job, rel, file, target, stop), "upload")
         except asyncio.CancelledError:
             stop.set()  # the thread ends within one chunk
             raise
