@@ -495,7 +495,8 @@ class _Run:
         self.signal_stacks = spawn_once("stacks-at-sigterm", look_then_forward)
 
     async def wait(self) -> int:
-        """The command's exit status, once it exited."""
+        """The command's exit status, once it exited and what it wrote before passed through
+        (or OUTPUT_SETTLE_S passed): what the sidecar says of its end comes after its output."""
         exit_status = await self.child.wait()
         # When it exited, not when the loop saw it.
         self.ended_at = self.child.exited_at or time.time()
@@ -506,6 +507,10 @@ class _Run:
         if self.client is not None:
             # A backoff of the request in flight ends now.
             self.client.hurry()
+        # What an earlier start's crash tail did not deliver goes first in the drain.
+        await cancel(self.tail_sender)
+        await _until(_all_closed(self.streams),
+                     min(self.exited_at + OUTPUT_SETTLE_S, self.deadline), self.interrupted)
         if self.cfg.running_when == "marker" and "running" not in self.lifecycle.recorded:
             log.warning("the command exited (status %d) and never ran `sidecar lifecycle "
                         "running`, the marker --running-when marker waits for: `running` was "
@@ -515,8 +520,6 @@ class _Run:
 
     async def record_end(self, exit_status: int) -> None:
         """The end event, journaled; it is sent after the output before it."""
-        # What it did not deliver goes first in the drain.
-        await cancel(self.tail_sender)
         # The end event waits for the output before it: the platform closes the logs at it.
         self.lifecycle.release.clear()
         await self.lifecycle.record("succeeded" if exit_status == 0 else "failed",
@@ -527,8 +530,6 @@ class _Run:
         the failure summary last, and what /logs did not acknowledge of it into the crash
         tail's journal."""
         streams, exited_at = self.streams, self.exited_at
-        await _until(_all_closed(streams), min(exited_at + OUTPUT_SETTLE_S, self.deadline),
-                     self.interrupted)
         for stream in streams:
             await stream.drawn()
             if stream.closed.is_set():

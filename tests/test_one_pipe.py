@@ -6,12 +6,15 @@ real HTTP over loopback, a real terminal (pexpect) and a real terminal emulator 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
+import pexpect
 import pytest
 
 from tests.conftest import SIDECAR, Sidecar, platform_env, python_child
@@ -133,3 +136,33 @@ def test_two_destinations_keep_two_streams(ingest: RunningIngest, tmp_path: Path
     assert TWO_PIPES_SAID in done.stderr.decode()
     text = arrived(ingest)
     assert "to stdout\n" in text and "to stderr\n" in text
+
+
+# A line, then, once told, the last line and the exit: the pump has just read a small block and
+# waits a moment for more (child.COALESCE_S) while the end is said.
+LAST_WORDS = """
+print("ready", flush=True)
+input()
+print("the last line", flush=True)
+"""
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["pipe", "tty"])
+def test_at_a_terminal_the_last_output_comes_before_the_end_is_said(
+        ingest: RunningIngest, tmp_path: Path, tty: bool) -> None:
+    """`lifecycle: succeeded recorded` came before the command's last line."""
+    env = platform_env(ingest, tmp_path / "state")
+    (tmp_path / "sc").mkdir()
+    options = ["--tty"] if tty else []
+    child = pexpect.spawn(SIDECAR[0], [*SIDECAR[1:], "run", *options, "--", sys.executable,
+                                       "-c", LAST_WORDS],
+                          env=env, cwd=str(tmp_path / "sc"), timeout=30, encoding="utf-8")
+    child.logfile_read = io.StringIO()
+    child.expect_exact("ready")
+    child.sendline("")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    shown = child.logfile_read.getvalue()
+    assert "succeeded recorded" in shown, shown
+    assert shown.index("the last line") < shown.index("succeeded recorded"), shown
