@@ -143,6 +143,25 @@ def state_write_failed(path: object, exc: OSError) -> None:
               path, exc.strerror or exc, more)
 
 
+def one_destination(fd: int, other: int) -> bool:
+    """Whether output written to `fd` and to `other` lands in one place: the same terminal or
+    device (/dev/null), or the same file, pipe or socket (`>all.log 2>&1`, `2>&1 | tee`)."""
+    try:
+        first, second = os.fstat(fd), os.fstat(other)
+    except OSError:
+        return False
+    if stat.S_ISCHR(first.st_mode) and stat.S_ISCHR(second.st_mode):
+        return first.st_rdev == second.st_rdev
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+def _is_device(fd: int) -> bool:
+    try:
+        return stat.S_ISCHR(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
 class _OpenLine:
     """Whether the command's output, passed through to where our messages go (our stderr: a
     terminal, a file, a pipe to `kubectl logs` or journald), ends in the middle of a line (a
@@ -155,15 +174,9 @@ class _OpenLine:
         """Whether output written to `fd` lands where our stderr does: fd 2 itself, the same
         terminal, or the same file, pipe or socket (`>all.log 2>&1`); not /dev/null, which
         nobody reads."""
-        try:
-            ours, theirs = os.fstat(2), os.fstat(fd)
-        except OSError:
+        if not os.isatty(fd) and _is_device(fd):
             return False
-        if os.isatty(fd) and os.isatty(2):
-            return theirs.st_rdev == ours.st_rdev
-        if stat.S_ISCHR(theirs.st_mode):
-            return False
-        return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+        return one_destination(fd, 2)
 
     def written(self, fd: int, block: bytes) -> None:
         """The command's output `block` was written to `fd`, which our stderr shares."""

@@ -32,7 +32,7 @@ from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_ta
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
-from sidecar.log import format_duration, log
+from sidecar.log import format_duration, log, one_destination
 from sidecar.masking import mask, secrets
 from sidecar.node import resolve_node
 from sidecar.sources.console.child import (
@@ -44,7 +44,7 @@ from sidecar.sources.console.child import (
     SpawnError,
 )
 from sidecar.sources.console.lines import SCREEN_SLICE_CHARS, LineAssembler
-from sidecar.sources.console.signatures import Scanner
+from sidecar.sources.console.signatures import ONE_PIPE, TERMINAL, TWO_PIPES, Scanner
 from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.stacks import (
@@ -138,7 +138,7 @@ class _Stream:
 
     def __init__(self, name: str, assembler: LineAssembler, shipper: LogShipper | None,
                  budget: _Budget, scanner: Scanner, tail: StreamTail, stall: StallWatch) -> None:
-        self.name = name  # stdout or stderr, or terminal (--tty)
+        self.name = name  # stdout or stderr, or both: ONE_PIPE, TERMINAL (--tty)
         self.assembler = assembler
         self.shipper = shipper  # None when reporting is off
         self.budget = budget
@@ -148,7 +148,7 @@ class _Stream:
         self.ranks: RankClock | None = None  # told of every block read: who printed last
         self.closed = asyncio.Event()  # the pipe's end: no process holds it any more
         self.ended = False  # finished for /logs: what comes after is not forwarded
-        self.others: Sequence[_Stream] = ()  # the command's other streams (none with --tty)
+        self.others: Sequence[_Stream] = ()  # the command's other stream (none on one)
         self.behind: _BehindTail | None = None  # set while the crash tail goes first
         self._skipped = 0
         self._resuming = False  # a call to draw the terminal's backlog is scheduled
@@ -350,8 +350,9 @@ class _Run:
         self.child_env[handoff.ENV_VAR] = address
 
     def make_streams(self) -> None:
-        """One stream of output a pipe of the command's (one with --tty), each with its line
-        assembler, its share of --log-rate and its tail for the crash tail."""
+        """One stream of output a pipe of the command's (one, where both share a pipe or --tty's
+        terminal), each with its line assembler, its share of --log-rate and its tail for the
+        crash tail."""
         cfg = self.cfg
         self.prefix = cfg.log_prefix.format(node=self.node.name, rank=self.node.rank)
         budget = _Budget(cfg.log_rate * 1e6)
@@ -364,8 +365,9 @@ class _Run:
         # Its lines go through the streams' line assemblers.
         self.stall = stall_watch(cfg, self.report, lambda line: _announce(self.streams, line))
         keep_sgr = cfg.log_ansi == "keep"
-        # --tty: both share one.
-        names = ("terminal",) if cfg.tty else ("stdout", "stderr")
+        self.one_pipe = not cfg.tty and one_destination(1, 2)
+        names = (TERMINAL,) if cfg.tty else (ONE_PIPE,) if self.one_pipe else TWO_PIPES
+        _say_pipes(self.one_pipe, cfg.tty)
         self.streams.extend(
             _Stream(name, LineAssembler(secrets, self.prefix, keep_sgr=keep_sgr,
                                         screen_slice_chars=SCREEN_SLICE_CHARS),
@@ -381,7 +383,7 @@ class _Run:
 
     def spawn(self) -> tuple[int, ...]:
         """Start the command; its output's descriptors. SpawnError when it cannot start."""
-        self.child = Child(self.argv, self.child_env, tty=self.cfg.tty)
+        self.child = Child(self.argv, self.child_env, tty=self.cfg.tty, one_pipe=self.one_pipe)
         # Before the spawn, so that a kill at once still shows; a few small reads, nothing else
         # waits on the loop yet.
         self.cgroups = own_memory_cgroups()
@@ -493,7 +495,8 @@ class _Run:
         self.signal_stacks = spawn_once("stacks-at-sigterm", look_then_forward)
 
     async def wait(self) -> int:
-        """The command's exit status, once it exited."""
+        """The command's exit status, once it exited and what it wrote before passed through
+        (or OUTPUT_SETTLE_S passed): what the sidecar says of its end comes after its output."""
         exit_status = await self.child.wait()
         # When it exited, not when the loop saw it.
         self.ended_at = self.child.exited_at or time.time()
@@ -504,6 +507,10 @@ class _Run:
         if self.client is not None:
             # A backoff of the request in flight ends now.
             self.client.hurry()
+        # What an earlier start's crash tail did not deliver goes first in the drain.
+        await cancel(self.tail_sender)
+        await _until(_all_closed(self.streams),
+                     min(self.exited_at + OUTPUT_SETTLE_S, self.deadline), self.interrupted)
         if self.cfg.running_when == "marker" and "running" not in self.lifecycle.recorded:
             log.warning("the command exited (status %d) and never ran `sidecar lifecycle "
                         "running`, the marker --running-when marker waits for: `running` was "
@@ -513,8 +520,6 @@ class _Run:
 
     async def record_end(self, exit_status: int) -> None:
         """The end event, journaled; it is sent after the output before it."""
-        # What it did not deliver goes first in the drain.
-        await cancel(self.tail_sender)
         # The end event waits for the output before it: the platform closes the logs at it.
         self.lifecycle.release.clear()
         await self.lifecycle.record("succeeded" if exit_status == 0 else "failed",
@@ -525,8 +530,6 @@ class _Run:
         the failure summary last, and what /logs did not acknowledge of it into the crash
         tail's journal."""
         streams, exited_at = self.streams, self.exited_at
-        await _until(_all_closed(streams), min(exited_at + OUTPUT_SETTLE_S, self.deadline),
-                     self.interrupted)
         for stream in streams:
             await stream.drawn()
             if stream.closed.is_set():
@@ -621,6 +624,20 @@ def _marker_acceptor(lifecycle: Lifecycle, running_when: str,
         return None
 
     return accept
+
+
+def _say_pipes(one_pipe: bool, tty: bool) -> None:
+    """Which way the command's output is read, and what that means for its order."""
+    if tty:
+        log.debug("the command's stdout and stderr on one pseudo-terminal (--tty), in the order "
+                  "they were written")
+    elif one_pipe:
+        log.debug("the command's stdout and stderr on one pipe, in the order they were written: "
+                  "the sidecar's own stdout and stderr are one destination")
+    else:
+        log.debug("the command's stdout and stderr on two pipes, as the sidecar's own go to two "
+                  "destinations: lines written close together on the two may reach /logs in "
+                  "another order (docs/running.md#the-commands-output)")
 
 
 def _on_signal(child: Child, signum: int, interrupted: asyncio.Event) -> None:

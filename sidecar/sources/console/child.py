@@ -1,15 +1,17 @@
 """The wrapped command: spawn, pipes, signals, exit status (docs/commands.md#the-wrapped-command).
 
-The child runs in its own process group with stdout and stderr on pipes, or with both on one
-pseudo-terminal (`--tty`). When the sidecar's stdin is the terminal it runs in the foreground of,
-the child's group gets the terminal's foreground for as long as it runs, as a shell gives it to a
-job, so that it can read its input (input(), pdb) and Ctrl-C reaches it. Each pipe has a pump
-thread that copies the bytes to the sidecar's own stdout/stderr unchanged (as `tee` would) and
-then offers them to the event loop. The offer never waits: if the loop falls behind by more than
-a bounded amount, the block is dropped for `/logs` (and counted), so the child can only ever be
-slowed by the sidecar's own stdout, exactly as under `tee`. A block that `/logs` does not want
-at all (reporting off, its buffer full, `--log-rate` spent) goes from the pipe to the sidecar's
-own output with splice(2), in the kernel, without entering Python.
+The child runs in its own process group with stdout and stderr on two pipes, on one pipe (where
+the sidecar's own stdout and stderr are one destination: two pipes would lose the order they
+were written in, docs/running.md#the-commands-output), or on one pseudo-terminal (`--tty`).
+When the sidecar's stdin is the terminal it runs in the foreground of, the child's group gets
+the terminal's foreground for as long as it runs, as a shell gives it to a job, so that it can
+read its input (input(), pdb) and Ctrl-C reaches it. Each pipe has a pump thread that copies the
+bytes to the sidecar's own stdout/stderr unchanged (as `tee` would) and then offers them to the
+event loop. The offer never waits: if the loop falls behind by more than a bounded amount, the
+block is dropped for `/logs` (and counted), so the child can only ever be slowed by the
+sidecar's own stdout, exactly as under `tee`. A block that `/logs` does not want at all
+(reporting off, its buffer full, `--log-rate` spent) goes from the pipe to the sidecar's own
+output with splice(2), in the kernel, without entering Python.
 """
 
 from __future__ import annotations
@@ -343,11 +345,14 @@ class Pump:
 class Child:
     """A spawned command, its exit status, and signal forwarding to its process group."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], tty: bool = False) -> None:
-        """`tty`: stdout and stderr on one pseudo-terminal instead of two pipes."""
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], tty: bool = False,
+                 one_pipe: bool = False) -> None:
+        """`tty`: stdout and stderr on one pseudo-terminal instead of two pipes; `one_pipe`: on
+        one pipe."""
         self.argv = argv
         self.env = env
         self.tty = tty
+        self.one_pipe = one_pipe
         self.pid = 0
         self.reap_orphans = os.getpid() == 1
         self._proc: subprocess.Popen[bytes] | None = None
@@ -359,16 +364,17 @@ class Child:
 
     def spawn(self) -> tuple[int, ...]:
         """Start the command; returns what to read its output from: the read ends of its stdout
-        and stderr pipes, or the one pseudo-terminal both share."""
+        and stderr pipes, or the one pipe or pseudo-terminal both share."""
         loop = asyncio.get_running_loop()
         self._exit = loop.create_future()
         loop.add_signal_handler(signal.SIGCHLD, self._reap)
         terminal = _open_terminal() if self.tty else None
         output = terminal[1] if terminal is not None else subprocess.PIPE
+        errors = output if terminal is not None or not self.one_pipe else subprocess.STDOUT
         if terminal is not None:
             self._output_links = {os.ttyname(terminal[1])}
         try:
-            self._proc = subprocess.Popen(list(self.argv), stdout=output, stderr=output,
+            self._proc = subprocess.Popen(list(self.argv), stdout=output, stderr=errors,
                                           env=dict(self.env), process_group=0, close_fds=True)
         except OSError as exc:
             loop.remove_signal_handler(signal.SIGCHLD)
@@ -383,10 +389,10 @@ class Child:
         if terminal is not None:
             self._reap()
             return (terminal[0],)
-        assert self._proc.stdout is not None and self._proc.stderr is not None
-        fds = (os.dup(self._proc.stdout.fileno()), os.dup(self._proc.stderr.fileno()))
-        self._proc.stdout.close()  # the pumps own the duplicates and close them at EOF
-        self._proc.stderr.close()
+        pipes = [pipe for pipe in (self._proc.stdout, self._proc.stderr) if pipe is not None]
+        fds = tuple(os.dup(pipe.fileno()) for pipe in pipes)
+        for pipe in pipes:  # the pumps own the duplicates and close them at EOF
+            pipe.close()
         for fd in fds:
             _enlarge_pipe(fd)
         self._output_links = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in fds}

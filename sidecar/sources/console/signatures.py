@@ -69,6 +69,12 @@ class Quote(NamedTuple):
 
 
 QUOTED_FIRST = "stderr"  # where PyTorch, CUDA, glog and Python's tracebacks write
+# The wrapped command's streams as `run` reads them: stdout and stderr on two pipes, or both on
+# one pipe (where the sidecar's own stdout and stderr are one destination) or one terminal
+# (--tty), a stream that holds both.
+TWO_PIPES = ("stdout", "stderr")
+ONE_PIPE = "stdout+stderr"
+TERMINAL = "terminal"
 
 
 class Seen:
@@ -236,8 +242,8 @@ _BY_FREQUENCY = (b" etaoinsrhldcumfpgwybvkxjqz0123456789.,:;-_/=()[]'\"ETAOINSRH
 
 def _applies(row: Signature, stream: str) -> bool:
     """Whether `row` is looked for on `stream`; a stream other than stdout and stderr holds
-    both (a terminal under --tty, a log file)."""
-    return row.stream in ("any", stream) or stream not in ("stdout", "stderr")
+    both (ONE_PIPE, TERMINAL, a log file)."""
+    return row.stream in ("any", stream) or stream not in TWO_PIPES
 
 
 def _text(line: bytes) -> str:
