@@ -69,6 +69,7 @@ class Ingest:
         self.by_route: dict[str, Counter[int]] = {}
         self.refused_by_route: dict[str, Counter[int]] = {}
         self.registered: Counter[str] = Counter()  # "run_id path" -> /artifact posts taken
+        self.first_at: dict[str, float] = {}  # route -> its first request's arrival (epoch)
         # key -> step -> (first arrival, the point's value: when the node put it)
         self.points: dict[str, dict[int, tuple[float, float]]] = {}
         self.repeated = 0
@@ -98,6 +99,7 @@ class Ingest:
                 route = "sign" if signing else "artifact" if head.startswith(
                     b"POST /api/ingest/artifact ") else "other"
                 self.by_route.setdefault(route, Counter())[int(now)] += 1
+                self.first_at.setdefault(route, now)
                 if not (self.signer if signing else self.bucket).admit():
                     self.refused[int(now)] += 1
                     self.refused_by_route.setdefault(route, Counter())[int(now)] += 1
@@ -151,6 +153,7 @@ class Ingest:
                 "bounded": self.total > self.max_requests, "repeated": self.repeated,
                 "down_at": self.down_at, "up_at": self.up_at, "by_route": self.by_route,
                 "refused_by_route": self.refused_by_route, "registered": self.registered,
+                "first_at": self.first_at,
                 "points": {key: [[s, *t] for s, t in steps.items()]
                            for key, steps in self.points.items()}}
 

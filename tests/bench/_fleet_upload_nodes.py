@@ -10,7 +10,8 @@ checkpoint (`step-1000/`, FILES files of FILE_BYTES each: hard links to one set 
 fleet's checkpoints take one checkpoint's room; under /dev/shm where there is one, so that the
 uploads' page-cache drops do not turn each read into a disk read), then waits until epoch END
 for it to be uploaded and registered. Prints, as JSON, each node's run id, when its upload was
-done and when its registration was acknowledged (epoch seconds; null: not by END).
+done and when its registration was acknowledged (epoch seconds; null: not by END), and how late
+it was ready for START (0: in time).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ async def node(number: int, endpoint: str, start: float, end: float, template: P
     size = sum((template / rel).stat().st_size for rel in files)
     uploaded_at = registered_at = None
     try:
-        await asyncio.sleep(max(start - time.time(), 0))
+        late = time.time() - start  # > 0: made after the instant every node was to save
+        await asyncio.sleep(max(-late, 0))
         uploads.submit(Checkpoint(str(checkpoint), f"{size}-{STEP}", f"step-{STEP}",
                                   tuple(files), {"kind": "checkpoint", "format": "distcp",
                                                  "size_bytes": size, "step": STEP}))
@@ -66,7 +68,8 @@ async def node(number: int, endpoint: str, start: float, end: float, template: P
             uploaded_at = time.time()
             if await artifacts.drain(max(end - time.time(), 0.1)) and artifacts.delivered:
                 registered_at = time.time()
-        return {"run_id": run_id, "uploaded_at": uploaded_at, "registered_at": registered_at,
+        return {"run_id": run_id, "late_s": max(late, 0.0), "uploaded_at": uploaded_at,
+                "registered_at": registered_at,
                 "refused": uploads.refused, "files_uploaded": uploads.files_uploaded}
     finally:
         await uploads.close()

@@ -134,12 +134,18 @@ def analyse(data: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     all_in = max(done) - start if len(done) == nodes else float("inf")
     median_in = statistics.median(d - start for d in done) if done else float("inf")
     sign_requests, put_requests = sum(signs.values()), sum(puts.values())
+    first_ask = signer["first_at"].get("sign", start) - start
+    print(f"  the first upload-url request came {first_ask:.2f} s after the save")
     print(f"  signer: busiest second {sign_peak} requests ({sign_peak / sign_cap:.2f}x its "
           f"capacity), {sign_requests:,} requests for {files:,} files, "
           f"{sum(signs_refused.values()):,} answered 503")
     print(f"  store: busiest second {put_peak} PUTs ({put_peak / store_cap:.2f}x its capacity), "
           f"{put_requests:,} PUTs for {files:,} files, {sum(puts_refused.values()):,} answered "
           f"503 SlowDown; {put_twice} files stored more than once, {not_stored} not stored")
+    late = [r["late_s"] for r in results if r["late_s"] > 0]
+    if late:
+        print(f"  WARNING: {len(late)} nodes were made after the save's instant (up to "
+              f"{max(late):.1f} s late): the burst is spread by the benchmark itself")
     print(f"  every checkpoint registered {all_in:.1f} s after the save (median node "
           f"{median_in:.1f} s); registered 0 times: {never}, more than once: {twice}, "
           f"unexpected: {stray}" + (" (BOUNDED: stopped early)"
@@ -174,7 +180,7 @@ def draw(png: Path, runs: list[tuple[str, dict[str, Any]]]) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(len(runs), 2, figsize=(12, 3.2 * len(runs)), squeeze=False,
-                                sharex=True)
+                                sharex=True, sharey="col")
     for (label, run), row in zip(runs, axes, strict=True):
         t = [s[0] for s in run["series"]]
         for ax, (title, asked, refused, capacity) in zip(row, (
