@@ -142,8 +142,8 @@ class Uploads:
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(FILES_IN_FLIGHT)
         # One upload-url request in flight: the files' asks follow the answers, and a throttled
-        # sidecar waits with one request, not one a file (a fleet that saves at the same step
-        # asked its signer for nodes x files URLs in the same instant: bench_fleet_upload.py).
+        # sidecar waits with one request, not one a file (sidecars saving at the same moment
+        # asked the ingest for sidecars x files URLs in one instant: bench_fleet_upload.py).
         self._asking = asyncio.Lock()
         self._throttle = Throttle()
         self._task: asyncio.Task[None] | None = None
