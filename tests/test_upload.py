@@ -5,6 +5,8 @@ checked by the ingest's own object folder (receive.LocalObjects), which refuses 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import random
@@ -17,8 +19,16 @@ from typing import Any
 
 import pytest
 
+from sidecar.commands.receive import IngestServer
 from tests.conftest import RUN_ID, TOKEN
-from tests.ingest_server import RunningIngest, S3Store, running_ingest, wait_until
+from tests.faulty_ingest import Faults
+from tests.ingest_server import (
+    RunningIngest,
+    S3Store,
+    background_loop,
+    running_ingest,
+    wait_until,
+)
 from tests.test_checkpoints import QUICK_QUIET, Watch, artifacts
 
 CONTAINER = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
@@ -389,3 +399,60 @@ def test_a_store_that_slows_down_is_waited_for_as_told_with_the_same_url(
     # the first answer said Retry-After: 2; a lower bound only, a busy machine is slower
     assert arrivals[1] - arrivals[0] >= 2.0
     assert "SlowDown" in done.stderr.decode()
+
+
+class HeldAsks(Faults):
+    """The ingest's hooks, holding each `artifact/upload-url` request until the next one arrives
+    or HOLD_S passes, and counting how many were held at once: the signing requests one sidecar
+    has in flight together."""
+
+    HOLD_S = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = 0
+        self.most = 0
+        self._arrival: asyncio.Event | None = None
+
+    async def arrived(self, route: str, stopping: asyncio.Event) -> None:
+        if route == "artifact/upload-url":
+            if self._arrival is not None:
+                self._arrival.set()  # the one held before is let go
+            arrival = self._arrival = asyncio.Event()
+            self.held += 1
+            self.most = max(self.most, self.held)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(arrival.wait(), self.HOLD_S)
+            finally:
+                self.held -= 1
+        await super().arrived(route, stopping)
+
+
+def test_a_checkpoint_asks_for_its_signed_urls_one_at_a_time(tmp_path: Path) -> None:
+    """A fleet saving at the same step asked for every file's URL at once: 4,000 requests in
+    the signing route's first second for 1,000 nodes of 4 files, 8x what it could answer, and
+    as many coming back a second later (tests/bench/bench_fleet_upload.py). One request in
+    flight a sidecar: a node's asks follow the answers, and a throttled node waits with one."""
+    hooks = HeldAsks()
+    with background_loop("ingest-server") as loop:
+        server = IngestServer(tmp_path / "received", token=TOKEN, run_id=RUN_ID, hooks=hooks)
+        ingest = RunningIngest(server, hooks, loop)
+        ingest._run(server.start())
+        try:
+            folder = tmp_path / "ckpt"
+            folder.mkdir()
+            watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
+            export = hf_export([1000, 2000])  # 4 files
+            save(folder, "export-5", export)
+            ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
+            done = watch.stop()
+            given, registered = asked(ingest), artifacts(ingest)
+        finally:
+            ingest._run(server.stop())
+    assert done.status == 0, done.stderr.decode()[-3000:]
+    assert len(given) == len(export) and all(n == 1 for n in given.values()), given
+    assert len(registered) == 1
+    assert hooks.most == 1, f"{hooks.most} signing requests in flight at once"
+    objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints" / "export-5"
+    assert all((objects / rel).read_bytes() == data for rel, data in export.items())

@@ -142,6 +142,10 @@ class Uploads:
         self._queue: list[_Job] = []
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(FILES_IN_FLIGHT)
+        # One upload-url request in flight: the files' asks follow the answers, and a throttled
+        # sidecar waits with one request, not one a file (sidecars saving at the same moment
+        # asked the ingest for sidecars x files URLs in one instant: bench_fleet_upload.py).
+        self._asking = asyncio.Lock()
         self._throttle = Throttle()
         self._task: asyncio.Task[None] | None = None
 
@@ -266,7 +270,8 @@ class Uploads:
             # A URL is asked for once and used until the store says it expired: a store that
             # throttles a fleet's uploads is not answered with as many requests to the ingest.
             if signed is None:
-                signed = await self._ask(query)
+                async with self._asking:
+                    signed = await self._ask(query)
             target, path = signed
             async with self._slots:
                 answer = await self._put(job, rel, file, target)
