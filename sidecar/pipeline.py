@@ -402,6 +402,7 @@ class Pipeline(Sink):
     async def _drain_checkpoints(self, deadline: float) -> None:
         """Judge the checkpoints that are settling, then deliver the registrations, by
         `deadline`."""
+        self.uploads.hurry()
         if self.checkpoints is not None and await wait_set(
                 self.uploads.opened, max(deadline - time.monotonic(), 0.0)):
             await self.checkpoints.drain(deadline)

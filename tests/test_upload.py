@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import struct
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,9 +36,18 @@ CONTAINER = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
 PREFIX = f"s3://{S3Store.BUCKET}/{RUN_ID}/checkpoints"
 
 
+# `sidecar` as QUICK_QUIET, its checkpoints' first asks spread over 0.5 s rather than 10 s (or,
+# with a number, each first ask waiting that long)
+def quick_upload(wait_s: float | None = None) -> tuple[str, ...]:
+    spread = (f"u.start_wait_s = lambda: {wait_s}" if wait_s is not None
+              else "u.START_SPREAD_S = 0.5")
+    return (*QUICK_QUIET[:-1], "import sidecar.delivery.upload as u; " + spread + "; "
+            + QUICK_QUIET[-1])
+
+
 @pytest.fixture(autouse=True)
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tests.conftest.SIDECAR", QUICK_QUIET)
+    monkeypatch.setattr("tests.conftest.SIDECAR", quick_upload())
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +281,30 @@ def test_status_and_prometheus_show_an_upload_under_way_and_what_it_sent(
         assert "sidecar_upload_files_total 1.0" in metrics
         assert watch.stop().status == 0
         assert s3.read(f"{PREFIX}/step_60.safetensors") == data
+
+
+def test_a_first_ask_waits_its_part_of_the_spread_but_not_at_the_stop(
+        tmp_path: Path, s3: S3Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tests.conftest.SIDECAR", quick_upload(wait_s=600))
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
+        data = safetensors(200_000, 11)
+        save_file(folder, "step_80.safetensors", data)
+        # staged (held against a rotation) at once, then waiting its part of the spread
+        wait_until(lambda: any(r.get("op") == "checkpoint" for r in ledger(tmp_path)), 30,
+                   "the checkpoint staged", watch.stderr)
+        # an absence, so watched for a while: without the spread the ask follows in milliseconds
+        waited_until = time.monotonic() + 2
+        while time.monotonic() < waited_until:
+            assert not asked(ingest)
+            time.sleep(0.05)
+        done = watch.stop()  # the drain does not wait out the spread
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        assert [a["path"] for a in artifacts(ingest)] == [f"{PREFIX}/step_80.safetensors"]
+        assert s3.read(f"{PREFIX}/step_80.safetensors") == data
 
 
 def _nice_values(pid: int) -> dict[int, int]:

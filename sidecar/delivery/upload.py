@@ -22,6 +22,7 @@ import errno
 import hashlib
 import json
 import os
+import random
 import stat
 import threading
 import time
@@ -52,6 +53,9 @@ NAME_PREFIX = "checkpoints"  # the object names asked for: checkpoints/<path und
 FILES_IN_FLIGHT = 4
 PUT_IDLE_TIMEOUT_S = 60.0  # a store that takes nothing, nor answers, for this long: retried
 PROGRESS_EVERY_S = 10.0
+# A checkpoint's first ask waits a random part of this: sidecars of a sweep saving at the same
+# step would otherwise all ask in one second (bench_fleet_upload.py); never at the drain.
+START_SPREAD_S = 10.0
 MAX_FRESH_URLS = 5  # expired URLs in a row for one file: then it is a refusal (a clock far off)
 # Where hard links cannot be made: another filesystem, one that has none, a link limit.
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -146,6 +150,7 @@ class Uploads:
         # sidecar waits with one request, not one a file (sidecars saving at the same moment
         # asked the ingest for sidecars x files URLs in one instant: bench_fleet_upload.py).
         self._asking = asyncio.Lock()
+        self._draining = asyncio.Event()  # the spread is not waited out once set
         self._throttle = Throttle()
         self._task: asyncio.Task[None] | None = None
 
@@ -171,9 +176,14 @@ class Uploads:
         self.idle.clear()
         self._wake.set()
 
+    def hurry(self) -> None:
+        """The stop has begun: every upload goes now, none waits out the start spread."""
+        self._draining.set()
+
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every upload is done; False when `timeout_s` ran out (what is left is
         resumed by the next start with this state folder)."""
+        self.hurry()
         if self._task is None or not self.pending:
             return True
         return await wait_set(self.idle, timeout_s)
@@ -227,6 +237,7 @@ class Uploads:
             await asyncio.to_thread(self._stage, job)
         missing = [rel for rel, f in job.files.items() if not f.stored]
         if missing:
+            await wait_set(self._draining, start_wait_s())
             progress = asyncio.create_task(self._say_progress(job))
             try:
                 async with asyncio.TaskGroup() as group:
@@ -498,6 +509,11 @@ class Uploads:
             job.state = "registered"
         elif op == "refused":
             job.state = "refused"
+
+
+def start_wait_s() -> float:
+    """How long a checkpoint's first ask waits: a random part of START_SPREAD_S."""
+    return random.uniform(0, START_SPREAD_S)
 
 
 def _first(group: BaseExceptionGroup[Refused]) -> Refused:

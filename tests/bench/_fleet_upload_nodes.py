@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sidecar.aio import wait_set
 from sidecar.delivery.artifacts import Artifacts
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.upload import Checkpoint, Uploads
@@ -64,7 +65,8 @@ async def node(number: int, endpoint: str, start: float, end: float, template: P
         uploads.submit(Checkpoint(str(checkpoint), f"{size}-{STEP}", f"step-{STEP}",
                                   tuple(files), {"kind": "checkpoint", "format": "distcp",
                                                  "size_bytes": size, "step": STEP}))
-        if await uploads.drain(max(end - time.time(), 0.1)) and uploads.refused == 0:
+        # as a running sidecar waits (a drain would be a stop's: no start spread)
+        if await wait_set(uploads.idle, max(end - time.time(), 0.1)) and uploads.refused == 0:
             uploaded_at = time.time()
             if await artifacts.drain(max(end - time.time(), 0.1)) and artifacts.delivered:
                 registered_at = time.time()

@@ -7,7 +7,7 @@ checkpoint at the same instant, through one signing route to one object store.
 1,000 nodes, each the real upload code of a sidecar (`Uploads` with its staging, ledger and
 PUTs in threads, the strict `/artifact` sender, an `IngestClient` with its retry policy), in 2
 processes (_fleet_upload_nodes.py), every one submitting its checkpoint (4 files of 64 KiB) at
-the same instant, as the nodes of a synchronous trainer finish a save together. Against, on
+the same instant, as the runs of a sweep saving at the same step do. Against, on
 loopback: the fleet ingest (_fleet_ingest.py) signing `artifact/upload-url` at most 0.5 requests
 a second a node (500/s for 1,000 nodes; 503 with `Retry-After: 1` beyond), and taking
 /artifact; an object store (_fleet_store.py) taking at most 0.5 PUTs a second a node (503
