@@ -1,5 +1,6 @@
-"""A stand-in training script for `sidecar demo`: log lines, a tqdm-style bar, a checkpoint
-saved at step 40 into the folder given as its argument (when one is), exit 0."""
+"""A stand-in training script for `sidecar demo`: log lines, a tqdm-style bar (lines printed
+beside it as tqdm.write prints them), a checkpoint saved at step 40 into the folder given as its
+argument (when one is), exit 0."""
 
 import json
 import os
@@ -35,10 +36,16 @@ def main() -> int:
         bar = f"\rtrain: {step * 100 // STEPS:3d}%|{'#' * done}{' ' * (30 - done)}| {step}/{STEPS}"
         sys.stderr.write(bar)
         sys.stderr.flush()
-        if step % 40 == 0:
-            print(f"step {step} | loss {loss:.4f}", flush=True)
-        if step == SAVE_AT and save_to:
-            save_checkpoint(save_to, step)
+        if step % 40 == 0 or (step == SAVE_AT and save_to):
+            # as tqdm.write does: the bar cleared, the lines printed, the bar drawn again
+            sys.stderr.write("\r" + " " * len(bar) + "\r")
+            sys.stderr.flush()
+            if step % 40 == 0:
+                print(f"step {step} | loss {loss:.4f}", flush=True)
+            if step == SAVE_AT and save_to:
+                save_checkpoint(save_to, step)
+            sys.stderr.write(bar)
+            sys.stderr.flush()
         time.sleep(0.03)
     sys.stderr.write("\n")
     print(f"training finished: final loss {loss:.4f}", flush=True)
