@@ -17,6 +17,9 @@ this process, whose threads are set to nice 19 once the sidecar and trainer are 
 on a small machine it takes only CPU they leave (on 2 cores it may then, not the cap, bound the
 rate; the table says so). The sidecar itself runs at its normal priority.
 
+--loaders N starts N busy processes beside the trainer, as its data loaders would be: with as
+many as there are cores, no core is idle, and what the upload takes is the trainer's.
+
 Targets: MB/s within 10 % under the cap (and at most 5 % over it); trainer step time while
 uploading <= 1.05x the time without.
 """
@@ -52,6 +55,7 @@ from tests.ingest_server import S3Store, running_ingest
 
 BENCH = "checkpoint upload"
 FILES = 8
+LOADER = "while True: sum(i * i for i in range(100_000))"  # a data loader's CPU, at nice 0
 QUIET_S = 10.0  # the trainer measured without an upload, before the save and after it
 TRAINER = r"""
 import json, sys, time
@@ -100,6 +104,9 @@ def main() -> None:
     options = bench_arguments(__doc__ or "")
     options.add_argument("--size-mib", type=int, default=4096)
     options.add_argument("--rate", type=int, default=100_000_000, help="--upload-rate")
+    options.add_argument("--loaders", type=int, default=0,
+                         help="busy processes beside the trainer (its data loaders): with one "
+                              "a core, the upload has no idle core to take")
     args = parse(options)
     size_mib = 512 if args.quick else args.size_mib
     s3 = S3Store()
@@ -116,6 +123,8 @@ def main() -> None:
                      str(args.rate), "--", sys.executable, "-c", TRAINER,
                      str(work / "m.jsonl"), str(work / "steps")],
                     env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=messages)
+            loaders = [subprocess.Popen([sys.executable, "-c", LOADER])
+                       for _ in range(args.loaders)]
             _nice_this_process()
             try:
                 time.sleep(5 + QUIET_S)  # the trainer's steps without an upload, after its start
@@ -141,6 +150,9 @@ def main() -> None:
                 time.sleep(QUIET_S)  # and after it: the machine's drift is in both
             finally:
                 stop(proc)
+                for loader in loaders:
+                    loader.kill()
+                    loader.wait()
             show_warnings(work)
             total = size_mib << 20
             stored = [key for key in s3.object_keys() if key.endswith(".distcp")]
