@@ -22,7 +22,6 @@ import errno
 import hashlib
 import json
 import os
-import random
 import stat
 import threading
 import time
@@ -513,6 +512,8 @@ class Uploads:
 
 def start_wait_s() -> float:
     """How long a checkpoint's first ask waits: a random part of START_SPREAD_S."""
+    import random  # only once a checkpoint is uploaded: a watch that uploads nothing loads less
+
     return random.uniform(0, START_SPREAD_S)
 
 
