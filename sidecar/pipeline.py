@@ -233,12 +233,20 @@ class Pipeline(Sink):
             self._hparams_task = supervise("hparams", self.hparams_file.run)
         if self.follower.specs:
             self._follow_task = supervise("follow", self.follower.run)
-        if self.checkpoints is not None or (self.cfg.run_dir / ARTIFACT_JOURNAL).exists():
+        left_uploads = (self.cfg.run_dir / UPLOAD_LEDGER).exists()
+        # an upload an earlier start left is registered through the artifacts once stored
+        if (self.checkpoints is not None or left_uploads
+                or (self.cfg.run_dir / ARTIFACT_JOURNAL).exists()):
             self.artifacts.start()
-        if self.checkpoints is not None or (self.cfg.run_dir / UPLOAD_LEDGER).exists():
+        if self.checkpoints is not None or left_uploads:
             self._uploads_task = supervise("uploads-open", self._start_uploads)
         if self.checkpoints is not None:
             self._checkpoints_task = supervise("checkpoints", self._watch_checkpoints)
+
+    async def uploads_opened_if_started(self) -> None:
+        """Wait until the uploads an earlier start left are read back, when there are any."""
+        if self._uploads_task is not None:
+            await self.uploads.opened.wait()
 
     async def _start_uploads(self) -> None:
         """The uploads, once the registrations of earlier starts are known (an upload whose

@@ -163,6 +163,33 @@ def test_a_restart_resumes_with_the_files_not_yet_stored_and_registers_once(
             assert s3.read(f"{PREFIX}/export-30/{rel}") == data, rel
 
 
+def test_replay_finishes_an_upload_a_killed_sidecar_left_and_registers_it_once(
+        tmp_path: Path, s3: S3Store) -> None:
+    from tests.conftest import sidecar
+
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                        signer=s3.sign) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, "--checkpoint-upload", "always",
+                      "--upload-rate", "1000000", mapped=False).start()
+        export = hf_export([20_000, 30_000, 2_500_000, 2_500_000], seed=41)
+        save(folder, "export-40", export)
+        wait_until(lambda: any(r["op"] == "stored" for r in ledger(tmp_path)), 60,
+                   "a file stored", watch.stderr)
+        watch.stop(signal.SIGKILL)
+        stored = {r["rel"] for r in ledger(tmp_path) if r["op"] == "stored"}
+        assert 0 < len(stored) < len(export), stored
+        before = asked(ingest)
+        done = sidecar(["replay"], watch.env, tmp_path / "replay")
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        assert [a["path"] for a in artifacts(ingest)] == [f"{PREFIX}/export-40"]
+        again = asked(ingest) - before
+        assert not {f"checkpoints/export-40/{rel}" for rel in stored} & set(again), again
+        for rel, data in export.items():
+            assert s3.read(f"{PREFIX}/export-40/{rel}") == data, rel
+
+
 def test_a_checkpoint_deleted_by_rotation_while_it_is_uploaded_is_uploaded_whole(
         tmp_path: Path, s3: S3Store) -> None:
     with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,

@@ -4,7 +4,8 @@ A node restarted or a pod rescheduled onto the same volume leaves the crash tail
 events in their journals and hardware/environment payloads in the spool (the crash tail goes
 first: the end event it left closes the log), hardware/environment payloads in the spool, and
 what its files (--jsonl, --tensorboard, --log, as the run recorded them in `sources.json`) hold
-past their committed offsets: a drain that timed out leaves metric points there. This delivers
+past their committed offsets: a drain that timed out leaves metric points there; and the
+checkpoint uploads its ledger holds unfinished (then registered). This delivers
 all of it with a progress line and exits 0 only when nothing is left; what it cannot deliver, it
 names (exit 1).
 """
@@ -58,10 +59,18 @@ async def replay(cfg: Config, timeout_s: float) -> int:
         await lifecycle.open()
         pipeline.start()
         await pipeline.artifacts.opened_if_started()
+        pipeline.uploads.hurry()  # what is left goes now: no start spread
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                await pipeline.uploads_opened_if_started()
+        except TimeoutError:
+            log.error("replay: the uploads ledger in %s could not be read back in %.0f s; the "
+                      "checkpoint uploads it holds stay there", cfg.run_dir, timeout_s)
+            return 1
 
         def left() -> int:
             return (len(lifecycle.pending) + sum(b.queued for b in batchers)
-                    + pipeline.artifacts.pending)
+                    + pipeline.uploads.pending + pipeline.artifacts.pending)
 
         total = left()
         redraw = "\r" if sys.stderr.isatty() else ""  # a line redrawn is for a terminal only
