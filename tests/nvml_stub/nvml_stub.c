@@ -20,6 +20,7 @@
  */
 #define _GNU_SOURCE
 #include <nvml.h>
+#include <pthread.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,14 +86,25 @@ static const char *names[MAX_NAMES];
 static int name_count;
 static unsigned long long calls[MAX_GPUS + 1][MAX_NAMES];
 
+/* NVML's reference count of nvmlInit is thread-safe: the sampler's thread and the environment
+ * snapshot's may init and shut down at once (an unlocked count lost an increment, and the
+ * sampler then read "Uninitialized"). The name table is shared by every thread too. */
+static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER; /* held while the script loads */
+static pthread_mutex_t names_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static int name_id(const char *name) {
-    for (int i = 0; i < name_count; i++)
-        if (strcmp(names[i], name) == 0)
-            return i;
-    if (name_count == MAX_NAMES)
-        return MAX_NAMES - 1;
-    names[name_count] = strdup(name);
-    return name_count++;
+    pthread_mutex_lock(&names_lock);
+    int id = 0;
+    while (id < name_count && strcmp(names[id], name) != 0)
+        id++;
+    if (id == name_count) {
+        if (name_count == MAX_NAMES)
+            id = MAX_NAMES - 1;
+        else
+            names[name_count++] = strdup(name);
+    }
+    pthread_mutex_unlock(&names_lock);
+    return id;
 }
 
 static void sleep_ms(unsigned ms) {
@@ -282,22 +294,27 @@ unsigned long long stubCallCount(int gpu, const char *name) {
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
+    nvmlReturn_t result = NVML_SUCCESS;
+    pthread_mutex_lock(&init_lock);
     if (!initialised) {
         load_script();
-        if (init_error)
-            return (nvmlReturn_t)init_error;
+        result = (nvmlReturn_t)init_error;
     }
-    initialised++;
-    return NVML_SUCCESS;
+    if (result == NVML_SUCCESS)
+        initialised++;
+    pthread_mutex_unlock(&init_lock);
+    return result;
 }
 
 nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 
 nvmlReturn_t nvmlShutdown(void) {
-    if (!initialised)
-        return NVML_ERROR_UNINITIALIZED;
-    initialised--;
-    return NVML_SUCCESS;
+    pthread_mutex_lock(&init_lock);
+    nvmlReturn_t result = initialised ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
+    if (initialised)
+        initialised--;
+    pthread_mutex_unlock(&init_lock);
+    return result;
 }
 
 const char *nvmlErrorString(nvmlReturn_t result) {
