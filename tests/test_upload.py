@@ -133,23 +133,30 @@ def test_in_a_container_an_unmapped_checkpoint_is_uploaded_to_s3_then_registered
         assert len(artifacts(ingest)) == 2
 
 
+def killed_mid_upload(ingest: RunningIngest, tmp_path: Path, name: str,
+                      seed: int) -> tuple[Watch, dict[str, bytes], set[str], Counter[str]]:
+    """A watch SIGKILLed once some files of the export `name` are stored and not all: the
+    watch, the export, the files stored and the URLs asked by then."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    # 1 MB a second: the small shards are stored long before the large ones
+    watch = Watch(ingest, tmp_path, folder, "--checkpoint-upload", "always",
+                  "--upload-rate", "1000000", mapped=False).start()
+    export = hf_export([20_000, 30_000, 2_500_000, 2_500_000], seed=seed)
+    save(folder, name, export)
+    wait_until(lambda: any(r["op"] == "stored" for r in ledger(tmp_path)), 60,
+               "a file stored", watch.stderr)
+    watch.stop(signal.SIGKILL)
+    stored = {r["rel"] for r in ledger(tmp_path) if r["op"] == "stored"}
+    assert 0 < len(stored) < len(export), stored
+    return watch, export, stored, asked(ingest)
+
+
 def test_a_restart_resumes_with_the_files_not_yet_stored_and_registers_once(
         tmp_path: Path, s3: S3Store) -> None:
     with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
                         signer=s3.sign) as ingest:
-        folder = tmp_path / "ckpt"
-        folder.mkdir()
-        # 1 MB a second: the small shards are stored long before the large ones
-        watch = Watch(ingest, tmp_path, folder, "--checkpoint-upload", "always",
-                      "--upload-rate", "1000000", mapped=False).start()
-        export = hf_export([20_000, 30_000, 2_500_000, 2_500_000], seed=40)
-        save(folder, "export-30", export)
-        wait_until(lambda: any(r["op"] == "stored" for r in ledger(tmp_path)), 60,
-                   "a file stored", watch.stderr)
-        watch.stop(signal.SIGKILL)
-        stored = {r["rel"] for r in ledger(tmp_path) if r["op"] == "stored"}
-        assert 0 < len(stored) < len(export), stored
-        before = asked(ingest)
+        watch, export, stored, before = killed_mid_upload(ingest, tmp_path, "export-30", 40)
         watch.args[watch.args.index("--upload-rate") + 1] = "0"  # no cap: the rest at once
         watch.start()
         ingest.wait_for(lambda: len(artifacts(ingest)) >= 1, 60, "registered")
@@ -169,18 +176,7 @@ def test_replay_finishes_an_upload_a_killed_sidecar_left_and_registers_it_once(
 
     with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
                         signer=s3.sign) as ingest:
-        folder = tmp_path / "ckpt"
-        folder.mkdir()
-        watch = Watch(ingest, tmp_path, folder, "--checkpoint-upload", "always",
-                      "--upload-rate", "1000000", mapped=False).start()
-        export = hf_export([20_000, 30_000, 2_500_000, 2_500_000], seed=41)
-        save(folder, "export-40", export)
-        wait_until(lambda: any(r["op"] == "stored" for r in ledger(tmp_path)), 60,
-                   "a file stored", watch.stderr)
-        watch.stop(signal.SIGKILL)
-        stored = {r["rel"] for r in ledger(tmp_path) if r["op"] == "stored"}
-        assert 0 < len(stored) < len(export), stored
-        before = asked(ingest)
+        watch, export, stored, before = killed_mid_upload(ingest, tmp_path, "export-40", 41)
         done = sidecar(["replay"], watch.env, tmp_path / "replay")
         assert done.status == 0, done.stderr.decode()[-3000:]
         assert [a["path"] for a in artifacts(ingest)] == [f"{PREFIX}/export-40"]

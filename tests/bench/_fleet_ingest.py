@@ -56,6 +56,15 @@ class Bucket:
         return True
 
 
+async def answer_json(writer: asyncio.StreamWriter, doc: Any) -> None:
+    """A control request's answer: `doc` as JSON, then the connection closed by the caller."""
+    body = json.dumps(doc).encode()
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    await writer.drain()
+
+
 class Ingest:
     def __init__(self, capacity: float, max_requests: int, sign_capacity: float = 0.0,
                  store: str = "") -> None:
@@ -174,11 +183,7 @@ async def main(capacity: float, max_requests: int, sign_capacity: float, store: 
                 ingest.up_at = time.time()
             elif target == "/_quit":
                 quit_now.set()
-            body = json.dumps(ingest.stats() if target == "/_stats" else {}).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
-                         + b"\r\n\r\n" + body)
-            await writer.drain()
+            await answer_json(writer, ingest.stats() if target == "/_stats" else {})
         finally:
             writer.close()
 

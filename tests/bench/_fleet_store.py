@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import sys
 import time
 from collections import Counter
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from _fleet_ingest import Bucket, answer_json
 
 _SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
               b"<Message>Please reduce your request rate.</Message></Error>")
@@ -34,10 +35,8 @@ READ_BYTES = 256 << 10
 
 class Store:
     def __init__(self, capacity: float, max_requests: int) -> None:
-        self.capacity = capacity
+        self.bucket = Bucket(capacity)
         self.max_requests = max_requests
-        self.tokens = capacity
-        self.filled_at = time.monotonic()
         self.requests: Counter[int] = Counter()  # PUTs by epoch second of their answer
         self.refused: Counter[int] = Counter()
         self.objects: dict[str, list[Any]] = {}  # key -> [size, etag, PUTs that stored it]
@@ -67,7 +66,7 @@ class Store:
             if method != b"PUT":
                 writer.write(_BAD)
                 return
-            if not self._admit():
+            if not self.bucket.admit():
                 self.refused[int(now)] += 1
                 writer.write(_BUSY)
                 return
@@ -84,15 +83,6 @@ class Store:
             pass
         finally:
             writer.close()
-
-    def _admit(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.capacity, self.tokens + (now - self.filled_at) * self.capacity)
-        self.filled_at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self.requests, "refused": self.refused, "total": self.total,
@@ -111,11 +101,7 @@ async def main(capacity: float, max_requests: int) -> None:
             target = head.split(b" ", 2)[1].decode()
             if target == "/_quit":
                 quit_now.set()
-            body = json.dumps(store.stats() if target == "/_stats" else {}).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
-                         + b"\r\n\r\n" + body)
-            await writer.drain()
+            await answer_json(writer, store.stats() if target == "/_stats" else {})
         finally:
             writer.close()
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,25 @@ def draw(png: Path, runs: list[tuple[str, dict[str, Any]]]) -> None:
     print(f"  picture written to {png}")
 
 
+def picture_and_table(args: Any, series: dict[str, Any], rows: list[Row],
+                      draw: Callable[[Path, list[tuple[str, dict[str, Any]]]], None],
+                      png: Path) -> None:
+    """The run's series written (--json-series) and drawn beside an earlier one (--compare),
+    then the table."""
+    series["label"] = args.label
+    if args.json_series:
+        args.json_series.write_text(json.dumps(series))
+    runs = [(args.label, series)]
+    if args.compare:
+        earlier = json.loads(args.compare.read_text())
+        runs.insert(0, (earlier["label"], earlier))
+    try:
+        draw(args.png or png, runs)
+    except ImportError:
+        print("  no picture: matplotlib is not installed (pip install matplotlib)")
+    finish(rows, args.json)
+
+
 def main() -> None:
     options = bench_arguments(__doc__.splitlines()[0])
     options.add_argument("--nodes", type=int, help="sidecars simulated (1000, quick 200)")
@@ -174,18 +194,7 @@ def main() -> None:
     nodes = args.nodes or (200 if args.quick else 1000)
     phases = (20.0, 60.0, 60.0) if args.quick else (60.0, 300.0, 120.0)
     rows, series = analyse(run(nodes, *phases))
-    series["label"] = args.label
-    if args.json_series:
-        args.json_series.write_text(json.dumps(series))
-    runs = [(args.label, series)]
-    if args.compare:
-        earlier = json.loads(args.compare.read_text())
-        runs.insert(0, (earlier["label"], earlier))
-    try:
-        draw(args.png or Path("fleet.png"), runs)
-    except ImportError:
-        print("  no picture: matplotlib is not installed (pip install matplotlib)")
-    finish(rows, args.json)
+    picture_and_table(args, series, rows, draw, Path("fleet.png"))
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import HERE, Row, bench_arguments, finish, info_row, limit_row, parse
-from bench_fleet import control
+from _harness import HERE, Row, bench_arguments, info_row, limit_row, parse
+from bench_fleet import control, picture_and_table
 
 BENCH = "fleet-upload"
 PROCESSES = 2
@@ -221,18 +221,7 @@ def main() -> None:
     nodes = args.nodes or (200 if args.quick else 1000)
     rows, series = analyse(run(nodes, 120.0 if args.quick else 240.0, args.sign_capacity,
                                args.store_capacity))
-    series["label"] = args.label
-    if args.json_series:
-        args.json_series.write_text(json.dumps(series))
-    runs = [(args.label, series)]
-    if args.compare:
-        earlier = json.loads(args.compare.read_text())
-        runs.insert(0, (earlier["label"], earlier))
-    try:
-        draw(args.png or Path("fleet-upload.png"), runs)
-    except ImportError:
-        print("  no picture: matplotlib is not installed (pip install matplotlib)")
-    finish(rows, args.json)
+    picture_and_table(args, series, rows, draw, Path("fleet-upload.png"))
 
 
 if __name__ == "__main__":
