@@ -14,6 +14,9 @@ three ways, its output always ending in a file on disk:
   healthy  sidecar run -- CHILD  >FILE, the ingest (a counting receiver) answering at once
   hung     sidecar run -- CHILD  >FILE, the ingest reading /logs requests and never answering
 
+--one-file sends the wrapper's stdout and stderr into one file (`>FILE 2>&1`, as at a desk:
+the command's two streams then share one pipe) and tee's after `2>&1`.
+
 Two wall times each, from the launch: until the child's last write returned (what the trainer
 feels), and until the wrapper exited; and the child's own loop (its start to its last write,
 the wrapper's start-up apart). Targets (issues 8, 17 and 32): the child's last write at most
@@ -78,10 +81,11 @@ def child_command(total: int, times: Path, mode: str) -> list[str]:
 
 
 def _timed(command: list[str], out: Path, times: Path, env: dict[str, str] | None = None,
-           profile: Path | None = None, name: str = "") -> Timing:
+           profile: Path | None = None, name: str = "", one_file: bool = False) -> Timing:
     with out.open("wb") as sink, (out.parent / "stderr.txt").open("wb") as errors:
         launched, started = time.time(), time.monotonic()
-        proc = subprocess.Popen(command, stdout=sink, stderr=errors, env=env, cwd=out.parent)
+        proc = subprocess.Popen(command, stdout=sink, stderr=sink if one_file else errors,
+                                env=env, cwd=out.parent)
         with profiled(proc.pid, profile, name):
             status = proc.wait(TIMEOUT_S)
         exit_s = time.monotonic() - started
@@ -92,22 +96,24 @@ def _timed(command: list[str], out: Path, times: Path, env: dict[str, str] | Non
     return Timing(child_ended - launched, exit_s, child_started - launched)
 
 
-def tee(total: int, work: Path, mode: str) -> Timing:
+def tee(total: int, work: Path, mode: str, one_file: bool) -> Timing:
     times = work / "times-tee"
-    child = shlex.join(child_command(total, times, mode))
+    child = shlex.join(child_command(total, times, mode)) + (" 2>&1" if one_file else "")
     pipeline = f"{child} | tee {shlex.quote(str(work / 'tee.out'))} >/dev/null"
     # as `sidecar run` sets it for its command
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return _timed(["sh", "-c", pipeline], work / "sh.out", times, env)
 
 
-def wrapped(total: int, work: Path, ingest: str, mode: str, profile: Path | None) -> Timing:
+def wrapped(total: int, work: Path, ingest: str, mode: str, profile: Path | None,
+            one_file: bool) -> Timing:
     times = work / f"times-{ingest}"
     with receiver("count" if ingest == "healthy" else "hang-logs") as rec, \
             tempfile.TemporaryDirectory(dir=work) as state:
         env = sidecar_env(rec.endpoint, Path(state))
         timing = _timed([*SIDECAR, "run", "--", *child_command(total, times, mode)],
-                        work / f"{ingest}.out", times, env, profile, f"wrapper-{mode}-{ingest}")
+                        work / f"{ingest}.out", times, env, profile, f"wrapper-{mode}-{ingest}",
+                        one_file)
         timing.lines_to_logs = _lines(rec)
     return timing
 
@@ -124,17 +130,18 @@ def _lines(rec: Receiver) -> int:
     return int(rec.stats()["lines"])
 
 
-def measure(total: int, mode: str, repeat: int, profile: Path | None) -> list[Row]:
+def measure(total: int, mode: str, repeat: int, profile: Path | None,
+            one_file: bool = False) -> list[Row]:
     """The rows of one case: `total` bytes written in `mode` (blocks or prints)."""
     runs: dict[str, list[Timing]] = {"tee": [], "healthy": [], "hung": []}
     with tempfile.TemporaryDirectory(prefix="bench-wrapper-") as tmp:
         work = Path(tmp)
         for _ in range(repeat):  # interleaved, so that a slow spell of the machine hits all
             _settle(work)
-            runs["tee"].append(tee(total, work, mode))
+            runs["tee"].append(tee(total, work, mode, one_file))
             for ingest in ("healthy", "hung"):
                 _settle(work)
-                runs[ingest].append(wrapped(total, work, ingest, mode, profile))
+                runs[ingest].append(wrapped(total, work, ingest, mode, profile, one_file))
     child = {k: statistics.median(t.child_s for t in v) for k, v in runs.items()}
     exits = {k: statistics.median(t.exit_s for t in v) for k, v in runs.items()}
     loops = {k: statistics.median(t.child_s - t.start_s for t in v) for k, v in runs.items()}
@@ -183,12 +190,16 @@ def main() -> None:
     options.add_argument("--prints", help="how many print()s, comma-separated (default "
                          "1000000,100000, quick 100000; 0: none)")
     options.add_argument("--repeat", type=int, default=1, help="runs of each (median)")
+    options.add_argument("--one-file", action="store_true",
+                         help="the wrapper's stdout and stderr into one file (> FILE 2>&1: the "
+                              "command's two streams on one pipe), tee's after 2>&1")
     args = parse(options)
     block_bytes = int((256 if args.quick else 1000) * 1e6 if args.mb is None else args.mb * 1e6)
     prints = args.prints or ("100000" if args.quick else "1000000,100000")
-    rows = measure(block_bytes, "blocks", args.repeat, args.profile) if block_bytes else []
+    rows = (measure(block_bytes, "blocks", args.repeat, args.profile, args.one_file)
+            if block_bytes else [])
     for count in (int(n) for n in prints.split(",") if int(n)):
-        rows += measure(count * LINE_BYTES, "prints", args.repeat, args.profile)
+        rows += measure(count * LINE_BYTES, "prints", args.repeat, args.profile, args.one_file)
     finish(rows, args.json)
 
 
