@@ -214,6 +214,40 @@ def test_every_module_and_folder_the_readme_and_docs_name_exists() -> None:
     assert wrong == []
 
 
+def _named_modules(text: str, modules: list[str]) -> set[str]:
+    """The modules of `modules` (paths from sidecar/) that `text` names: by their path
+    (`config.py` is the top-level one), or by an end of it that no other module shares
+    (`nvml/processes.py`, `bindings.py`)."""
+    named: set[str] = set()
+    for name in MODULE_NAME.findall(text):
+        name = name.removeprefix("sidecar/")
+        ends = [module for module in modules if module == name or module.endswith("/" + name)]
+        if name in modules:
+            named.add(name)
+        elif len(ends) == 1:
+            named.update(ends)
+    return named
+
+
+def test_the_design_page_names_every_module_of_the_package() -> None:
+    """docs/design.md is the map of the code both ways: a module it names exists (above), and
+    every module of sidecar/ is named there, so a new module comes with its line on the map."""
+    modules = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                     if path.name != "__init__.py")
+    built = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    assert "sources/files/follow.py" in modules
+    assert set(modules) - _named_modules(built, modules) == set()
+
+
+def test_a_name_two_modules_share_names_neither() -> None:
+    modules = ["config.py", "commands/config.py", "collectors/processes.py",
+               "nvml/processes.py", "nvml/bindings.py"]
+    text = "`config.py`, `processes.py`, `bindings.py`, `commands/config.py`"
+    assert _named_modules(text, modules) == {"config.py", "nvml/bindings.py",
+                                             "commands/config.py"}
+    assert _named_modules("`processes.py`", modules) == set()
+
+
 def test_every_module_and_name_a_see_names_exists() -> None:
     seen, wrong = 0, []
     for path in MODULES:
