@@ -372,6 +372,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _reserve_standard_descriptors()
     argv = sys.argv[1:] if argv is None else list(argv)
     _Parser.json_errors = _wants_json(argv)
     parser = build_parser(argv[0] if argv else None)
@@ -401,6 +402,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         discard(sys.stdout)
     return code
+
+
+def _reserve_standard_descriptors() -> None:
+    """Descriptors 0-2 that we were started without (`1>&-`, as some schedulers start a job) are
+    opened on /dev/null, before anything of ours opens one: else the event loop's epoll or a
+    socket takes the number, the command's output is copied into it, and a `sys.stdout` of None
+    fails the exit with status 1 whatever the command did."""
+    for fd, mode, name in ((0, os.O_RDONLY, "stdin"), (1, os.O_WRONLY, "stdout"),
+                           (2, os.O_WRONLY, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, mode)
+            if opened != fd:  # a lower one was closed too and took it: this one is next
+                os.dup2(opened, fd)
+                os.close(opened)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115 (open for the process's life)
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -71,6 +72,26 @@ def test_exit_status_and_lifecycle_in_order(ingest: RunningIngest, tmp_path: Pat
     assert times["starting"] <= times["running"] <= stamp(text, "first")
     assert times[end] >= stamp(text, "last")
     assert b"working\n" in done.stdout  # passed through for kubectl logs
+
+
+def _close_stdout() -> None:
+    os.close(1)
+
+
+@pytest.mark.parametrize(("code", "end"), [(0, "succeeded"), (3, "failed")])
+def test_started_with_stdout_closed_the_exit_status_is_the_commands(
+        ingest: RunningIngest, tmp_path: Path, code: int, end: str) -> None:
+    """`sidecar run ... 1>&-`, as some schedulers start a job: descriptor 1 is reserved on
+    /dev/null at start, so neither the event loop nor the exit takes it for the command's
+    output, and the wrapper's exit status is the command's (it was 1 after posting the end)."""
+    env = platform_env(ingest, tmp_path / "state")
+    run = Sidecar(["run", "--", *python_child(f"print('working'); raise SystemExit({code})")],
+                  env, tmp_path / "sc", preexec_fn=_close_stdout)
+    done = run.wait(60)
+    assert done.status == code, done.stderr
+    assert b"Traceback" not in done.stderr
+    assert events(ingest) == ["starting", "running", end]
+    assert "working\n" in log_text(ingest)
 
 
 def test_output_written_the_instant_the_command_starts_reaches_logs(
