@@ -238,6 +238,18 @@ def test_a_round_without_a_step_or_rewards_is_not_posted_and_said() -> None:
     assert "--validation-map reward=NAME" in parser.problem and parser.unscored == 3
 
 
+def test_a_sample_with_invalid_utf8_is_counted_its_bytes_replaced() -> None:
+    """A model's output cut inside a character is still a sample: it counts in avg_reward (it
+    was dropped as "not JSON", and the round's mean was that of the others)."""
+    lines = [json.dumps({"input": "q", "output": "fine", "score": 1.0}).encode(),
+             b'{"input": "q", "output": "cut \xe2\x82", "score": 4.0}',
+             json.dumps({"input": "q", "output": "fine", "score": 1.0}).encode()]
+    parser = ValidationParser(name_step=2, kept=3)
+    [chunk] = parser.quiet(b"\n".join(lines) + b"\n", 0.0, final=True).documents
+    assert chunk["avg_reward"] == 2.0 and parser.unusable == 0
+    assert any("cut \ufffd" in s["assistant"] for s in chunk["samples"]), chunk["samples"]
+
+
 def test_scores_only_is_one_chunk_without_samples() -> None:
     lines = "".join(json.dumps({"input": "q", "output": "a", "score": i, "acc": i > 1}) + "\n"
                     for i in range(4))

@@ -63,6 +63,13 @@ CUT_KEY = "text_cut"  # in a sample's extra: {part: {"kept": chars, "of": chars}
 DIGITS = re.compile(r"\d+")
 
 
+
+def _loads(raw: bytes) -> Any:
+    """A sample's JSON, its invalid UTF-8 (a model's output cut inside a character, a tokenizer's
+    stray byte) read as U+FFFD: such a sample is still a sample, and its score counts in the
+    round's avg_reward."""
+    return json.loads(raw.decode("utf-8", errors="replace"))
+
 class Fields(NamedTuple):
     """Where each part of a sample is found: the names tried, in order, for each part."""
 
@@ -211,7 +218,7 @@ class ValidationParser:
             return
         out.records += 1
         try:
-            obj = json.loads(raw)
+            obj = _loads(raw)
         except (ValueError, RecursionError):
             self._bad(out, f"line {self.line}: not JSON; write each sample with json.dumps, "
                       "one a line")
@@ -307,7 +314,7 @@ class ValidationParser:
         if judged:
             stats["accuracy"] = math.fsum(judged) / len(judged)
         kept = _spread(scored, default_kept(len(scored)) if self.kept is None else self.kept)
-        samples = [self._sample(json.loads(data[r.start:r.end]), r.reward) for r in kept]
+        samples = [self._sample(_loads(data[r.start:r.end]), r.reward) for r in kept]
         return _chunks(stats, samples)
 
     def _sample(self, obj: dict[str, Any], reward: float | None) -> dict[str, Any]:
