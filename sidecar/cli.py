@@ -31,10 +31,10 @@ from sidecar.config import (
     unknown_variables,
 )
 from sidecar.delivery.lifecycle import EVENTS, Lifecycle
+from sidecar.exits import EXIT_CONFIG
 from sidecar.log import log, setup
 from sidecar.masking import add_secret
 
-EXIT_CONFIG = 2
 CHECK_TIMEOUT_S = 10.0  # how long each step of `sidecar check` may take
 
 

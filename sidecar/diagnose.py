@@ -17,13 +17,13 @@ import signal
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from sidecar.exits import EXIT_SIGNAL_BASE
 from sidecar.log import format_duration
 from sidecar.node import Node
 from sidecar.sources.console.signatures import ONE_PIPE, TERMINAL, Scanner
 from sidecar.sources.telemetry.cgroup import OomKill
 from sidecar.sources.telemetry.nvml.xid import XidEvent
 
-EXIT_SIGNAL_BASE = 128  # a shell's status for death by signal N (docs/commands.md#exit-statuses)
 # the last resort, in this order; on one terminal or one pipe both streams are one; stdout last (a
 # command run with `2>&1` or through `| tee`)
 LAST_LINE_STREAMS = ("stderr", TERMINAL, ONE_PIPE, "stdout")

@@ -1,5 +1,5 @@
-"""What sources and delivery share: the acknowledgement ticket, the routes' timestamp form and
-the size of a block of log text.
+"""What sources and delivery share: the acknowledgement ticket, the routes' timestamp form, the
+size of a block of log text and the most points a /metrics request carries.
 
 A source hands items to delivery with a `Ticket`; the ingest's 2xx releases it, and the source
 then commits its offset (docs/ingest.md#at-least-once). Neither imports the other: both import this.
@@ -14,6 +14,10 @@ from datetime import UTC, datetime
 # lines goes as one request, its JSON body under 1 MiB (nginx's default client_max_body_size),
 # without a cut
 LOG_BLOCK = 960 << 10
+
+# points one /metrics request carries at most (docs/ingest.md#limits): the batcher cuts there, a big
+# node's telemetry sample is split there, and `sidecar receive` refuses more
+MAX_POINTS_PER_REQUEST = 2048
 
 
 def iso_ts(epoch_s: float) -> str:

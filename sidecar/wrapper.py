@@ -32,6 +32,7 @@ from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_ta
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
+from sidecar.exits import EXIT_CANNOT_START
 from sidecar.log import format_duration, log, one_destination
 from sidecar.masking import mask, secrets
 from sidecar.node import resolve_node
@@ -78,7 +79,6 @@ FINAL_FLUSH_S = 1.0
 # how long the drain waits for the run's first answer when none came yet: a token refused on
 # every attempt is known then, and not waited out
 FIRST_ANSWER_WAIT_S = 1.0
-EXIT_CANNOT_START = 127
 # characters of output the terminal model may have still to draw: more is dropped (a flood of
 # escape sequences it draws at a few microseconds a character)
 MAX_BACKLOG_CHARS = 64 << 10

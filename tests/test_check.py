@@ -28,8 +28,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sidecar.cli import build_parser
 from sidecar.commands import check as check_module
-from sidecar.commands.check import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, check
+from sidecar.commands.check import check
 from sidecar.delivery.client import MAX_REASON_CHARS, refusal_reason
+from sidecar.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ, platform_env
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest

@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST, Batcher
+from sidecar.delivery.batcher import Batcher
 from sidecar.delivery.client import IngestClient
 from sidecar.delivery.logs import LogShipper
-from sidecar.records import Ticket
+from sidecar.records import MAX_POINTS_PER_REQUEST, Ticket
 from tests.conftest import RUN_ID, TOKEN
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest

@@ -52,8 +52,8 @@ from typing import Any
 import psutil
 import pytest
 
-from sidecar.delivery.batcher import MAX_POINTS_PER_REQUEST
 from sidecar.delivery.spool import Spool, SpoolFull
+from sidecar.records import MAX_POINTS_PER_REQUEST
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest, wait_until

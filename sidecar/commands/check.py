@@ -29,14 +29,12 @@ from urllib.parse import urlsplit
 from sidecar.commands import print_out
 from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve, unknown_variables
 from sidecar.delivery.client import Answer, Verdict
+from sidecar.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from sidecar.log import log
 from sidecar.masking import add_secret, mask
 from sidecar.sources.files.discover import match
 from sidecar.sources.files.kinds import FILE_KINDS, Head
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2  # as every command's configuration error (cli.EXIT_CONFIG)
 # Files a container runtime leaves in the root of a container (Docker, Podman).
 CONTAINER_MARKERS: tuple[tuple[Path, str], ...] = (
     (Path("/.dockerenv"), "/.dockerenv exists (a Docker container)"),

@@ -14,10 +14,9 @@ from typing import Any
 
 from sidecar.commands import print_out
 from sidecar.config import Config, ConfigError, option, options_of, resolve, unknown_variables
+from sidecar.exits import EXIT_CONFIG, EXIT_OK
 from sidecar.masking import MASK, add_secret, mask, mask_doc
 
-EXIT_OK = 0
-EXIT_CONFIG = 2  # as every command's configuration error (cli.EXIT_CONFIG)
 VALUE_COLUMN = 40  # where the `# from` comments start, for a table that reads down
 
 

@@ -31,13 +31,14 @@ from typing import Any
 from aiohttp import ClientError as aiohttp_ClientError
 from aiohttp import web
 
+from sidecar.records import MAX_POINTS_PER_REQUEST
+
 __all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStats", "ReceivedRoute",
            "Rejected", "Reset", "serve"]
 
 DEFAULT_PREFIX = "/api/ingest"
 LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
 ARTIFACT_KINDS = ("checkpoint", "hf_export", "eval_report", "merged_model")
-MAX_POINTS_PER_REQUEST = 2048  # docs/ingest.md#limits
 FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # docs/ingest.md#requests
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any batch the sidecar builds; beyond it: 413

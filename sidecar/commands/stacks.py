@@ -21,11 +21,8 @@ from typing import Any
 
 from sidecar.commands import print_out
 from sidecar.commands.status import Ambiguous, NoAnswer, _configured, choose
+from sidecar.exits import EXIT_AMBIGUOUS, EXIT_CANNOT_LOOK, EXIT_NO_ANSWER, EXIT_OK
 
-EXIT_OK = 0
-EXIT_NO_ANSWER = 1
-EXIT_AMBIGUOUS = 2
-EXIT_CANNOT_LOOK = 3
 # the daemon dumps every process with native frames: seconds for a torch process
 FETCH_TIMEOUT_S = 30.0
 

@@ -33,6 +33,7 @@ from sidecar.config import (
     parse_host_port,
     resolve,
 )
+from sidecar.exits import EXIT_AMBIGUOUS, EXIT_NO_ANSWER, EXIT_OK
 from sidecar.statefile import Malformed, load_checked
 
 if TYPE_CHECKING:  # the status server's module and what it imports: only once needed
@@ -44,9 +45,6 @@ if TYPE_CHECKING:  # the status server's module and what it imports: only once n
     )
 
 
-EXIT_OK = 0
-EXIT_NO_ANSWER = 1
-EXIT_AMBIGUOUS = 2
 REFRESH_S = 1.0
 KEY_MIN_WIDTH = 16  # a table's first column is never cut shorter, to fit a narrow terminal
 # A table too wide for the terminal is drawn compact, in one block, before it is split: these

@@ -29,10 +29,9 @@ from sidecar.delivery.client import IngestClient, Verdict, json_body
 from sidecar.delivery.deadletter import dead_letter
 from sidecar.delivery.spool import Spool, SpoolFull
 from sidecar.log import Throttle, log
-from sidecar.records import Ticket
+from sidecar.records import MAX_POINTS_PER_REQUEST, Ticket
 from sidecar.supervise import fault_point, supervise
 
-MAX_POINTS_PER_REQUEST = 2048  # of /metrics (docs/ingest.md#limits)
 MAX_QUEUED_ITEMS = 16_384  # beyond it, put() waits and offer() refuses (about 8 requests)
 LINGER_S = 0.05  # a small batch waits this long for company
 # while output keeps coming, a route's requests start at most this often: about one a second, and

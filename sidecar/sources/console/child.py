@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from sidecar.exits import EXIT_SIGNAL_BASE
 from sidecar.log import log, open_line
 from sidecar.supervise import SUPERVISOR
 
@@ -468,7 +469,7 @@ class Child:
             self._foreground.take_back()
             self._foreground = None
         code = os.waitstatus_to_exitcode(status)
-        code = 128 - code if code < 0 else code
+        code = EXIT_SIGNAL_BASE - code if code < 0 else code
         if self._proc is not None:
             self._proc.returncode = code  # so Popen never waits on a pid already reaped
         if self._exit is not None and not self._exit.done():

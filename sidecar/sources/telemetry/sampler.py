@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.log import log
-from sidecar.records import iso_ts
+from sidecar.records import MAX_POINTS_PER_REQUEST, iso_ts
 from sidecar.sources.telemetry.collectors import Part, Sample
 from sidecar.sources.telemetry.collectors.disk import DiskUsageCollector, disk_part
 from sidecar.sources.telemetry.collectors.gpu import gpu_part
@@ -48,7 +48,6 @@ from sidecar.threads import Worker
 Emit = Callable[[str, dict[str, Any]], None]
 
 HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
-MAX_POINTS_PER_REQUEST = 2048  # as /metrics (docs/ingest.md#limits): a big node's sample is split
 MAX_XIDS_KEPT = 64  # the run's XID events kept for the failure summary
 
 
