@@ -37,10 +37,11 @@ from sidecar.masking import mask
 from sidecar.node import Node
 from sidecar.records import Ticket
 from sidecar.sources.base import Parsed
-from sidecar.sources.files.follow import Follower, Sink, SourceSpec
+from sidecar.sources.files.follow import Follower, Sink
 from sidecar.sources.files.hparams import HparamsFile
 from sidecar.sources.files.kinds import FILE_KINDS, FileKind, Follow
 from sidecar.sources.files.offsets import Offsets
+from sidecar.sources.files.spec import SourceSpec
 from sidecar.sources.telemetry.environment import post_environment
 from sidecar.statefile import Malformed, load_checked, write_atomic
 from sidecar.supervise import supervise

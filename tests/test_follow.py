@@ -26,12 +26,13 @@ import pytest
 from sidecar.aio import cancel
 from sidecar.records import Ticket
 from sidecar.sources.base import Parsed
-from sidecar.sources.files import descriptors, follow, scan
-from sidecar.sources.files.follow import Follower, Sink, SourceSpec
+from sidecar.sources.files import descriptors, discover, follow, scan
+from sidecar.sources.files.follow import Follower, Sink
 from sidecar.sources.files.jsonl import JsonlParser
 from sidecar.sources.files.kinds import BY_NAME
 from sidecar.sources.files.logfile import LogFileParser
 from sidecar.sources.files.offsets import Mark, Offsets, fingerprint
+from sidecar.sources.files.spec import SourceSpec
 from tests.conftest import RUN_ID, SIDECAR
 from tests.ingest_server import RunningIngest, wait_until
 from tests.test_delivery import wait_until as async_wait_until
@@ -385,8 +386,8 @@ class _OneBlockAtATime(_Collect):
 def _counted_looks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The patterns the follower looks for files with, one entry a look (discover.match)."""
     looks: list[str] = []
-    match = follow.discover.match
-    monkeypatch.setattr(follow.discover, "match",
+    match = discover.match
+    monkeypatch.setattr(discover, "match",
                         lambda pattern, *rest: looks.append(pattern) or match(pattern, *rest))
     return looks
 

@@ -15,11 +15,12 @@ import pytest
 from sidecar.aio import cancel
 from sidecar.sources.files import follow
 from sidecar.sources.files.discover import watch_roots
-from sidecar.sources.files.follow import Follower, SourceSpec
+from sidecar.sources.files.follow import Follower
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 from sidecar.sources.files.jsonl import JsonlParser
 from sidecar.sources.files.kinds import BY_NAME
 from sidecar.sources.files.offsets import Offsets
+from sidecar.sources.files.spec import SourceSpec
 from sidecar.sources.files.tensorboard import folder_parsers
 from tests.test_delivery import wait_until as async_wait_until
 from tests.test_follow import _Collect

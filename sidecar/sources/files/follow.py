@@ -26,19 +26,17 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from sidecar.aio import wait_set
 from sidecar.log import log
 from sidecar.records import LOG_BLOCK, Ticket
-from sidecar.sources.base import Parsed, Parser
-from sidecar.sources.files import discover
+from sidecar.sources.base import Parsed
 from sidecar.sources.files.descriptors import Descriptors
 from sidecar.sources.files.identity import (
     END_CHECK_BYTES,
-    FileId,
     copy_holding,
     file_id,
     last_bytes,
@@ -48,7 +46,8 @@ from sidecar.sources.files.identity import (
 from sidecar.sources.files.inotify import Inotify, filesystem_of, is_remote
 from sidecar.sources.files.offsets import FINGERPRINT_BYTES, Mark, Offsets, fingerprint
 from sidecar.sources.files.scan import MatchState, Scan
-from sidecar.sources.files.tail import Tail
+from sidecar.sources.files.spec import SourceSpec
+from sidecar.sources.files.tail import FileId, Tail
 from sidecar.supervise import fault_point
 
 READ_BYTES = LOG_BLOCK
@@ -68,26 +67,6 @@ RETIRED_GRACE_S = 5.0  # a rotated-away file is read this long after it went qui
 # a file of a kind that gives points, read from its start, that gave none this long after it was
 # first followed is said, with why (and so is one that gave none by the end)
 NO_POINT_S = 60.0
-
-
-class SourceSpec(NamedTuple):
-    """A kind of file to follow: which paths, and how to make a parser for one file."""
-
-    kind: str  # "log", "jsonl", "tensorboard"
-    patterns: tuple[str, ...]  # paths and globs; with `tree`, folders searched at any depth
-    make_parser: Callable[[Path, dict[str, Any]], Parser]  # (path, saved state) -> parser
-    # bytes handed to the parser at once: the granularity of acknowledgement, so of what a crash can
-    # repeat
-    parse_bytes: int = READ_BYTES
-    option: str = ""  # the option that named the patterns, for messages: "--log"
-    tree: str = ""  # a file-name glob: each pattern is a folder holding such files at any depth
-    # why a file's parser gave no point yet, given the bytes it holds unparsed; None: not asked
-    silence: Callable[[Parser, int], str] | None = None
-
-    def names(self) -> list[str]:
-        """The paths the patterns name now."""
-        return [name for pattern in self.patterns
-                for name in discover.match(pattern, self.option, self.kind, self.tree)[0]]
 
 
 class SourceStats:

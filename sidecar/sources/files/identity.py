@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 from sidecar.sources.files.offsets import FINGERPRINT_BYTES
 
 if TYPE_CHECKING:
-    from sidecar.sources.files.tail import Tail
+    from sidecar.sources.files.tail import FileId, Tail
 
 END_CHECK_BYTES = 64  # a copy taken for a file's content must hold its last bytes read
 
-FileId = tuple[int, int]  # device, inode
 _ROTATION_SUFFIX = re.compile(r"(?:[.\-_]\d+|\.(?:gz|bz2|xz|zst))+$")  # what logrotate appends
 
 

@@ -19,7 +19,7 @@ from sidecar.log import log
 from sidecar.sources.files import discover
 
 if TYPE_CHECKING:
-    from sidecar.sources.files.follow import SourceSpec
+    from sidecar.sources.files.spec import SourceSpec
 
 MAX_FITS_CACHED = 4096  # paths remembered as fitting a pattern or not
 NOTHING_MATCHED_WARN_S = 60.0  # a source still matching nothing this long after start: WARNING

@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sidecar.sources.base import Parser
-from sidecar.sources.files.identity import FileId
 from sidecar.sources.files.offsets import Mark, fingerprint
 
 if TYPE_CHECKING:
-    from sidecar.sources.files.follow import SourceSpec
+    from sidecar.sources.files.spec import SourceSpec
+
+FileId = tuple[int, int]  # device, inode: what a followed file is known by across renames
 
 
 class Tail:

@@ -7,14 +7,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 from sidecar.log import log
 from sidecar.sources.telemetry.nvml.bindings import NvmlError
 from sidecar.sources.telemetry.nvml.processes import ProcessList
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.devices import GpuDevice
+    from sidecar.sources.telemetry.nvml.handle import Gpu
+
+G = TypeVar("G", bound="Gpu")  # the GPUs picked among are handed back as they came
 
 
 class GpuFilter(NamedTuple):
@@ -155,16 +157,16 @@ def pod_pids(proc: Path = Path("/proc")) -> frozenset[int]:
         return frozenset()
 
 
-class PodGpus:
+class PodGpus(Generic[G]):
     """For a pod sidecar that sees its pod's processes: the job's GPUs, found among the
     `candidates` as those on which one of the pod's processes runs (NVML's process lists).
     A GPU once found stays the job's."""
 
-    def __init__(self, candidates: list[GpuDevice]) -> None:
+    def __init__(self, candidates: list[G]) -> None:
         self.candidates = candidates  # the GPUs not seen used yet
         self._process_lists: dict[str, ProcessList] = {}
 
-    def used(self) -> list[GpuDevice]:
+    def used(self) -> list[G]:
         """The candidate GPUs whose compute processes include one of this pod's (a thread)."""
         pids = pod_pids()
         used = []
@@ -181,6 +183,6 @@ class PodGpus:
                 used.append(device)
         return used
 
-    def taken(self, used: list[GpuDevice]) -> None:
+    def taken(self, used: list[G]) -> None:
         """`used` are the job's from now on: no longer candidates."""
         self.candidates = [d for d in self.candidates if d not in used]

@@ -135,7 +135,7 @@ class HardwareSampler:
         self.by_processes = by_processes  # of the GPUs the filter allows, those the pod uses
         self.gpu_rule = gpu_rule or (f"those {gpu_filter.describe()} names" if gpu_filter
                                      else "every GPU this node shows")
-        self._pod: PodGpus | None = None  # by_processes: the GPUs the pod may come to use
+        self._pod: PodGpus[GpuDevice] | None = None  # by_processes: GPUs the pod may come to use
         self._count = 0  # the GPUs the node shows
         probe = probe or HostProbe()
         self._rates = Rates()

@@ -21,34 +21,23 @@ from sidecar.sources.telemetry.nvml.bindings import (
     device_uuid,
     init,
 )
+from sidecar.sources.telemetry.nvml.handle import Gpu
 from sidecar.sources.telemetry.nvml.mig import mig_devices
 from sidecar.sources.telemetry.nvml.queries import QUERIES, Query, Reader
 from sidecar.sources.telemetry.readings import Readings
 
 
-class GpuDevice:
+class GpuDevice(Gpu):
     """One GPU the sampler reads: its identity, the queries still on, and their readers."""
 
     def __init__(self, index: int, handle: Handle, uuid: str, name: str,
                  mig_filter: Callable[[str], bool] | None = None) -> None:
-        self.index = index
-        self.handle = handle
-        self.uuid = uuid
-        self.name = name
-        self.key = f"gpu/{index}"
-        self.mig_filter = mig_filter  # which MIG instances to report; None: all of them
+        super().__init__(index, handle, uuid, name, mig_filter)
         self.disabled: dict[str, str] = {}  # query name -> why it was turned off
         self.lost: str | None = None  # why the GPU is gone, once it is
         self.errors = 0
-        self.trainer_pids: frozenset[int] | None = None
         self._on = list(QUERIES)  # the queries not turned off
         self._readers: dict[str, Reader] = {}  # query name -> its reader, once built
-
-    def describe(self) -> str:
-        return f"GPU {self.index} ({self.uuid})"
-
-    def keys(self, *names: str) -> tuple[str, ...]:
-        return tuple(f"{self.key}/{name}" for name in names)
 
     def read(self, trainer_pids: frozenset[int] | None = None) -> Readings:
         """Run every query still on; a lost GPU stops the read and sets `lost`."""

@@ -18,7 +18,7 @@ from sidecar.sources.telemetry.nvml.structs import members, unpacker
 from sidecar.sources.telemetry.readings import Readings
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.devices import GpuDevice
+    from sidecar.sources.telemetry.nvml.handle import Gpu
     from sidecar.sources.telemetry.nvml.queries import Reader
 
 # GPM metrics (Hopper and newer), interval averages between two GPM samples: nvmlGpmMetricId_t.
@@ -38,7 +38,7 @@ class GpmSampler:
     device: each read takes a new sample into one buffer, in turn, and averages the metrics
     over the interval since the sample in the other."""
 
-    def __init__(self, dev: GpuDevice) -> None:
+    def __init__(self, dev: Gpu) -> None:
         nv = pynvml()
         if not hasattr(nv, "c_nvmlGpmMetricsGet_t"):
             raise NvmlError(FUNCTION_NOT_FOUND, "nvidia-ml-py predates GPM")
@@ -85,7 +85,7 @@ class GpmSampler:
                 out.gauges[key] = value
 
 
-def interval_averages(dev: GpuDevice) -> Reader:
+def interval_averages(dev: Gpu) -> Reader:
     """GPM interval averages (Hopper and newer); the first read only primes the buffers."""
     support = call("nvmlGpmQueryDeviceSupport", dev.handle)
     if not int(support.isSupportedDevice):

@@ -17,7 +17,7 @@ from sidecar.sources.telemetry.nvml.memory import MemoryInfo
 from sidecar.sources.telemetry.readings import Readings
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.devices import GpuDevice
+    from sidecar.sources.telemetry.nvml.handle import Gpu
     from sidecar.sources.telemetry.nvml.queries import Reader
 
 
@@ -50,7 +50,7 @@ def mig_devices(handle: Handle) -> list[MigDevice]:
     return found
 
 
-def instance_memory(dev: GpuDevice) -> Reader:
+def instance_memory(dev: Gpu) -> Reader:
     """Memory of each MIG instance, when MIG is on."""
     migs = mig_devices(dev.handle)
     if dev.mig_filter is not None:

@@ -17,7 +17,7 @@ from sidecar.sources.telemetry.nvml.structs import members, unpacker
 from sidecar.sources.telemetry.readings import Readings
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.devices import GpuDevice
+    from sidecar.sources.telemetry.nvml.handle import Gpu
 
 # Clock-event (throttle) reasons: nvml.h's nvmlClocksEventReason* bits.
 CLOCK_EVENT_REASONS: dict[str, int] = {
@@ -73,10 +73,10 @@ class Query(NamedTuple):
     """
 
     name: str
-    build: Callable[[GpuDevice], Reader]
+    build: Callable[[Gpu], Reader]
 
 
-def _utilization(dev: GpuDevice) -> Reader:
+def _utilization(dev: Gpu) -> Reader:
     rates = pynvml().c_nvmlUtilization_t()
     args = (dev.handle, ctypes.byref(rates))
     values = unpacker(members(type(rates), ("gpu", "memory")))
@@ -89,7 +89,7 @@ def _utilization(dev: GpuDevice) -> Reader:
     return read
 
 
-def _memory(dev: GpuDevice) -> Reader:
+def _memory(dev: Gpu) -> Reader:
     info = MemoryInfo(dev.handle)
     used_key, total_key, reserved_key = dev.keys(
         "memory_used_bytes", "memory_total_bytes", "memory_reserved_bytes")
@@ -115,10 +115,10 @@ class _Scalar(NamedTuple):
     scale: float = 1
 
 
-def _scalars(*scalars: _Scalar) -> Callable[[GpuDevice], Reader]:
+def _scalars(*scalars: _Scalar) -> Callable[[Gpu], Reader]:
     """A query of one-number calls: all made, then all put (a failure leaves out them all)."""
 
-    def build(dev: GpuDevice) -> Reader:
+    def build(dev: Gpu) -> Reader:
         cells = [s.ctype() for s in scalars]
         calls = [(s.function, (dev.handle, *s.args, ctypes.byref(cell)))
                  for s, cell in zip(scalars, cells, strict=True)]
@@ -137,7 +137,7 @@ def _scalars(*scalars: _Scalar) -> Callable[[GpuDevice], Reader]:
     return build
 
 
-def _nvlink(dev: GpuDevice) -> Reader:
+def _nvlink(dev: Gpu) -> Reader:
     """NVLink data counters (KiB) summed over the links; the sampler makes rates of them."""
     ((ret, count, _),) = FieldRequest([(_FI_NVLINK_LINK_COUNT, 0)]).read(dev.handle)
     links = int(count) if ret == 0 else 0
@@ -173,7 +173,7 @@ def _nvlink(dev: GpuDevice) -> Reader:
     return read
 
 
-def _clock_events(dev: GpuDevice) -> Reader:
+def _clock_events(dev: Gpu) -> Reader:
     reasons = ctypes.c_ulonglong()
     args = (dev.handle, ctypes.byref(reasons))
     flags = list(zip(dev.keys(*(f"clock_event/{name}_flag" for name in CLOCK_EVENT_REASONS)),
@@ -188,7 +188,7 @@ def _clock_events(dev: GpuDevice) -> Reader:
     return read
 
 
-def _remapped_rows(dev: GpuDevice) -> Reader:
+def _remapped_rows(dev: Gpu) -> Reader:
     cells = [ctypes.c_uint() for _ in range(4)]
     args = (dev.handle, *(ctypes.byref(cell) for cell in cells))
     corrected, uncorrected, pending, failure = cells
@@ -204,7 +204,7 @@ def _remapped_rows(dev: GpuDevice) -> Reader:
     return read
 
 
-def _trainer_memory(dev: GpuDevice) -> Reader:
+def _trainer_memory(dev: Gpu) -> Reader:
     """GPU memory of the trainer's process tree (wrapper mode only)."""
     processes = ProcessList(dev.handle)
     (key,) = dev.keys("trainer_memory_used_bytes")

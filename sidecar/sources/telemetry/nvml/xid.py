@@ -18,7 +18,7 @@ from sidecar.sources.telemetry.nvml.bindings import (
 )
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.devices import GpuDevice
+    from sidecar.sources.telemetry.nvml.handle import Gpu
 
 
 class XidEvent:
@@ -39,7 +39,7 @@ XID_WAIT_MS = 500  # how long one wait blocks; also how quickly the watcher noti
 class XidWatcher:
     """A daemon thread waiting on NVML's XID critical-error events; the sampler drains them."""
 
-    def __init__(self, devices: Iterable[GpuDevice]) -> None:
+    def __init__(self, devices: Iterable[Gpu]) -> None:
         self._by_address = {handle_address(d.handle): d for d in devices}
         self._events: collections.deque[XidEvent] = collections.deque(maxlen=1024)
         self._stop = threading.Event()
