@@ -10,14 +10,13 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from sidecar import __version__
 from sidecar.config import (
     Config,
-    ConfigError,
     add_option,
     add_options,
     closest,
@@ -31,7 +30,7 @@ from sidecar.config import (
     unknown_variables,
 )
 from sidecar.delivery.lifecycle import EVENTS, Lifecycle
-from sidecar.exits import EXIT_CONFIG
+from sidecar.exits import EXIT_CONFIG, ConfigError
 from sidecar.log import log, setup
 from sidecar.masking import add_secret
 
@@ -323,11 +322,11 @@ def _wants_json(argv: Sequence[str]) -> bool:
     return given.strip().lower() == "json"
 
 
-def _json_error(command: str, message: str, concerns: str = "") -> None:
-    """`message`, an error that stops `command` before it starts, as one JSON message;
-    `concerns`: the text that names what it is about, where `message` does not start with it."""
+def _json_error(command: str, message: str, concerns: Mapping[str, str] | None = None) -> None:
+    """`message`, an error that stops `command` before it starts, as one JSON message with the
+    option or variable it `concerns`."""
     setup("info", "json", _early_context())
-    log.error("%s", message, extra={"command": command, "concerns": concerns or message})
+    log.error("%s", message, extra={"command": command, **(concerns or {})})
 
 
 class _StoreOnce(argparse._StoreAction):
@@ -391,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = COMMANDS[args.cmd](args)
     except ConfigError as exc:
         if _Parser.json_errors:
-            _json_error(args.cmd, exc.said, str(exc))
+            _json_error(args.cmd, exc.said, exc.concerns)
         else:
             print(f"sidecar {args.cmd}: {exc.said}", file=sys.stderr)
         return EXIT_CONFIG
@@ -545,7 +544,7 @@ def _lifecycle(args: argparse.Namespace) -> int:
     from sidecar.delivery import handoff
 
     setup()
-    address = os.environ.get(handoff.ENV_VAR)
+    address = os.environ.get(handoff.WRAPPER_SOCKET_VARIABLE)
     if address:
         refusal = asyncio.run(handoff.hand_over(address, args.event))
         if refusal:

@@ -19,33 +19,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import SplitResult, urlsplit
 
+from sidecar.delivery.handoff import WRAPPER_SOCKET_VARIABLE
+from sidecar.exits import ConfigError
 from sidecar.masking import MIN_SECRET_CHARS, add_secret, mask
+from sidecar.observe.address import DEFAULT_STATUS_ADDR, parse_host_port
 from sidecar.sources.files.kinds import FILE_KINDS
-
-
-class ConfigError(Exception):
-    """A configuration mistake: the message names the option or variable, the value and the fix.
-    Any secret known (`sidecar.log.add_secret`) is masked in it, wherever the value came from.
-    `resolve` raises one holding every mistake it found (`problems`, worst first), so that a
-    user fixes them all in one round trip, not one a start."""
-
-    def __init__(self, *problems: str) -> None:
-        super().__init__(*problems)
-        self.problems: tuple[str, ...] = problems
-
-    def __str__(self) -> str:
-        if len(self.problems) == 1:
-            return mask(self.problems[0])
-        return mask("; ".join(f"({i}) {p}" for i, p in enumerate(self.problems, 1)))
-
-    @property
-    def said(self) -> str:
-        """The one line that says them: "configuration error: ...", or "3 configuration
-        errors, all found at once: (1) ...; (2) ...; (3) ..."."""
-        if len(self.problems) == 1:
-            return f"configuration error: {self}"
-        return f"{len(self.problems)} configuration errors, all found at once: {self}"
-
 
 # -- the checks and probes the rows of OPTIONS name, beyond a row's `at_least` ------------------
 # A check takes the value (each item of a list option's) and where it came from, for the message.
@@ -78,15 +56,6 @@ def check_status_addr(addr: str, source: str) -> None:
     """--status-addr: HOST:PORT, or off."""
     if addr != "off":
         parse_host_port(addr, source)
-
-
-def parse_host_port(addr: str, option: str) -> tuple[str, int]:
-    """Split HOST:PORT, raising ConfigError naming `option` when it is malformed."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{option}={addr!r} is not HOST:PORT (for example 127.0.0.1:9620) "
-                          "or off")
-    return host.strip("[]"), int(port)
 
 
 def refuse_busy_status_addr(addr: str) -> None:
@@ -235,8 +204,6 @@ class Option(NamedTuple):
 
 # A list option's separator in its SIDECAR_* variable: a URI holds colons.
 LIST_SEPARATORS = {"artifact-uri": ","}
-DEFAULT_STATUS_ADDR = "127.0.0.1:9620"
-STATUS_ADDR_FILE = "status-addr"  # in the run's state folder: the status address actually bound
 
 OPTIONS: tuple[Option, ...] = (
     *(Option(kind.name, "list", (), kind.help, metavar=kind.metavar) for kind in FILE_KINDS),
@@ -325,7 +292,6 @@ def show_default(value: Any) -> str:
 # What --help shows for an option's value when its row names none.
 _METAVARS = {"float": "SECONDS", "int": "N", "path": "PATH", "list": "PATH", "str": "TEXT"}
 CONFIG_OPTION = Option("config", "path", None, "TOML file with any of the options", metavar="FILE")
-WRAPPER_SOCKET_VARIABLE = "SIDECAR_WRAPPER_SOCKET"  # set by `run` for its child (handoff.py)
 
 
 class Family(NamedTuple):

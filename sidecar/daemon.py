@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sidecar.aio import cancel
-from sidecar.config import Config, ConfigError
+from sidecar.config import Config
 from sidecar.delivery.client import IngestClient
+from sidecar.exits import ConfigError
 from sidecar.log import log
 from sidecar.node import Node, resolve_node
 from sidecar.sources.files.kinds import FILE_KINDS

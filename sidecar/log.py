@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import stat
 import sys
 import time
@@ -13,7 +12,6 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from sidecar.masking import mask, mask_doc
-from sidecar.sources.files.kinds import FILE_KINDS
 
 log = logging.getLogger("sidecar")
 
@@ -27,13 +25,12 @@ class _TextFormatter(logging.Formatter):
         return mask(line)
 
 
-# What a message concerns, read from its start as every message names it first: a route
-# ("/metrics: HTTP 503 ..."), a followed file ("--jsonl out/m.jsonl: line 3 ...") or an option.
-_ROUTE_AT_START = re.compile(r"/([a-z]+(?:/[a-z]+)?): ")
-_OPTION_AT_START = re.compile(r"(--[a-z][a-z-]*)[ =](\S+?):? ")
-_VARIABLE_AT_START = re.compile(r"([A-Z][A-Z0-9]*_[A-Z0-9_]+)\b")
-SOURCE_OPTIONS = frozenset({*(kind.flag for kind in FILE_KINDS), "--hparams", "--checkpoints"})
-EXTRA_FIELDS = ("command", "route", "source", "path", "option", "variable")  # given with `extra=`
+# What a message concerns, given where it is written as `log.warning(..., extra={"route":
+# "metrics"})` (a structlog event's fields): the command it stops, the route it is about (as the
+# ingest names it: "metrics", "artifact/upload-url"), the source (an option's name without its
+# dashes: "jsonl", "checkpoints") and its file or pattern, an option, a variable. JSON messages
+# carry each one given; text messages name them in their words.
+EXTRA_FIELDS = ("command", "route", "source", "path", "option", "variable")
 
 
 class _JsonFormatter(logging.Formatter):
@@ -51,28 +48,11 @@ class _JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "msg": message,
             **self.context,
-            **_concerns(getattr(record, "concerns", message)),
-            **{name: getattr(record, name) for name in EXTRA_FIELDS if hasattr(record, name)},
+            **{name: str(getattr(record, name)) for name in EXTRA_FIELDS if hasattr(record, name)},
         }
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(mask_doc(doc), ensure_ascii=False)
-
-
-def _concerns(message: str) -> dict[str, str]:
-    """The route, the source (and its file), the option or the variable `message` starts by
-    naming."""
-    route = _ROUTE_AT_START.match(message)
-    if route:
-        return {"route": route.group(1)}
-    option = _OPTION_AT_START.match(message)
-    if option is None:
-        variable = _VARIABLE_AT_START.match(message)
-        return {"variable": variable.group(1)} if variable else {}
-    flag, value = option.groups()
-    if flag in SOURCE_OPTIONS:
-        return {"source": flag[2:], "path": value}
-    return {"option": flag}
 
 
 THROTTLE_PRUNE_FROM = 1024  # messages remembered before those of no use are forgotten

@@ -105,7 +105,8 @@ def source_specs(cfg: Config, node: Node,
         patterns = cfg.files.get(kind.name, ())
         if patterns and kind.reporting_node and node.rank != 0:
             log.info("%s: not followed on node rank %d: on a multi-node run, node rank 0 "
-                     "posts what these files hold", kind.flag, node.rank)
+                     "posts what these files hold", kind.flag, node.rank,
+                     extra={"source": kind.name})
             continue
         if kind.tree:
             # a folder's parsers name keys from the path below it: one spec a folder
@@ -376,7 +377,8 @@ class Pipeline(Sink):
                 if self._thinned % 1000 == 1:
                     log.warning("/%s: the ingest has been unreachable long enough to fill "
                                 "half the %s spool; keeping every other sample (%d dropped "
-                                "so far)", route, route, self._thinned // 2 + 1)
+                                "so far)", route, route, self._thinned // 2 + 1,
+                                extra={"route": route})
                 return
         batcher.offer([payload])
 

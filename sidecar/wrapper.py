@@ -347,7 +347,7 @@ class _Run:
             address, _marker_acceptor(self.lifecycle, self.cfg.running_when, self.exited))
         self.child_env = dict(self.environ)
         self.child_env.setdefault("PYTHONUNBUFFERED", "1")
-        self.child_env[handoff.ENV_VAR] = address
+        self.child_env[handoff.WRAPPER_SOCKET_VARIABLE] = address
 
     def make_streams(self) -> None:
         """One stream of output a pipe of the command's (one, where both share a pipe or --tty's

@@ -640,7 +640,8 @@ def test_check_says_what_each_folder_matches_and_whether_it_would_be_posted(
 def test_options_from_variables_and_the_file_and_a_bad_mapping_named(tmp_path: Path) -> None:
     import argparse
 
-    from sidecar.config import ConfigError, resolve
+    from sidecar.config import resolve
+    from sidecar.exits import ConfigError
 
     args = argparse.Namespace()
     environ = {"STARFORGE_ENABLED": "0", "SIDECAR_CHECKPOINTS": "/a:/b",

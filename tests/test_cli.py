@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import CONFIG_OPTION, OPTIONS, WRAPPER_SOCKET_VARIABLE, unknown_variables
+from sidecar.config import CONFIG_OPTION, OPTIONS, unknown_variables
+from sidecar.delivery.handoff import WRAPPER_SOCKET_VARIABLE
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ
 from tests.ingest_server import RunningIngest
 

@@ -19,13 +19,13 @@ from sidecar.cli import build_parser
 from sidecar.config import (
     OPTIONS,
     Config,
-    ConfigError,
     option,
     probe_options,
     resolve,
     resolve_platform,
     unknown_variables,
 )
+from sidecar.exits import ConfigError
 from sidecar.sources.files.kinds import FILE_KINDS
 from tests.conftest import SIDECAR, clean_environ
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import STATUS_ADDR_FILE
+from sidecar.observe.address import STATUS_ADDR_FILE
 from tests.conftest import platform_env, python_child
 from tests.ingest_server import RunningIngest, wait_until
 from tests.test_hardware import TWO_GPUS, stub_dir  # noqa: F401 (stub_dir: a fixture)

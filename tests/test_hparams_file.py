@@ -12,7 +12,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.config import ConfigError
+from sidecar.exits import ConfigError
 from sidecar.sources.files.hparams import flatten, load_hparams
 from tests.conftest import Sidecar, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest

@@ -171,3 +171,100 @@ def test_the_kind_rule_finds_a_kind_where_one_is_named() -> None:
                                                                        "jsonl", "tensorboard"})
     assert sorted(word for _, word in spelled) == ["--tensorboard", "jsonl", "log",
                                                    "tensorboard"]
+
+
+# -- no circles, no arrow back up ------------------------------------------------------------
+
+def _edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Module -> the modules it imports (a name imported from a module counts as the module)."""
+    def module_of(name: str) -> str:
+        return name if name in graph else name.rpartition(".")[0]
+
+    return {module: {module_of(name) for name in names} & graph.keys() - {module}
+            for module, names in graph.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other, directly or round a loop: the strongly connected
+    components of more than one module (Tarjan's algorithm, iterative)."""
+    edges = _edges(graph)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, todo = work[-1]
+            for name in todo:
+                if name not in index:
+                    index[name] = low[name] = len(index)
+                    stack.append(name)
+                    on_stack.add(name)
+                    work.append((name, iter(sorted(edges[name]))))
+                    break
+                if name in on_stack:
+                    low[module] = min(low[module], index[name])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[module])
+                if low[module] == index[module]:
+                    component = []
+                    while True:
+                        name = stack.pop()
+                        on_stack.discard(name)
+                        component.append(name)
+                        if name == module:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_no_modules_import_each_other() -> None:
+    """Not even for a type (`if TYPE_CHECKING:`) or inside a function: a circle is two modules
+    that cannot be read, tested or moved one without the other. What two modules share goes
+    below both (sources/base.py, files/spec.py, nvml/handle.py, records.py)."""
+    assert _circles(GRAPH) == []
+
+
+def test_the_circle_rule_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c.x"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+# What every part stands on, importing nothing above: the sidecar's own messages, masking, the
+# records sources and delivery share, exit statuses, the supervisor, the state folder's files.
+BASE = frozenset({"sidecar.aio", "sidecar.exits", "sidecar.log", "sidecar.masking",
+                  "sidecar.node", "sidecar.records", "sidecar.stall", "sidecar.statefile",
+                  "sidecar.supervise", "sidecar.threads"})
+# What assembles the parts, and so is above every one of them.
+ASSEMBLY = ("sidecar.cli", "sidecar.commands", "sidecar.config", "sidecar.daemon",
+            "sidecar.pipeline", "sidecar.wrapper")
+PARTS = ("sidecar.sources", "sidecar.delivery", "sidecar.observe")
+
+
+def test_the_base_imports_only_the_base() -> None:
+    edges = _edges(GRAPH)
+    assert GRAPH.keys() >= BASE
+    assert {module: edges[module] - BASE for module in BASE if edges[module] - BASE} == {}
+
+
+def test_no_part_imports_what_assembles_it() -> None:
+    """The configuration is resolved above the sources, delivery and the status endpoint and
+    handed down: a part that needs a setting declares it (sources/base.py's Settings), and what
+    a part owns (the hand-off's variable, the status address) is defined in it and imported by
+    config.py."""
+    climbing = {
+        f"{module} -> {name}"
+        for module, names in _edges(GRAPH).items() if any(_within(module, p) for p in PARTS)
+        for name in names if any(_within(name, above) for above in ASSEMBLY)
+    }
+    assert climbing == set()

@@ -118,3 +118,60 @@ def test_the_repeat_throttle_forgets_messages_past_their_interval_but_not_what_i
         assert throttle.admit(f"1 metric key refused ('k{i}')") == 0
     assert len(throttle._last) <= 2 * sidecar_log.THROTTLE_PRUNE_FROM
     assert throttle.admit("the same") == 1  # what it held is still said
+
+
+# -- what a message concerns: fields given where it is written, never read back from its text -
+
+
+def test_json_carries_the_fields_a_message_is_given_and_reads_none_from_its_text(
+        capsys: pytest.CaptureFixture[str], restore: None) -> None:
+    setup("info", "json")
+    log.warning("/artifact/upload-url: HTTP 503: kept and retried",
+                extra={"route": "artifact/upload-url"})
+    log.warning("--jsonl %s: line 3 is not JSON", Path("out/m.jsonl"),
+                extra={"source": "jsonl", "path": Path("out/m.jsonl")})
+    log.warning("--jsonl out/m.jsonl: said without its fields")
+    upload_url, jsonl, bare = (json.loads(line) for line in capsys.readouterr().err.splitlines())
+    assert upload_url["route"] == "artifact/upload-url"
+    assert (jsonl["source"], jsonl["path"]) == ("jsonl", "out/m.jsonl")
+    assert not {"route", "source", "path", "option", "variable"} & bare.keys()
+
+
+PACKAGE = Path(sidecar_log.__file__).parent
+LEVELS = {"debug", "info", "warning", "error", "exception", "critical"}
+# a message starts by naming what it concerns: a route ("/metrics: ", "/%s: ") or an option
+# ("--checkpoints %s: ", "--status-addr %s: ")
+NAMES_A_ROUTE = re.compile(r"/(?:%s|[a-z]+(?:/[a-z-]+)?): ")
+NAMES_AN_OPTION = re.compile(r"--[a-z][a-z-]*[ :]")
+
+
+def _log_calls() -> Iterator[tuple[str, str, set[str]]]:
+    """Each `log.<level>(...)` of the package: where, its message's literal start, the fields
+    its `extra=` gives."""
+    import ast
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in LEVELS and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "log" and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)):
+                continue
+            extra = next((k.value for k in node.keywords if k.arg == "extra"), None)
+            fields = ({key.value for key in extra.keys if isinstance(key, ast.Constant)}
+                      if isinstance(extra, ast.Dict) else set())
+            yield f"{path.relative_to(PACKAGE)}:{node.lineno}", node.args[0].value, fields
+
+
+def test_a_message_that_names_a_route_or_an_option_gives_it_as_a_field() -> None:
+    calls = list(_log_calls())
+    assert len(calls) > 100
+    missing = [
+        f"{where} {message[:40]!r}" for where, message, fields in calls
+        if (NAMES_A_ROUTE.match(message) and "route" not in fields)
+        or (NAMES_AN_OPTION.match(message) and not fields & {"source", "option"})
+    ]
+    assert missing == []
+    unknown = {field for _, _, fields in calls for field in fields} - set(sidecar_log.EXTRA_FIELDS)
+    assert unknown == set()

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.config import STATUS_ADDR_FILE
+from sidecar.observe.address import STATUS_ADDR_FILE
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, running_ingest, wait_until

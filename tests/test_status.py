@@ -30,10 +30,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.commands.status import HOME, LEAVE_SCREEN
-from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import IngestClient
 from sidecar.log import log
 from sidecar.masking import add_secret
+from sidecar.observe.address import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.observe.endpoint import (
     CheckpointSnapshot,
     FileSnapshot,

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.config import STATUS_ADDR_FILE
 from sidecar.masking import Secrets
+from sidecar.observe.address import STATUS_ADDR_FILE
 from sidecar.sources.console.lines import MAX_LINE_CHARS, LineAssembler
 from sidecar.sources.console.terminal import Screen
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, platform_env, python_child, sidecar

@@ -27,13 +27,14 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from sidecar.commands import print_out
-from sidecar.config import FAMILIES, Config, ConfigError, Family, resolve, unknown_variables
+from sidecar.config import FAMILIES, Config, Family, resolve, unknown_variables
 from sidecar.delivery.client import Answer, Verdict
-from sidecar.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from sidecar.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError
 from sidecar.log import log
 from sidecar.masking import add_secret, mask
+from sidecar.sources.base import Head
 from sidecar.sources.files.discover import match
-from sidecar.sources.files.kinds import FILE_KINDS, Head
+from sidecar.sources.files.kinds import FILE_KINDS
 
 # Files a container runtime leaves in the root of a container (Docker, Podman).
 CONTAINER_MARKERS: tuple[tuple[Path, str], ...] = (

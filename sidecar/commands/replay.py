@@ -17,10 +17,11 @@ import os
 import sys
 import time
 
-from sidecar.config import Config, ConfigError
+from sidecar.config import Config
 from sidecar.daemon import claim_run_dir, make_client
 from sidecar.delivery.crashtail import CrashTail
 from sidecar.delivery.lifecycle import Lifecycle
+from sidecar.exits import ConfigError
 from sidecar.log import log
 from sidecar.node import resolve_node
 from sidecar.pipeline import Pipeline, recorded_sources

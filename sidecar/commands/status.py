@@ -26,14 +26,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from sidecar.commands import print_out
 from sidecar.config import (
-    DEFAULT_STATUS_ADDR,
     FAMILIES,
-    STATUS_ADDR_FILE,
-    ConfigError,
-    parse_host_port,
     resolve,
 )
-from sidecar.exits import EXIT_AMBIGUOUS, EXIT_NO_ANSWER, EXIT_OK
+from sidecar.exits import EXIT_AMBIGUOUS, EXIT_NO_ANSWER, EXIT_OK, ConfigError
+from sidecar.observe.address import DEFAULT_STATUS_ADDR, STATUS_ADDR_FILE, parse_host_port
 from sidecar.statefile import Malformed, load_checked
 
 if TYPE_CHECKING:  # the status server's module and what it imports: only once needed

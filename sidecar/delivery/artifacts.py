@@ -155,7 +155,7 @@ class Artifacts:
         self.rejected += 1
         log.error("/artifact: HTTP %s: the ingest refused %s for good (%s); %s", answer.status,
                   body.decode(), answer.reason or "no reason given",
-                  f"kept in {kept}" if kept else "not kept")
+                  f"kept in {kept}" if kept else "not kept", extra={"route": "artifact"})
 
     def _belongs(self, record: bytes) -> bool:
         """Whether a record read back from the journal is a registration of this run, as

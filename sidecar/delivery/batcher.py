@@ -152,7 +152,8 @@ class Batcher:
             self.refused += len(items)
             if self._throttle.admit("full") is not None and exc.__cause__ is None:
                 log.error("/%s: %s; refusing new payloads (%d refused so far) until the ingest "
-                          "takes what is waiting", self.route, exc, self.refused)
+                          "takes what is waiting", self.route, exc, self.refused,
+                          extra={"route": self.route})
             return False
         self._idle.clear()
         self._wake.set()
@@ -186,7 +187,8 @@ class Batcher:
             await asyncio.to_thread(self.spool.append, payloads)
         except SpoolFull as exc:
             if exc.__cause__ is None:  # a full disk was said already
-                log.error("/%s: %s; %d payloads are lost", self.route, exc, len(payloads))
+                log.error("/%s: %s; %d payloads are lost", self.route, exc, len(payloads),
+                          extra={"route": self.route})
             return 0
         self._queue.clear()
         return len(payloads)
@@ -243,7 +245,8 @@ class Batcher:
         if len(items) < len(payloads):
             self.dead_lettered += len(payloads) - len(items)
             log.warning("/%s: %d spooled payload(s) in %s are not JSON objects; skipped, never "
-                        "posted", self.route, len(payloads) - len(items), self.spool.folder)
+                        "posted", self.route, len(payloads) - len(items), self.spool.folder,
+                        extra={"route": self.route})
         if items:
             await self._send(items)
         await asyncio.to_thread(self.spool.ack, len(payloads))
@@ -265,7 +268,7 @@ class Batcher:
         kept = f"it is kept in {path}" if path else "it could not be kept and is lost"
         log.error("/%s: HTTP %s: the ingest refused this payload for good (%s); %s; later "
                   "payloads go on", self.route, answer.status, answer.detail or "no reason given",
-                  kept)
+                  kept, extra={"route": self.route})
 
 
 def _spooled(payload: bytes) -> Any:

@@ -175,6 +175,11 @@ class _Cause:
         """The routes as the ingest names them, comma-separated: the prefix of its messages."""
         return ", ".join(dict.fromkeys(ROUTES[route].path for route in self.routes))
 
+    @property
+    def names(self) -> str:
+        """The routes as a message's `route` field names them: the paths without their slash."""
+        return ", ".join(dict.fromkeys(ROUTES[route].path[1:] for route in self.routes))
+
 
 def cause_of(answer: Answer) -> str:
     """What a failed attempt failed of, the same for every route it hits: "token", "redirect
@@ -365,7 +370,8 @@ class IngestClient:
             answer = Answer(Verdict.RETRY, detail=f"unexpected {exc.__class__.__name__}")
             if self._throttle.admit(f"{route}:unexpected") is not None:
                 log.error("%s: a request failed unexpectedly (%s: %s); it is retried",
-                          policy.path, exc.__class__.__name__, exc)
+                          policy.path, exc.__class__.__name__, exc,
+                          extra={"route": policy.path[1:]})
         stats.observe_latency(time.monotonic() - started)
         self._account(route, stats, answer)
         return answer
@@ -422,7 +428,7 @@ class IngestClient:
         what = "accepts the token again" if cause.key == "token" else "is reachable again"
         log.info("%s: the ingest %s after %s and %d failed attempt%s; delivery goes on",
                  cause.paths, what, format_duration(time.monotonic() - cause.since),
-                 cause.attempts, "" if cause.attempts == 1 else "s")
+                 cause.attempts, "" if cause.attempts == 1 else "s", extra={"route": cause.names})
 
     @property
     def failing(self) -> list[str]:
@@ -461,7 +467,8 @@ class IngestClient:
         more = f" ({held} more since the last message)" if held else ""
         log.error("%s: HTTP %s: the ingest rejected the payload permanently%s%s",
                   ROUTES[route].path, answer.status,
-                  f" ({answer.reason})" if answer.reason else "", more)
+                  f" ({answer.reason})" if answer.reason else "", more,
+                  extra={"route": ROUTES[route].path[1:]})
 
     def _failed_for(self, route: str, answer: Answer) -> None:
         """Count a failed attempt under its cause: a new cause gathers, for CAUSE_GATHER_S, the
@@ -499,18 +506,21 @@ class IngestClient:
         answer = cause.answer
         if answer.verdict is Verdict.AUTH:
             log.error("%s: HTTP %s: the ingest rejected the token; %s%s", cause.paths,
-                      answer.status, _kept(list(cause.routes)), more)
+                      answer.status, _kept(list(cause.routes)), more, extra={"route": cause.names})
         elif answer.verdict is Verdict.REDIRECT:
-            log.error("%s: HTTP %s: %s%s", cause.paths, answer.status, answer.detail, more)
+            log.error("%s: HTTP %s: %s%s", cause.paths, answer.status, answer.detail, more,
+                      extra={"route": cause.names})
         elif answer.failure is TransportFailure.TLS:  # a certificate does not mend by waiting
             log.error("%s: the ingest cannot be spoken to over TLS: %s; what they carry is "
                       "kept and retried; a certificate this node does not trust needs --ca-file "
                       "(SIDECAR_CA_FILE), a port serving plain HTTP an http:// endpoint; "
-                      "`sidecar check` names the cause%s", cause.paths, answer.detail, more)
+                      "`sidecar check` names the cause%s", cause.paths, answer.detail, more,
+                      extra={"route": cause.names})
         else:
             log.warning("%s: the ingest did not take a payload (%s); it is kept and retried "
                         "with backoff%s; `sidecar check` probes the endpoint from this node",
-                        cause.paths, answer.detail or f"HTTP {answer.status}", more)
+                        cause.paths, answer.detail or f"HTTP {answer.status}", more,
+                        extra={"route": cause.names})
 
     async def deliver(self, route: str, body: bytes,
                       give_up: Callable[[], bool] | None = None, query: str = "") -> Answer:

@@ -222,4 +222,4 @@ class CrashTail:
 
 def _refused(body: bytes, answer: Answer, kept: Path | None) -> None:
     log.error("/logs: HTTP %s: the ingest refused the command's last output for good; %s",
-              answer.status, f"kept in {kept}" if kept else "not kept")
+              answer.status, f"kept in {kept}" if kept else "not kept", extra={"route": "logs"})

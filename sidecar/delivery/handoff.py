@@ -18,11 +18,10 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from sidecar.config import WRAPPER_SOCKET_VARIABLE
 from sidecar.log import log
 from sidecar.supervise import SUPERVISOR
 
-ENV_VAR = WRAPPER_SOCKET_VARIABLE
+WRAPPER_SOCKET_VARIABLE = "SIDECAR_WRAPPER_SOCKET"  # set by `run` for its child: where to hand off
 Acceptor = Callable[[str, float], Awaitable["str | None"]]  # (event, time it arrived)
 HANDOFF_TIMEOUT_S = 10.0
 MAX_REQUEST_BYTES = 4096
@@ -53,7 +52,7 @@ async def serve(address: str, accept: Acceptor) -> asyncio.Server:
             request = json.loads(line[:MAX_REQUEST_BYTES])
             if not hmac.compare_digest(str(request.get("secret", "")), secret):
                 return ("refused: only the wrapped command's own processes may hand over an "
-                        "event (the secret in " + ENV_VAR + ")")
+                        "event (the secret in " + WRAPPER_SOCKET_VARIABLE + ")")
             return await accept(str(request["event"]), arrived)
         except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as exc:
             return f"malformed hand-off ({exc.__class__.__name__})"
@@ -82,8 +81,8 @@ async def hand_over(address: str, event: str) -> str | None:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path),
                                                 HANDOFF_TIMEOUT_S)
     except (OSError, TimeoutError) as exc:
-        return (f"cannot reach the wrapping `sidecar run` at {ENV_VAR}={address.partition('#')[0]} "
-                f"({exc})")
+        return (f"cannot reach the wrapping `sidecar run` at "
+                f"{WRAPPER_SOCKET_VARIABLE}={address.partition('#')[0]} ({exc})")
     try:
         writer.write(json.dumps({"event": event, "secret": secret}).encode() + b"\n")
         await writer.drain()

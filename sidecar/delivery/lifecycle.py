@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar.aio import cancel, wait_set
-from sidecar.config import WRAPPER_SOCKET_VARIABLE, ConfigError
 from sidecar.delivery.client import Answer, IngestClient
+from sidecar.delivery.handoff import WRAPPER_SOCKET_VARIABLE
 from sidecar.delivery.journal import SKIPPED, Journal, read_back
 from sidecar.delivery.strict import Entry, StrictSender
+from sidecar.exits import ConfigError
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
 from sidecar.statefile import TEXT, Busy, record
@@ -202,4 +203,5 @@ class Lifecycle:
     def _refused(self, body: bytes, answer: Answer, kept: Path | None) -> None:
         self.rejected += 1
         log.error("/lifecycle: HTTP %s: the ingest refused %s for good; %s", answer.status,
-                  body.decode(), f"kept in {kept}" if kept else "not kept")
+                  body.decode(), f"kept in {kept}" if kept else "not kept",
+                  extra={"route": "lifecycle"})

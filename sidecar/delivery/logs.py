@@ -318,7 +318,8 @@ class LogShipper:
             self._halved_at = time.monotonic()
             log.warning("/logs: the ingest refused %d characters as too large (HTTP 413); "
                         "they are sent again in halves, and requests carry at most %d "
-                        "characters from now on", size, self.max_request_chars)
+                        "characters from now on", size, self.max_request_chars,
+                        extra={"route": "logs"})
         return True
 
     def _requeue(self, size: int, limit: int) -> bool:
@@ -410,7 +411,8 @@ class LogShipper:
                      "again" if marked else "")
             log.warning("/logs: dropped %d characters of output: %s%s (%d dropped in all; "
                         "the command's output still passes through to ours unchanged, its "
-                        "writes never wait on /logs)", chars, why, where, self.dropped_chars)
+                        "writes never wait on /logs)", chars, why, where, self.dropped_chars,
+                        extra={"route": "logs"})
             return True
         return False
 

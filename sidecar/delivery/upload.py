@@ -194,7 +194,7 @@ class Uploads:
         if self.pending:
             log.warning("--checkpoints: %d checkpoint upload(s) not finished; the next start "
                         "with this state folder resumes them with the files not yet stored",
-                        self.pending)
+                        self.pending, extra={"source": "checkpoints"})
 
     def progress(self) -> list[dict[str, Any]]:
         """Each upload under way: bytes sent of how many, the rate of this start, the ETA."""
@@ -251,7 +251,8 @@ class Uploads:
         await self._append({"op": "registered", "id": job.id})
         job.state = "registered"
         log.info("--checkpoints: %s uploaded (%d file(s), %d bytes) to %s; registering it",
-                 _shown(job.cp.local), len(job.files), job.size, uri)
+                 _shown(job.cp.local), len(job.files), job.size, uri,
+                 extra={"source": "checkpoints", "path": _shown(job.cp.local)})
         await asyncio.to_thread(self._unstage, job)
 
     async def _say_progress(self, job: _Job) -> None:
@@ -266,7 +267,7 @@ class Uploads:
                      "%.1f MB/s, %s left", _shown(job.cp.local),
                      100 * shown["bytes_sent"] // max(shown["bytes"], 1), shown["bytes_sent"],
                      shown["bytes"], shown["files_stored"], shown["files"],
-                     shown["rate_bytes_per_s"] / 1e6, eta)
+                     shown["rate_bytes_per_s"] / 1e6, eta, extra={"source": "checkpoints"})
 
     async def _upload_file(self, job: _Job, rel: str) -> None:
         file = job.files[rel]
@@ -295,7 +296,8 @@ class Uploads:
             if answer.expired and fresh < MAX_FRESH_URLS:
                 fresh += 1
                 signed = None
-                log.debug("--checkpoints: the URL for %s expired; asking for another", name)
+                log.debug("--checkpoints: the URL for %s expired; asking for another", name,
+                          extra={"source": "checkpoints"})
                 continue
             if 400 <= answer.status < 500 and not answer.throttled:
                 raise Refused(f"the object store refused {_shown(name)}: HTTP {answer.status}: "
@@ -303,7 +305,8 @@ class Uploads:
             failed += 1
             if self._throttle.admit("put") is not None:
                 log.warning("--checkpoints: sending %s failed (%s); it is retried with backoff",
-                            _shown(name), answer.reason or f"HTTP {answer.status}")
+                            _shown(name), answer.reason or f"HTTP {answer.status}",
+                            extra={"source": "checkpoints"})
             # full jitter; after a Retry-After, no sooner than told and spread beyond it
             told_s = parse_retry_after(answer.retry_after) if answer.throttled else None
             await asyncio.sleep(retry_wait(policy, failed, told_s))
@@ -376,7 +379,8 @@ class Uploads:
         await self._append({"op": "refused", "id": job.id, "why": refused.reason})
         log.error("--checkpoints: %s is not uploaded nor registered: %s; %s",
                   _shown(job.cp.local), refused.reason,
-                  f"kept in {kept}" if kept else "not kept")
+                  f"kept in {kept}" if kept else "not kept",
+                  extra={"source": "checkpoints", "path": _shown(job.cp.local)})
         await asyncio.to_thread(self._unstage, job)
 
     # -- staging ------------------------------------------------------------------------------
@@ -420,7 +424,7 @@ class Uploads:
                         log.info("--checkpoints: the state folder cannot hold hard links to %s "
                                  "(%s): its files are held open until uploaded, which a "
                                  "restart of the sidecar does not keep", _shown(cp.local),
-                                 exc.strerror)
+                                 exc.strerror, extra={"source": "checkpoints"})
                 file = job.files[rel] = _File(st.st_size, "fd")
                 try:
                     file.fd = os.open(source, _OPEN_FLAGS)
@@ -488,7 +492,7 @@ class Uploads:
             resumed.append(job)
         if resumed:
             log.info("--checkpoints: resuming %d checkpoint upload(s) left by an earlier start",
-                     len(resumed))
+                     len(resumed), extra={"source": "checkpoints"})
         return resumed
 
     def _replay(self, record: dict[str, Any]) -> None:

@@ -29,11 +29,11 @@ from typing import Any, NamedTuple
 import h11
 
 from sidecar import __version__
-from sidecar.config import DEFAULT_STATUS_ADDR, parse_host_port
-from sidecar.config import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.delivery.client import RouteStats
 from sidecar.log import log
 from sidecar.masking import mask, mask_doc
+from sidecar.observe.address import DEFAULT_STATUS_ADDR, parse_host_port
+from sidecar.observe.address import STATUS_ADDR_FILE as ADDR_FILE
 from sidecar.statefile import read_state, write_atomic
 from sidecar.supervise import SUPERVISOR
 
@@ -555,7 +555,7 @@ async def start_status_server(addr: str, run_dir: Path | None,
     except OSError as exc:
         if addr != DEFAULT_STATUS_ADDR:
             log.warning("--status-addr %s: cannot listen there (%s); the status endpoint is off "
-                        "for this run", addr, _reason(exc))
+                        "for this run", addr, _reason(exc), extra={"option": "--status-addr"})
             return None
         try:
             listener = await asyncio.start_server(connections.accept, host, 0,
@@ -563,10 +563,12 @@ async def start_status_server(addr: str, run_dir: Path | None,
         except OSError as second:
             log.warning("--status-addr %s: cannot listen there (%s) nor on an ephemeral port of "
                         "%s (%s); the status endpoint is off for this run",
-                        addr, _reason(exc), host, _reason(second))
+                        addr, _reason(exc), host, _reason(second),
+                        extra={"option": "--status-addr"})
             return None
         log.warning("--status-addr %s: cannot listen there (%s); the status endpoint is on %s "
-                    "instead", addr, _reason(exc), _bound(listener))
+                    "instead", addr, _reason(exc), _bound(listener),
+                    extra={"option": "--status-addr"})
     address = _bound(listener)
     addr_file = _write_addr_file(run_dir, address) if run_dir is not None else None
     log.info("status endpoint on http://%s (/status, /metrics, /healthz, /readyz)", address)

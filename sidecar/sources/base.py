@@ -1,8 +1,10 @@
-"""What every file parser returns, and the protocol the file follower drives them through."""
+"""What every file parser returns, the protocol the file follower drives them through, what
+`sidecar check` is told of a file's head or a pattern's files, and the settings of the run a
+parser reads (`Settings`: config.Config has each, and no source imports config)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 class Parsed:
@@ -47,3 +49,34 @@ class Parser(Protocol):
     def state(self) -> dict[str, Any]:
         """JSON-serialisable state to resume from with the offset after a restart."""
         ...
+
+
+class Settings(Protocol):
+    """What the kinds' parsers read of the run's configuration (sidecar.config.Config)."""
+
+    @property
+    def log_format(self) -> str: ...
+    @property
+    def log_ansi(self) -> str: ...
+    @property
+    def validation_map(self) -> tuple[str, ...]: ...
+    @property
+    def validation_samples(self) -> int | None: ...
+
+
+class Head(NamedTuple):
+    """What the head of one file gives, parsed as `watch` would (`sidecar check`)."""
+
+    points: int
+    not_finite: int  # NaN or infinite values, never sent
+    problem: str  # the first bad line and what is wrong with it, or ""
+    skipped: int = 0  # lines (or values) that gave no point: counted as invalid
+    first_not_finite: str = ""  # the first NaN or infinite value: its key and step
+
+
+class Survey(NamedTuple):
+    """What `sidecar check` says of the files one pattern names."""
+
+    status: str  # ok, warn, fail
+    message: str  # after the option and the pattern
+    details: dict[str, Any]

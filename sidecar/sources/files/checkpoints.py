@@ -370,7 +370,7 @@ class CheckpointWatcher:
                 self._events = Inotify(self._wake.set)
             except OSError as exc:
                 log.info("--checkpoints: file events unavailable (%s): walking every %.0f s",
-                         exc, REMOTE_LOOK_S)
+                         exc, REMOTE_LOOK_S, extra={"source": "checkpoints"})
         try:
             while True:
                 fault_point()
@@ -409,7 +409,8 @@ class CheckpointWatcher:
                     log.warning("--checkpoints %s: a walk stopped after %.0f s (%d folders "
                                 "seen): the filesystem answers that slowly; what lay beyond "
                                 "is looked at by the next walks", shown(folder), WALK_LIMIT_S,
-                                len(folders))
+                                len(folders),
+                                extra={"source": "checkpoints", "path": shown(folder)})
             self.aliases[folder] = aliases
             self._note_missing(folder, folders)
             if self._events is not None:
@@ -425,7 +426,8 @@ class CheckpointWatcher:
                 why = f"deleted before it was complete ({gone.why})"
                 self.gone.append((gone.root, path, why))
                 del self.gone[:-MAX_NAMED_AT_EXIT]
-                log.info("--checkpoints: %s was %s; not registered", shown(path), why)
+                log.info("--checkpoints: %s was %s; not registered", shown(path), why,
+                         extra={"source": "checkpoints", "path": shown(path)})
         due = [e for e in self.entries.values()
                if e.state == "waiting" and self._settled(e, now)]
         if due:
@@ -437,11 +439,13 @@ class CheckpointWatcher:
         """Say once that a folder does not exist yet, and once that it appeared."""
         if seen and folder in self._missing:
             self._missing.discard(folder)
-            log.info("--checkpoints %s: the folder exists now; watching it", shown(folder))
+            log.info("--checkpoints %s: the folder exists now; watching it", shown(folder),
+                     extra={"source": "checkpoints", "path": shown(folder)})
         elif not seen and folder not in self._missing:
             self._missing.add(folder)
             log.info("--checkpoints %s does not exist yet; watching %s for it",
-                     shown(folder), shown(_nearest_existing(folder)))
+                     shown(folder), shown(_nearest_existing(folder)),
+                     extra={"source": "checkpoints", "path": shown(folder)})
 
     def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str], bool]]]:
         started = time.thread_time()
@@ -476,12 +480,14 @@ class CheckpointWatcher:
         if not assessment.complete:
             if entry.why != assessment.why:
                 log.debug("--checkpoints: %s is not complete: %s", shown(entry.path),
-                          assessment.why)
+                          assessment.why,
+                          extra={"source": "checkpoints", "path": shown(entry.path)})
             entry.why = assessment.why
             return
         entry.fingerprint = fingerprint
         if self.known(entry.path, fingerprint):
-            log.debug("--checkpoints: %s was registered already, as it is now", entry.path)
+            log.debug("--checkpoints: %s was registered already, as it is now", entry.path,
+                      extra={"source": "checkpoints", "path": entry.path})
             entry.state, entry.why = "registered", ""
             return
         if self.not_registering:
@@ -489,13 +495,15 @@ class CheckpointWatcher:
             if entry.root not in self._warned:
                 self._warned.add(entry.root)
                 log.info("--checkpoints %s: %s is complete and not registered here: %s",
-                         entry.root, entry.path, self.not_registering)
+                         entry.root, entry.path, self.not_registering,
+                         extra={"source": "checkpoints", "path": entry.root})
             return
         problem = object_name_problem(entry.path)
         if problem:
             entry.state, entry.why = "skipped", f"its name {problem}, which no URI can carry"
             log.warning("--checkpoints: %s is not registered: its name %s, which no URI can "
-                        "carry; rename it", shown(entry.path), problem)
+                        "carry; rename it", shown(entry.path), problem,
+                        extra={"source": "checkpoints", "path": shown(entry.path)})
             return
         uri = self.paths.resolve(entry.path)
         if uri is None and not self.paths.upload:
@@ -510,7 +518,8 @@ class CheckpointWatcher:
                             "where a local path stops existing with it; give %s LOCAL=URI "
                             "naming the object-store URI this folder mirrors, or let it be "
                             "uploaded (%s)", entry.root, shown(entry.path),
-                            self.paths.container, CONTAINER_HINT, UPLOAD_HINT)
+                            self.paths.container, CONTAINER_HINT, UPLOAD_HINT,
+                            extra={"source": "checkpoints", "path": entry.root})
             return
         step = assessment.step if assessment.step is not None else entry.shape.step
         if entry.registered_as == (step, entry.size) and not assessment.marker:
@@ -519,13 +528,15 @@ class CheckpointWatcher:
             # writer's marker says it saved again.
             entry.state, entry.why = "registered", ""
             log.info("--checkpoints: %s was rewritten with the same step (%s) and size: not "
-                     "registered again", shown(entry.path), "unknown" if step is None else step)
+                     "registered again", shown(entry.path), "unknown" if step is None else step,
+                     extra={"source": "checkpoints", "path": shown(entry.path)})
             return
         entry.state, entry.why, entry.registered_as = "registered", "", (step, entry.size)
         log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); %s it",
                  shown(entry.path), entry.shape.kind, entry.shape.format,
                  "unknown" if step is None else step, entry.size,
-                 "registering" if uri is not None else "uploading")
+                 "registering" if uri is not None else "uploading",
+                 extra={"source": "checkpoints", "path": shown(entry.path)})
         self.register(Found(entry.path if uri is None else uri, entry.path, entry.shape.kind,
                             entry.shape.format, step, entry.size, fingerprint, entry.root,
                             entry.files, uri is None))
@@ -549,10 +560,12 @@ class CheckpointWatcher:
         left = [(e.path, e.why) for e in self.entries.values() if e.state != "registered"]
         left += [(path, why) for _, path, why in self.gone]
         for path, why in left[:MAX_NAMED_AT_EXIT]:
-            log.info("--checkpoints: %s was not registered: %s", shown(path), why)
+            log.info("--checkpoints: %s was not registered: %s", shown(path), why,
+                     extra={"source": "checkpoints", "path": shown(path)})
         if len(left) > MAX_NAMED_AT_EXIT:
             log.info("--checkpoints: %d more candidates were not registered; `sidecar "
-                        "check` names them", len(left) - MAX_NAMED_AT_EXIT)
+                        "check` names them", len(left) - MAX_NAMED_AT_EXIT,
+                        extra={"source": "checkpoints"})
 
     def states(self) -> list[FolderState]:
         """Each folder's checkpoints by state, for the status endpoint."""

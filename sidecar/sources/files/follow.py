@@ -301,7 +301,8 @@ class Follower:
             tail.silence_said = True
             log.warning("%s %s: no point %s: %s", tail.spec.option, tail.path,
                         "by the end" if final else f"in its first {NO_POINT_S:.0f} s",
-                        silence(tail.parser, max(tail.size - tail.consumed, 0)))
+                        silence(tail.parser, max(tail.size - tail.consumed, 0)),
+                        extra={"source": tail.spec.kind, "path": tail.path})
 
     # -- discovery and rotation --------------------------------------------------------------
 
@@ -427,7 +428,8 @@ class Follower:
 
     def _retire(self, tail: Tail, why: str) -> None:
         """Stop looking the file up by name; read it to its end, then close it."""
-        log.info("%s: %s; reading the old file to its end", tail.path, why)
+        log.info("%s: %s; reading the old file to its end", tail.path, why,
+                 extra={"source": tail.spec.kind, "path": tail.path})
         tail.retired = True
         tail.last_data = time.monotonic()
         self.descriptors.busy(tail)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sidecar.config import ConfigError
+from sidecar.exits import ConfigError
 from sidecar.log import log
 from sidecar.supervise import fault_point
 from sidecar.threads import off_loop
@@ -58,11 +58,13 @@ class HparamsFile:
         except OSError:
             if final and self._sent is None:
                 log.warning("--hparams %s never appeared in this run: nothing of it was sent; "
-                            "check the path the trainer writes its config to", self.path)
+                            "check the path the trainer writes its config to", self.path,
+                            extra={"source": "hparams", "path": self.path})
             elif not self._said_waiting and (
                     time.monotonic() - self._started >= WAITING_SAID_AFTER_S):
                 self._said_waiting = True
-                log.info("--hparams %s does not exist yet; it is sent once it appears", self.path)
+                log.info("--hparams %s does not exist yet; it is sent once it appears", self.path,
+                         extra={"source": "hparams", "path": self.path})
             return
         version = (st.st_ino, st.st_size, st.st_mtime_ns)
         if version == self._seen or (not final and time.time() - st.st_mtime < SETTLE_S):
@@ -75,7 +77,8 @@ class HparamsFile:
             self._seen = version
             if str(exc) != self._failed:
                 self._failed = str(exc)
-                log.warning("%s; it is sent once it can be read (the run goes on)", exc)
+                log.warning("%s; it is sent once it can be read (the run goes on)", exc,
+                            extra={"source": "hparams", "path": self.path})
             return
         self._seen, self._failed = version, ""
         if params == self._sent:
@@ -84,7 +87,8 @@ class HparamsFile:
         self._sent = params
         self._push(params)
         log.info("--hparams %s: %d parameter%s sent%s", self.path, len(params),
-                 "" if len(params) == 1 else "s", " again: the file changed" if again else "")
+                 "" if len(params) == 1 else "s", " again: the file changed" if again else "",
+                 extra={"source": "hparams", "path": self.path})
 
 
 def load_hparams(path: Path) -> dict[str, Scalar]:

@@ -124,7 +124,8 @@ class JsonlParser:
         self.problem = f"line {self.line + 1}: {what}"
         if self.source:
             log.warning("--jsonl %s: %s; each such line is counted as invalid (said for the "
-                        "first of this file)", self.source, self.problem)
+                        "first of this file)", self.source, self.problem,
+                        extra={"source": "jsonl", "path": self.source})
 
     def _line(self, raw: bytes, read_ts: str, out: Parsed) -> None:
         if not raw.strip():
@@ -190,7 +191,7 @@ class JsonlParser:
         self._step_said = True
         log.info("--jsonl %s: line %d has no step (a number in %s): records without one %s; "
                  "this one is step %d (said once for this file)", self.source, self.line + 1,
-                 _either(STEP_FIELDS), rule, step)
+                 _either(STEP_FIELDS), rule, step, extra={"source": "jsonl", "path": self.source})
 
     def _point(self, out: Parsed, key: str, step: int, value: Any, ts: str) -> None:
         try:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sidecar.records import LOG_BLOCK
+from sidecar.sources.base import Head, Survey
 
 if TYPE_CHECKING:
-    from sidecar.config import Config
-    from sidecar.sources.base import Parser
+    from sidecar.sources.base import Parser, Settings
     from sidecar.sources.files.logfile import LogFileParser
 
 # (path, saved state) -> the parser of that file, as files/follow.py's SourceSpec takes it
@@ -29,28 +29,10 @@ MakeParser = Callable[[Path, dict[str, Any]], "Parser"]
 class Follow(NamedTuple):
     """What a kind's parser factory is given for one spec of files."""
 
-    cfg: Config
+    cfg: Settings
     prefix: str  # of each forwarded log line: --log-prefix with {node} and {rank} filled in
     made: Callable[[LogFileParser], None] | None = None  # told of each log file's parser
     folder: Path = Path()  # a `tree` kind's spec is one folder: this one
-
-
-class Head(NamedTuple):
-    """What the head of one file gives, parsed as `watch` would (`sidecar check`)."""
-
-    points: int
-    not_finite: int  # NaN or infinite values, never sent
-    problem: str  # the first bad line and what is wrong with it, or ""
-    skipped: int = 0  # lines (or values) that gave no point: counted as invalid
-    first_not_finite: str = ""  # the first NaN or infinite value: its key and step
-
-
-class Survey(NamedTuple):
-    """What `sidecar check` says of the files one pattern names."""
-
-    status: str  # ok, warn, fail
-    message: str  # after the option and the pattern
-    details: dict[str, Any]
 
 
 class FileKind(NamedTuple):
@@ -77,7 +59,7 @@ class FileKind(NamedTuple):
     # gives none in its first minute or by the end (files/follow.py's NO_POINT_S); None: not said
     silence: Callable[[Parser, int], str] | None = None
     # `check`: what the files a pattern names hold, for a kind whose files are not metrics
-    survey: Callable[[Config, list[str]], Survey] | None = None
+    survey: Callable[[Settings, list[str]], Survey] | None = None
     # the route its parsers' documents go to (Parsed.documents), one a request, at-least-once
     # with the file's offset held until acknowledged
     route: str = ""
@@ -147,7 +129,7 @@ def _validation_parsers(follow: Follow) -> MakeParser:
         kept=cfg.validation_samples, secrets=secrets)
 
 
-def _validation_survey(cfg: Config, files: list[str]) -> Survey:
+def _validation_survey(cfg: Settings, files: list[str]) -> Survey:
     from sidecar.sources.files.validation import survey
 
     return survey(cfg, files)

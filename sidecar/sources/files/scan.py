@@ -74,15 +74,16 @@ class Scan:
         if self._matches.get(source) != now:
             self._matches[source] = now
             if files:
-                log.info("%s: %d file%s", source, files, "" if files == 1 else "s")
+                log.info("%s: %d file%s", source, files, "" if files == 1 else "s",
+                         extra={"source": spec.kind, "path": pattern})
             else:
                 level = logging.WARNING if note.startswith("is a") else logging.INFO
-                log.log(level, "%s: %s", source, note)
+                log.log(level, "%s: %s", source, note, extra={"source": spec.kind, "path": pattern})
         waited = time.monotonic() - self._started
         if not files and source not in self._warned and waited >= NOTHING_MATCHED_WARN_S:
             self._warned.add(source)
             log.warning("%s: still nothing to read after %.0f s (%s)", source,
-                        NOTHING_MATCHED_WARN_S, note)
+                        NOTHING_MATCHED_WARN_S, note, extra={"source": spec.kind, "path": pattern})
 
     def roots(self) -> set[str]:
         """The folders to watch for every pattern (discover.watch_roots)."""

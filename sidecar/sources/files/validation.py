@@ -26,11 +26,10 @@ import orjson
 from sidecar.log import log
 from sidecar.masking import Secrets
 from sidecar.records import LOG_BLOCK
-from sidecar.sources.base import Parsed
+from sidecar.sources.base import Parsed, Survey
 
 if TYPE_CHECKING:
-    from sidecar.config import Config
-    from sidecar.sources.files.kinds import Survey
+    from sidecar.sources.base import Settings
 
 # The names each part of a sample is found under, the first present winning; --validation-map
 # FIELD=NAME puts NAME first. "correct" is the sample's correctness (accuracy).
@@ -192,7 +191,8 @@ class ValidationParser:
             self._held_said = True
             log.debug("--validation %s: the round of step %s (%d samples so far) waits until "
                       "the file has not grown for %.0f s", self.source, self._open.step,
-                      len(self._open.records), ROUND_SETTLE_S)
+                      len(self._open.records), ROUND_SETTLE_S,
+                      extra={"source": "validation", "path": self.source})
         for round_ in closed:
             out.documents += self._post(round_, data)
         # what lies before the open round is done with: its rounds, blank and bad lines
@@ -283,7 +283,8 @@ class ValidationParser:
         self.problem = self.problem or what
         if self.source and key not in self._said:
             self._said.add(key)
-            log.warning("--validation %s: %s (said once for this file)", self.source, what)
+            log.warning("--validation %s: %s (said once for this file)", self.source, what,
+                        extra={"source": "validation", "path": self.source})
 
     def _post(self, round_: _Round, data: bytes) -> list[dict[str, Any]]:
         """The payloads of one complete round (without run_id), or none when it cannot be
@@ -417,13 +418,12 @@ def name_step(name: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def survey(cfg: Config, files: list[str]) -> Survey:
+def survey(cfg: Settings, files: list[str]) -> Survey:
     """What the files of one --validation pattern hold, as `watch` would post it: rounds,
     samples, the field each part of a sample comes from, and what goes to extra."""
     import os
     import time
 
-    from sidecar.sources.files.kinds import Survey
 
     fields = Fields.of(parse_map(cfg.validation_map))
     parsers = []

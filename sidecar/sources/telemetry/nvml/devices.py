@@ -21,9 +21,9 @@ from sidecar.sources.telemetry.nvml.bindings import (
     device_uuid,
     init,
 )
-from sidecar.sources.telemetry.nvml.handle import Gpu
+from sidecar.sources.telemetry.nvml.handle import Gpu, Reader
 from sidecar.sources.telemetry.nvml.mig import mig_devices
-from sidecar.sources.telemetry.nvml.queries import QUERIES, Query, Reader
+from sidecar.sources.telemetry.nvml.queries import QUERIES, Query
 from sidecar.sources.telemetry.readings import Readings
 
 

@@ -18,8 +18,7 @@ from sidecar.sources.telemetry.nvml.structs import members, unpacker
 from sidecar.sources.telemetry.readings import Readings
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.handle import Gpu
-    from sidecar.sources.telemetry.nvml.queries import Reader
+    from sidecar.sources.telemetry.nvml.handle import Gpu, Reader
 
 # GPM metrics (Hopper and newer), interval averages between two GPM samples: nvmlGpmMetricId_t.
 GPM_METRICS: dict[int, str] = {

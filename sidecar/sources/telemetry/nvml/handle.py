@@ -1,13 +1,17 @@
-"""One GPU as each NVML query sees it: its NVML handle, index and UUID, the keys its values go
-under, the MIG instances to report and the trainer's processes on it. `devices.GpuDevice` adds
-which queries are on; the queries (queries.py, gpm.py, mig.py), the XID watcher and the pod's GPU
-picker take a `Gpu`, so none of them imports the module that builds them."""
+"""One GPU as each NVML query sees it (its NVML handle, index and UUID, the keys its values go
+under, the MIG instances to report, the trainer's processes on it) and the `Reader` a query
+builds for it. `devices.GpuDevice` adds which queries are on; the queries (queries.py, gpm.py,
+mig.py), the XID watcher and the pod's GPU picker take a `Gpu`, so none of them imports the
+module that builds them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from sidecar.sources.telemetry.nvml.bindings import Handle
+from sidecar.sources.telemetry.readings import Readings
+
+Reader = Callable[[Readings], None]  # what a query builds for one GPU: it adds its values
 
 
 class Gpu:

@@ -17,8 +17,7 @@ from sidecar.sources.telemetry.nvml.memory import MemoryInfo
 from sidecar.sources.telemetry.readings import Readings
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.handle import Gpu
-    from sidecar.sources.telemetry.nvml.queries import Reader
+    from sidecar.sources.telemetry.nvml.handle import Gpu, Reader
 
 
 class MigDevice:

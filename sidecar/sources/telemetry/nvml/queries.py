@@ -17,7 +17,7 @@ from sidecar.sources.telemetry.nvml.structs import members, unpacker
 from sidecar.sources.telemetry.readings import Readings
 
 if TYPE_CHECKING:
-    from sidecar.sources.telemetry.nvml.handle import Gpu
+    from sidecar.sources.telemetry.nvml.handle import Gpu, Reader
 
 # Clock-event (throttle) reasons: nvml.h's nvmlClocksEventReason* bits.
 CLOCK_EVENT_REASONS: dict[str, int] = {
@@ -59,9 +59,6 @@ _GET_CLOCK_EVENTS = Function("nvmlDeviceGetCurrentClocksEventReasons",
                              "nvmlDeviceGetCurrentClocksThrottleReasons")
 _GET_ECC = Function("nvmlDeviceGetTotalEccErrors")
 _GET_REMAPPED_ROWS = Function("nvmlDeviceGetRemappedRows")
-
-Reader = Callable[[Readings], None]
-
 
 class Query(NamedTuple):
     """One thing read from a GPU; turned off on its own when the GPU does not support it.
