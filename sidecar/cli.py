@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
@@ -17,22 +16,18 @@ from typing import Any, NamedTuple, NoReturn
 from sidecar import __version__
 from sidecar.config import (
     Config,
-    add_option,
-    add_options,
     closest,
     command_of,
     fallback_state_dir,
-    help_line,
-    option,
     probe_options,
     resolve,
-    show_default,
     unknown_variables,
 )
-from sidecar.delivery.lifecycle import EVENTS, Lifecycle
+from sidecar.delivery.lifecycle import EVENTS
 from sidecar.exits import EXIT_CONFIG, ConfigError
 from sidecar.log import log, setup
 from sidecar.masking import add_secret
+from sidecar.options import add_option, add_options, help_line, option, show_default
 
 CHECK_TIMEOUT_S = 10.0  # how long each step of `sidecar check` may take
 
@@ -177,39 +172,6 @@ def _completion_arguments(completion: argparse.ArgumentParser) -> None:
     completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete in")
 
 
-class Subcommand(NamedTuple):
-    """One command of the command line, as its parser is made: what --help says of it, and the
-    function that adds its arguments (its examples and exit statuses: HELP_TAILS)."""
-
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    usage: str | None = None  # None: the one argparse writes
-
-
-# In the order `sidecar --help` lists them; each one's function: COMMANDS.
-SUBCOMMANDS = (
-    Subcommand("run", "wrap a training command and report it", _run_arguments,
-               usage="sidecar run [OPTIONS] -- COMMAND [ARG...]"),
-    Subcommand("watch", "follow log, JSONL and TensorBoard files until SIGTERM",
-               _watch_arguments, usage="sidecar watch [OPTIONS]"),
-    Subcommand("check", "validate the configuration, probe the endpoint from this node, "
-               "explain what is wrong; takes the options of run and watch", _check_arguments),
-    Subcommand("config", "print the configuration `run` would start with, each value with where "
-               "it came from; contacts nothing, starts nothing", _config_arguments),
-    Subcommand("status", "counters of the running daemon", _status_arguments),
-    Subcommand("stacks", "where every process of the running daemon's command is, now",
-               _stacks_arguments),
-    Subcommand("lifecycle", "post one lifecycle event, strictly", _lifecycle_arguments),
-    Subcommand("replay", "deliver what an earlier run left spooled", _replay_arguments),
-    Subcommand("receive", "a local ingest server that checks every request as docs/ingest.md "
-               "describes it and stores what it accepts", _receive_arguments),
-    Subcommand("demo", "run a bundled example trainer against a local receiver", _no_arguments),
-    Subcommand("completion", "print a shell completion script for bash or zsh",
-               _completion_arguments),
-)
-
-
 def _add(parser: argparse.ArgumentParser, flag: str, default: object, help: str, *,
          metavar: str, type: Callable[[str], object] = str, shown: str = "",
          env: str = "") -> None:
@@ -223,73 +185,6 @@ def _epilog(tail: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
     examples, exit_codes = tail
     return ("examples:\n" + "".join(f"  {line}\n" for line in examples)
             + "\nexit status:\n" + "".join(f"  {line}\n" for line in exit_codes))
-
-
-# Each command's examples, then its exit statuses: the end of its --help.
-HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "sidecar": (
-        ("sidecar run --jsonl 'out/*.jsonl' -- python train.py  # wrap a training run",
-         "sidecar check                  # why do the charts stay empty?",
-         "sidecar COMMAND --help         # each command's options"),
-        ("that of the command run; 2 for a configuration error",)),
-    "run": (
-        ("sidecar run -- python train.py --lr 3e-4",
-         "sidecar run --jsonl 'out/metrics*.jsonl' --tensorboard runs/ -- ./train.sh",
-         "sidecar run --running-when marker -- ./train.sh  # see: sidecar lifecycle -h"),
-        ("the command's own (128+N when a signal N ended it)",
-         "127  the command could not be started",
-         "2    configuration error: nothing was started")),
-    "watch": (
-        ("sidecar watch --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
-         "sidecar watch --tensorboard /shared/tb --hardware-interval 30"),
-        ("0  SIGTERM or SIGINT, then a clean drain",
-         "2  configuration error, or the run's state folder is held by another sidecar")),
-    "check": (
-        ("sidecar check",
-         "sidecar check --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
-         "sidecar check --json | jq .steps"),
-        ("0  the ingest accepted the probe (or reporting is off)",
-         "1  a step failed: its line names the likely cause and the fix",
-         "2  configuration error")),
-    "config": (
-        ("sidecar config --config deploy/sidecar.toml",
-         "sidecar config --jsonl 'out/*.jsonl' --json | jq .options.jsonl"),
-        ("0  `run` would start with this configuration",
-         "2  configuration error: `run` would refuse it")),
-    "status": (
-        ("sidecar status", "sidecar status --once --run-id run-4f2a91",
-         "sidecar status --json --status-addr 127.0.0.1:9620"),
-        ("0  the daemon answered", "1  nothing answered at the address",
-         "2  several daemons run here and no --run-id picks one, or a bad --status-addr")),
-    "stacks": (
-        ("sidecar stacks", "sidecar stacks --full --run-id run-4f2a91", "sidecar stacks --last"),
-        ("0  the stacks were printed (from the state folder when no daemon answers)",
-         "1  nothing answered and no dump is kept", "2  several daemons run here and no "
-         "--run-id picks one", "3  the daemon cannot take them (no py-spy)")),
-    "lifecycle": (
-        ("sidecar lifecycle running   # in a `run --running-when marker` child",
-         "sidecar lifecycle failed --timeout 10"),
-        ("0  acknowledged (or recorded already), handed to the wrapper, or reporting off",
-         "1  refused (by the ingest, or after the run's end), or not acknowledged in",
-         "   time (kept for `sidecar replay`)",
-         "2  configuration error, or another sidecar (named) writes the run's lifecycle")),
-    "replay": (
-        ("sidecar replay", "sidecar replay --state-dir /var/lib/sidecar --timeout 60"),
-        ("0  everything was delivered (or nothing was left)",
-         "1  something is still undelivered; it stays in the state folder",
-         "2  configuration error")),
-    "receive": (
-        ("sidecar receive --dir /tmp/ingest --port 8080",
-         "sidecar receive --port 0 --ready-file /tmp/url --token tok --run-id run-1"),
-        ("0  stopped by SIGTERM or Ctrl-C", "1  cannot listen on HOST:PORT")),
-    "demo": (
-        ("sidecar demo",),
-        ("the example trainer's exit status under `sidecar run` (0)",)),
-    "completion": (
-        ("sidecar completion bash > ~/.local/share/bash-completion/completions/sidecar",
-         "sidecar completion zsh > \"${fpath[1]}/_sidecar\"  # then: compinit"),
-        ("0  the script was printed",)),
-}
 
 
 def _context(run_id: str, node: str) -> dict[str, str]:
@@ -465,7 +360,7 @@ def _watch(args: argparse.Namespace) -> int:
         files = ", ".join(kind.flag for kind in FILE_KINDS)
         raise ConfigError(f"nothing to watch: give at least one of {files}, --hparams or "
                           "--checkpoints, or leave --hardware-interval above 0")
-    from sidecar.daemon import run_watch
+    from sidecar.watch import run_watch
 
     return asyncio.run(run_watch(cfg, os.environ))
 
@@ -541,52 +436,14 @@ def _stacks(args: argparse.Namespace) -> int:
 
 
 def _lifecycle(args: argparse.Namespace) -> int:
-    from sidecar.delivery import handoff
+    from sidecar.commands.lifecycle import hand_over, post
 
     setup()
-    address = os.environ.get(handoff.WRAPPER_SOCKET_VARIABLE)
-    if address:
-        refusal = asyncio.run(handoff.hand_over(address, args.event))
-        if refusal:
-            log.error("lifecycle %s: %s", args.event, refusal)
-            return 1
-        return 0
+    handed = hand_over(args.event, os.environ)
+    if handed is not None:
+        return handed
     cfg = _configured(args, "lifecycle")
-    if not cfg.platform.enabled:
-        log.info("lifecycle %s: reporting is off (ENABLED=0), nothing posted", args.event)
-        return 0
-    return asyncio.run(_post_lifecycle(cfg, args.event, args.timeout))
-
-
-async def _post_lifecycle(cfg: object, event: str, timeout_s: float) -> int:
-    from sidecar.config import Config
-    from sidecar.daemon import claim_run_dir, make_client
-
-    assert isinstance(cfg, Config)
-    client = make_client(cfg)
-    assert client is not None
-    claim_run_dir(cfg, lock=False)  # a `watch` may hold the folder; the journal is held below
-    await client.start()
-    lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id, client)
-    try:
-        await lifecycle.open()  # ConfigError naming the sidecar that holds the run's journal
-        if event in lifecycle.recorded:
-            log.info("lifecycle %s: already recorded for run %s, not recorded again", event,
-                     cfg.platform.run_id)
-        refusal = await lifecycle.record(event, time.time())
-        if refusal is not None:
-            log.error("lifecycle %s: refused: %s (%s holds %s)", event, refusal, cfg.run_dir,
-                      ", ".join(lifecycle.recorded))
-            return 1
-        if await lifecycle.drain(timeout_s):
-            return 1 if lifecycle.rejected else 0
-        log.error("lifecycle %s: not acknowledged within %.0f s (%s); kept in %s for the next "
-                  "start or `sidecar replay`", event, timeout_s,
-                  client.route_stats("lifecycle").trouble, cfg.run_dir)
-        return 1
-    finally:
-        await lifecycle.close()
-        await client.close()
+    return asyncio.run(post(cfg, args.event, args.timeout))
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -613,7 +470,107 @@ def _demo(args: argparse.Namespace) -> int:
         return demo(Path(tmp))
 
 
-COMMANDS = {"run": _run, "watch": _watch, "check": _check, "config": _config,
-            "status": _status, "stacks": _stacks,
-            "lifecycle": _lifecycle, "replay": _replay, "receive": _receive,
-            "demo": _demo, "completion": _completion}
+class Subcommand(NamedTuple):
+    """One command of the command line, its one row: what --help says of it, the function that
+    adds its arguments, the one that runs it, and the end of its --help (its examples and exit
+    statuses)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    examples: tuple[str, ...]
+    exits: tuple[str, ...]
+    usage: str | None = None  # None: the one argparse writes
+
+
+# In the order `sidecar --help` lists them.
+SUBCOMMANDS = (
+    Subcommand(
+        "run", "wrap a training command and report it", _run_arguments, _run,
+        ("sidecar run -- python train.py --lr 3e-4",
+         "sidecar run --jsonl 'out/metrics*.jsonl' --tensorboard runs/ -- ./train.sh",
+         "sidecar run --running-when marker -- ./train.sh  # see: sidecar lifecycle -h"),
+        ("the command's own (128+N when a signal N ended it)",
+         "127  the command could not be started",
+         "2    configuration error: nothing was started"),
+        usage="sidecar run [OPTIONS] -- COMMAND [ARG...]"),
+    Subcommand(
+        "watch", "follow log, JSONL and TensorBoard files until SIGTERM", _watch_arguments,
+        _watch,
+        ("sidecar watch --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
+         "sidecar watch --tensorboard /shared/tb --hardware-interval 30"),
+        ("0  SIGTERM or SIGINT, then a clean drain",
+         "2  configuration error, or the run's state folder is held by another sidecar"),
+        usage="sidecar watch [OPTIONS]"),
+    Subcommand(
+        "check", "validate the configuration, probe the endpoint from this node, explain what "
+        "is wrong; takes the options of run and watch", _check_arguments, _check,
+        ("sidecar check",
+         "sidecar check --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
+         "sidecar check --json | jq .steps"),
+        ("0  the ingest accepted the probe (or reporting is off)",
+         "1  a step failed: its line names the likely cause and the fix",
+         "2  configuration error")),
+    Subcommand(
+        "config", "print the configuration `run` would start with, each value with where it "
+        "came from; contacts nothing, starts nothing", _config_arguments, _config,
+        ("sidecar config --config deploy/sidecar.toml",
+         "sidecar config --jsonl 'out/*.jsonl' --json | jq .options.jsonl"),
+        ("0  `run` would start with this configuration",
+         "2  configuration error: `run` would refuse it")),
+    Subcommand(
+        "status", "counters of the running daemon", _status_arguments, _status,
+        ("sidecar status", "sidecar status --once --run-id run-4f2a91",
+         "sidecar status --json --status-addr 127.0.0.1:9620"),
+        ("0  the daemon answered", "1  nothing answered at the address",
+         "2  several daemons run here and no --run-id picks one, or a bad --status-addr")),
+    Subcommand(
+        "stacks", "where every process of the running daemon's command is, now",
+        _stacks_arguments, _stacks,
+        ("sidecar stacks", "sidecar stacks --full --run-id run-4f2a91", "sidecar stacks --last"),
+        ("0  the stacks were printed (from the state folder when no daemon answers)",
+         "1  nothing answered and no dump is kept",
+         "2  several daemons run here and no --run-id picks one",
+         "3  the daemon cannot take them (no py-spy)")),
+    Subcommand(
+        "lifecycle", "post one lifecycle event, strictly", _lifecycle_arguments, _lifecycle,
+        ("sidecar lifecycle running   # in a `run --running-when marker` child",
+         "sidecar lifecycle failed --timeout 10"),
+        ("0  acknowledged (or recorded already), handed to the wrapper, or reporting off",
+         "1  refused (by the ingest, or after the run's end), or not acknowledged in",
+         "   time (kept for `sidecar replay`)",
+         "2  configuration error, or another sidecar (named) writes the run's lifecycle")),
+    Subcommand(
+        "replay", "deliver what an earlier run left spooled", _replay_arguments, _replay,
+        ("sidecar replay", "sidecar replay --state-dir /var/lib/sidecar --timeout 60"),
+        ("0  everything was delivered (or nothing was left)",
+         "1  something is still undelivered; it stays in the state folder",
+         "2  configuration error")),
+    Subcommand(
+        "receive", "a local ingest server that checks every request as docs/ingest.md "
+        "describes it and stores what it accepts", _receive_arguments, _receive,
+        ("sidecar receive --dir /tmp/ingest --port 8080",
+         "sidecar receive --port 0 --ready-file /tmp/url --token tok --run-id run-1"),
+        ("0  stopped by SIGTERM or Ctrl-C", "1  cannot listen on HOST:PORT")),
+    Subcommand(
+        "demo", "run a bundled example trainer against a local receiver", _no_arguments, _demo,
+        ("sidecar demo",),
+        ("the example trainer's exit status under `sidecar run` (0)",)),
+    Subcommand(
+        "completion", "print a shell completion script for bash or zsh", _completion_arguments,
+        _completion,
+        ("sidecar completion bash > ~/.local/share/bash-completion/completions/sidecar",
+         "sidecar completion zsh > \"${fpath[1]}/_sidecar\"  # then: compinit"),
+        ("0  the script was printed",)),
+)
+COMMANDS = {command.name: command.run for command in SUBCOMMANDS}
+# Each command's examples, then its exit statuses: the end of its --help, `sidecar --help`'s too.
+HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "sidecar": (
+        ("sidecar run --jsonl 'out/*.jsonl' -- python train.py  # wrap a training run",
+         "sidecar check                  # why do the charts stay empty?",
+         "sidecar COMMAND --help         # each command's options"),
+        ("that of the command run; 2 for a configuration error",)),
+    **{command.name: (command.examples, command.exits) for command in SUBCOMMANDS},
+}

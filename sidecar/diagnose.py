@@ -20,13 +20,13 @@ from typing import Any, NamedTuple
 from sidecar.exits import EXIT_SIGNAL_BASE
 from sidecar.log import format_duration
 from sidecar.node import Node
-from sidecar.sources.console.signatures import ONE_PIPE, TERMINAL, Scanner
+from sidecar.sources.console.signatures import ONE_PIPE, TTY, Scanner
 from sidecar.sources.telemetry.cgroup import OomKill
 from sidecar.sources.telemetry.nvml.xid import XidEvent
 
 # the last resort, in this order; on one terminal or one pipe both streams are one; stdout last (a
 # command run with `2>&1` or through `| tee`)
-LAST_LINE_STREAMS = ("stderr", TERMINAL, ONE_PIPE, "stdout")
+LAST_LINE_STREAMS = ("stderr", TTY, ONE_PIPE, "stdout")
 XID_AFTER = "cuda_oom"  # an XID is named after this row and before the rest of the table
 _SIGNAL_CAUSES: dict[int, str] = {
     signal.SIGSEGV: "segmentation fault (SIGSEGV)",

@@ -11,6 +11,7 @@ from sidecar.masking import mask
 EXIT_OK = 0
 EXIT_FAILED = 1  # `check`: a step failed
 EXIT_NO_ANSWER = 1  # `status`, `stacks`: no sidecar answered
+EXIT_REFUSED = 1  # `lifecycle`: the event refused, or not acknowledged in time
 EXIT_CONFIG = 2  # every command: a configuration error, nothing started
 EXIT_AMBIGUOUS = 2  # `status`, `stacks`: more than one sidecar could be meant
 EXIT_CANNOT_LOOK = 3  # `stacks`: the sidecar answered but could not read the stacks

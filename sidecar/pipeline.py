@@ -88,11 +88,12 @@ def document_batcher(client: IngestClient, route: str, run_dir: Path) -> Batcher
                    max_queued=MAX_QUEUED_DOCUMENTS, spool=spool)
 
 
-def routed_batcher(client: IngestClient, route: str, run_id: str, run_dir: Path) -> Batcher:
+def routed_batcher(client: IngestClient, route: str, run_id: str, run_dir: Path,
+                   on_room: Callable[[], None]) -> Batcher:
     """The batcher of a file kind's documents: one a request, each with the run's id, a few
     queued at most (a round's chunks are large); the file's offset waits for them."""
     return Batcher(client, route, lambda docs: {"run_id": run_id, **docs[0]}, run_dir,
-                   max_items=1, max_queued=MAX_QUEUED_DOCUMENTS)
+                   max_items=1, max_queued=MAX_QUEUED_DOCUMENTS, on_room=on_room)
 
 
 def source_specs(cfg: Config, node: Node,
@@ -128,8 +129,8 @@ def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts,
     to; rank 0 alone registers on a multi-node run (a folder on a shared filesystem is seen
     by every node, and a trainer saves on its main process, so node-local folders of other
     nodes hold no checkpoint of the run's own)."""
-    from sidecar.config import parse_artifact_uri
     from sidecar.delivery.upload import Checkpoint
+    from sidecar.options import parse_artifact_uri
     from sidecar.sources.files.checkpoints import (
         ArtifactPaths,
         CheckpointWatcher,
@@ -165,9 +166,11 @@ class Pipeline(Sink):
 
     def __init__(self, cfg: Config, client: IngestClient, node: Node,
                  hparams_file: Path | None = None,
-                 log_shipper: LogShipper | None = None) -> None:
+                 log_shipper: LogShipper | None = None,
+                 on_activity: Callable[[], None] | None = None) -> None:
         """`hparams_file`: --hparams, followed from start; `log_shipper`: `run` makes it first,
-        for the command's output before this pipeline exists."""
+        for the command's output before this pipeline exists; `on_activity`: told of log text,
+        and of a metric step beyond any before (the stall clock)."""
         self.cfg = cfg
         self.client = client
         self.node = node
@@ -175,8 +178,7 @@ class Pipeline(Sink):
         self.invalid: dict[str, int] = {}  # NaN and infinite values, per key
         self.invalid_unnamed = 0  # those of keys past MAX_NAMED_INVALID_KEYS of them
         self.sampler: HardwareSampler | None = None
-        # called on log text, and on a metric step beyond any before
-        self.on_activity: Callable[[], None] | None = None
+        self.on_activity = on_activity
         self._top_step = float("-inf")
         self._thinned = 0
         self._follow_task: asyncio.Task[None] | None = None
@@ -187,17 +189,20 @@ class Pipeline(Sink):
         self._uploads_task: asyncio.Task[None] | None = None
         self.read = asyncio.Event()  # the drain read the files to their end (or gave up)
         run_id, run_dir = cfg.platform.run_id, cfg.run_dir
+        # a sink with room again wakes the follower (made below, before anything is sent)
         self.shipper = log_shipper or LogShipper(
-            client, run_id, prefix=cfg.log_prefix.format(node=node.name, rank=node.rank))
+            client, run_id, prefix=cfg.log_prefix.format(node=node.name, rank=node.rank),
+            on_room=self.room)
         self.metrics = Batcher(client, "metrics", lambda points: {
-            "run_id": run_id, "points": points}, run_dir)
+            "run_id": run_id, "points": points}, run_dir, on_room=self.room)
         self.hparams = Batcher(client, "hparams", lambda pairs: {
-            "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST)
+            "run_id": run_id, "params": dict(pairs)}, run_dir, max_items=MAX_HPARAMS_PER_REQUEST,
+            on_room=self.room)
         self.documents = {route: document_batcher(client, route, run_dir)
                           for route in DOCUMENT_ROUTES}
         # the documents of file kinds with a route (files/kinds.py), by kind: not spooled, the
         # file holds them until acknowledged
-        self.routed = {kind.name: routed_batcher(client, kind.route, run_id, run_dir)
+        self.routed = {kind.name: routed_batcher(client, kind.route, run_id, run_dir, self.room)
                        for kind in FILE_KINDS if kind.route and cfg.files.get(kind.name)}
         self.hparams_file = None if hparams_file is None else HparamsFile(
             hparams_file, lambda params: self.hparams.push(list(params.items())))
@@ -207,15 +212,15 @@ class Pipeline(Sink):
         self._log_parsers: weakref.WeakSet[LogFileParser] = weakref.WeakSet()
         self.follower = Follower(source_specs(cfg, node, self._log_parsers.add), self,
                                  self.offsets, mode=cfg.file_watch)
-        for sink in (self.shipper, self.metrics, self.hparams):
-            sink.on_room = self.follower.room
-        for batcher in self.routed.values():
-            batcher.on_room = self.follower.room
         self.artifacts = Artifacts(run_dir, run_id, client)
         self.uploads = Uploads(run_dir, run_id, client, self.artifacts.register,
                                self.artifacts.known, cfg.upload_rate)
         self.checkpoints = _checkpoint_watcher(cfg, node, self.artifacts, self.uploads) \
             if cfg.checkpoints else None
+
+    def room(self) -> None:
+        """A sink has room again: the follower reads on (its files wait while none has)."""
+        self.follower.room()
 
     @property
     def batchers(self) -> list[Batcher]:

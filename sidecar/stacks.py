@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -511,26 +511,6 @@ def _keep(run_dir: Path, stacks: Stacks) -> Path | None:
     except OSError as exc:
         log.warning("stacks: cannot write the full dump to %s (%s)", folder, exc.strerror)
         return None
-
-
-_RUNNING: set[asyncio.Task[None]] = set()
-
-
-def spawn_once(name: str, work: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
-    """`work()` as a task run once (a look is not repeated, a signal not forwarded twice): what
-    it raises is said and counted as a supervised task's failure would be."""
-    from sidecar.supervise import SUPERVISOR
-
-    async def run() -> None:
-        try:
-            await work()
-        except Exception as exc:  # a bug: said and counted, never the sidecar's end
-            SUPERVISOR.failed(name, exc)
-
-    task = asyncio.create_task(run(), name=name)
-    _RUNNING.add(task)
-    task.add_done_callback(_RUNNING.discard)
-    return task
 
 
 async def take_with_budget(taker: StackTaker, reason: str, budget_s: float) -> Stacks | None:

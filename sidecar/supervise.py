@@ -122,6 +122,26 @@ def fault_point() -> None:
     SUPERVISOR.fault_point()
 
 
+# the tasks spawn_once started and not yet done: the event loop holds only a weak reference
+_RUNNING: set[asyncio.Task[None]] = set()
+
+
+def spawn_once(name: str, work: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
+    """`work()` as a task run once (a look is not repeated, a signal not forwarded twice): what
+    it raises is said and counted as a supervised task's failure would be."""
+
+    async def run() -> None:
+        try:
+            await work()
+        except Exception as exc:  # a bug: said and counted, never the sidecar's end
+            SUPERVISOR.failed(name, exc)
+
+    task = asyncio.create_task(run(), name=name)
+    _RUNNING.add(task)
+    task.add_done_callback(_RUNNING.discard)
+    return task
+
+
 def restarts() -> dict[str, int]:
     """Restarts so far, by task name (for /status and /metrics)."""
     return dict(SUPERVISOR.restarts)

@@ -10,7 +10,9 @@
 
 The ingest's acknowledgement travels back: the lifecycle journal forgets an event only once the
 ingest took it, so a crash or an outage leaves it to the next start; the same holds for the crash
-tail, which goes before the end event. What `sidecar watch` shares with it is in daemon.py.
+tail, which goes before the end event. The parts `sidecar watch` starts too (the client, the
+state folder's claim, the stall clock, the pipeline, the stack taker, the status endpoint) are the
+runtime's (runtime.py).
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ from typing import TYPE_CHECKING
 
 from sidecar.aio import cancel, wait_set
 from sidecar.config import Config
-from sidecar.daemon import TICK_S, Report, claim_run_dir, make_client, serve_status, stall_watch
 from sidecar.delivery import handoff
-from sidecar.delivery.client import IngestClient
 from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_tail
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
@@ -35,33 +35,31 @@ from sidecar.diagnose import Failure, diagnose
 from sidecar.exits import EXIT_CANNOT_START
 from sidecar.log import format_duration, log, one_destination
 from sidecar.masking import mask, secrets
-from sidecar.node import resolve_node
+from sidecar.runtime import TICK_S, Runtime
 from sidecar.sources.console.child import (
     FORWARDED_SIGNALS,
-    READ_BYTES,
     Child,
     Pump,
     ReadOrder,
     SpawnError,
 )
 from sidecar.sources.console.lines import SCREEN_SLICE_CHARS, LineAssembler
-from sidecar.sources.console.signatures import ONE_PIPE, TERMINAL, TWO_PIPES, Scanner
+from sidecar.sources.console.signatures import ONE_PIPE, TTY, TWO_PIPES, Scanner
+from sidecar.sources.console.stream import BehindTail, Budget, Stream, announce_in
 from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.sources.telemetry.cgroup import oom_kill_counts, oom_kills_since, own_memory_cgroups
 from sidecar.stacks import (
     SIGNAL_BUDGET_S,
+    Process,
     RankClock,
     StackTaker,
     processes_of,
-    spawn_once,
     take_with_budget,
 )
 from sidecar.stall import StallWatch
-from sidecar.statefile import release
-from sidecar.supervise import fault_point, supervise
+from sidecar.supervise import fault_point, spawn_once, supervise
 
 if TYPE_CHECKING:  # imported once the command runs: it is spawned before these
-    from sidecar.observe.endpoint import StatusServer
     from sidecar.pipeline import Pipeline
 
 # The drain is one budget, --drain-timeout from the command's exit, spent in order
@@ -79,205 +77,12 @@ FINAL_FLUSH_S = 1.0
 # how long the drain waits for the run's first answer when none came yet: a token refused on
 # every attempt is known then, and not waited out
 FIRST_ANSWER_WAIT_S = 1.0
-# characters of output the terminal model may have still to draw: more is dropped (a flood of
-# escape sequences it draws at a few microseconds a character)
-MAX_BACKLOG_CHARS = 64 << 10
 # the pump threads get the GIL back quickly after each read and write, so the loop's work on one
 # block never holds up the child's pipe
 GIL_SWITCH_S = 0.0005
-# characters a writer the command left behind may write while the crash tail, taken before
-# them, is delivered; more is dropped and counted
-MAX_BEHIND_TAIL_CHARS = 1 << 20
 # a SIGTERM to a run quiet this long (or stalled) waits for the stacks, at most SIGNAL_BUDGET_S,
 # before it is forwarded (docs/stalls.md#when-the-platform-stops-the-run)
 QUIET_FOR_STACKS_S = 60.0
-
-
-class _BehindTail:
-    """What the streams put once the crash tail was taken (a writer the command left behind)
-    waits here until the crash tail is delivered or given up: it was written after it, and
-    /logs keeps the order it was written in."""
-
-    def __init__(self) -> None:
-        self.texts: list[tuple[_Stream, str]] = []
-        self.chars = 0  # read in the pump threads
-
-    def release(self, streams: Sequence[_Stream]) -> None:
-        """The crash tail went (or was given up): what waits goes on, and so what comes."""
-        for stream in streams:
-            stream.behind = None
-        for stream, text in self.texts:
-            stream.ship(text)
-        self.texts.clear()
-        self.chars = 0
-
-
-class _Budget:
-    """--log-rate: a token bucket of output characters a second forwarded to /logs, shared by
-    the command's streams."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate  # characters a second; 0: no limit
-        self._tokens = rate  # a second's worth at the start
-        self._at = time.monotonic()
-
-    def take(self, size: int) -> int:
-        """How many of `size` characters may go to /logs now (spent)."""
-        if not self.rate:
-            return size
-        now = time.monotonic()
-        self._tokens = min(self._tokens + (now - self._at) * self.rate, self.rate)
-        self._at = now
-        taken = int(min(max(self._tokens, 0.0), size))
-        self._tokens -= taken
-        return taken
-
-
-class _Stream:
-    """One of the child's output streams on its way to /logs; the pump's Gate."""
-
-    def __init__(self, name: str, assembler: LineAssembler, shipper: LogShipper | None,
-                 budget: _Budget, scanner: Scanner, tail: StreamTail, stall: StallWatch) -> None:
-        self.name = name  # stdout or stderr, or both: ONE_PIPE, TERMINAL (--tty)
-        self.assembler = assembler
-        self.shipper = shipper  # None when reporting is off
-        self.budget = budget
-        self.scanner = scanner  # failure signatures, looked for beside the log path
-        self.tail = tail  # the recent text and what of it the ingest acknowledged (crash tail)
-        self.stall = stall  # told of every block, read or skipped
-        self.ranks: RankClock | None = None  # told of every block read: who printed last
-        self.closed = asyncio.Event()  # the pipe's end: no process holds it any more
-        self.ended = False  # finished for /logs: what comes after is not forwarded
-        self.others: Sequence[_Stream] = ()  # the command's other stream (none on one)
-        self.behind: _BehindTail | None = None  # set while the crash tail goes first
-        self._skipped = 0
-        self._resuming = False  # a call to draw the terminal's backlog is scheduled
-
-    def allowance(self) -> tuple[int, str]:
-        """In the pump thread: every block is read while reporting is on, whatever /logs will
-        take of it, so that the failure scanner and the crash tail see every byte; only after
-        the output's time it goes by splice(2)."""
-        if self.shipper is None:
-            return 0, "reporting is off"
-        if self.ended:
-            return 0, "the command exited and its output's time is up"
-        room = MAX_BACKLOG_CHARS - self.assembler.backlog  # read, as it says, in this thread
-        if not self.assembler.drawing or room <= 0:
-            return READ_BYTES, ""
-        return min(READ_BYTES, room), ""
-
-    def taken(self, size: int) -> None:
-        """The rate is spent on what goes to /logs, in `_put`."""
-
-    def feed(self, block: bytes) -> None:
-        """The block to the failure scanner first, then to the crash tail's ledger and /logs
-        (best-effort: what /logs gives up, the ledger still holds)."""
-        if self.ended:
-            return
-        self.stall.activity()
-        if self.ranks is not None:
-            self.ranks.feed(block)
-        if self.shipper is None:
-            return
-        self.scanner.feed(self.name, block)
-        if self.assembler.drawing and self.assembler.backlog >= MAX_BACKLOG_CHARS:
-            self.skip(len(block), "the sidecar fell behind the command's output")
-            return
-        now = time.monotonic()
-        for other in self.others:  # what they hold was written first
-            other.commit(now)
-        self._mark_gap()
-        self._put(self.assembler.feed(block, now), metered=True)
-        self._resume_soon()
-
-    def commit(self, now: float) -> None:
-        """Another stream wrote: the whole lines this one holds go first."""
-        if self.shipper is not None:
-            self._put(self.assembler.commit(now), metered=True)
-
-    def _resume_soon(self) -> None:
-        """The terminal draws a slice a call: the rest once the loop has run what waits."""
-        if self.assembler.backlog and not self._resuming:
-            self._resuming = True
-            asyncio.get_running_loop().call_soon(self._resume)
-
-    def _resume(self) -> None:
-        self._resuming = False
-        if self.shipper is not None:
-            self._put(self.assembler.resume(time.monotonic()), metered=True)
-            self._resume_soon()
-
-    async def drawn(self) -> None:
-        """Until the terminal drew what it was given so far, a slice a turn of the loop (what a
-        writer that outlived the command adds meanwhile is left to `finish`)."""
-        left = self.assembler.backlog
-        while left > 0 and self.assembler.backlog and self.shipper is not None:
-            self._put(self.assembler.resume(time.monotonic()))
-            left -= SCREEN_SLICE_CHARS
-            await asyncio.sleep(0)
-
-    def skip(self, size: int, why: str) -> None:
-        if self.ended:
-            return
-        self.stall.activity()
-        self._skipped += size
-        if self.shipper is not None:
-            self.shipper.count_dropped(size, why)
-
-    def tick(self) -> None:
-        if self.shipper is not None and not self.ended:
-            self._put(self.assembler.tick(time.monotonic()), metered=True)
-
-    def finish(self) -> None:
-        self.ended = True
-        self.scanner.finish(self.name)
-        if self.shipper is not None:
-            self._mark_gap()
-            self._put(self.assembler.finish())
-
-    def _mark_gap(self) -> None:
-        if self._skipped and self.shipper is not None:
-            self._put(self.assembler.gap(self._skipped))
-        self._skipped = 0
-
-    def end_line(self) -> None:
-        """A line of ours follows: the stream's open line (a partial sent) is ended first."""
-        self._put(self.assembler.end_line())
-
-    def announce(self, line: str) -> None:
-        """A line of ours (`[sidecar] ...`, masked) in the stream, as its own line, prefixed."""
-        self._put(self.assembler.own_line(line))
-
-    def _put(self, text: str, metered: bool = False) -> None:
-        """Text to the crash tail's ledger and to /logs, or, while the crash tail goes, behind
-        it; of the command's output (`metered`), what is beyond --log-rate is given up in /logs
-        only."""
-        if not text or self.shipper is None:
-            return
-        behind = self.behind
-        if behind is not None:
-            if behind.chars >= MAX_BEHIND_TAIL_CHARS:
-                self.shipper.count_dropped(len(text), "the log buffer is full while the "
-                                           "command's last output is delivered")
-                return
-            behind.texts.append((self, text))
-            behind.chars += len(text)
-            return
-        self.ship(text, metered)
-
-    def ship(self, text: str, metered: bool = False) -> None:
-        assert self.shipper is not None
-        over = len(text) - self.budget.take(len(text)) if metered else 0
-        self.shipper.put(text, piece=self.tail.add(text), over_chars=over,
-                         over_why="the command writes faster than --log-rate forwards")
-
-
-def _announce(streams: Sequence[_Stream], line: str) -> None:
-    """A line of ours to /logs between the output's lines, never spliced into one of them: the
-    streams' open lines are ended first (their rest, when it comes, is prefixed again)."""
-    for stream in streams:
-        stream.end_line()
-    streams[-1].announce(mask(line))
 
 
 async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -309,9 +114,17 @@ class _Run:
         """What is settled before anything is journaled: the node, the client (None when
         reporting is off) and the claim on the run's state folder."""
         self.cfg, self.argv, self.environ = cfg, argv, environ
-        self.node = resolve_node(cfg.node_name, environ, cfg.nodes)
-        self.client = make_client(cfg)
-        self.held = claim_run_dir(cfg) if self.client is not None else None
+        self.scanner = Scanner()
+        self.streams: list[Stream] = []
+        self.ranks = RankClock()
+        self.pid = 0  # the command's, once spawned
+        # Its stall clock's lines go through the streams' line assemblers.
+        self.runtime = Runtime(cfg, environ, "run", processes=self._command_processes,
+                               announce=lambda line: announce_in(self.streams, line),
+                               scanner=self.scanner, still_stalled=lambda: self.child.running,
+                               stall_lines=lambda: [self.ranks.line()])
+        self.node, self.client = self.runtime.node, self.runtime.client
+        self.stall, self.report = self.runtime.stall, self.runtime.report
         if self.client is None:
             log.info("reporting is off (ENABLED=0): the command's output is passed through, "
                      "nothing is posted")
@@ -321,9 +134,9 @@ class _Run:
                            if self.client else None)
         self.tail_sender: asyncio.Task[None] | None = None
         self.pipeline: Pipeline | None = None
-        self.status: StatusServer | None = None
+        self.stacks: StackTaker | None = None
         self.interrupted = asyncio.Event()
-        self.behind: _BehindTail | None = None
+        self.behind: BehindTail | None = None
 
     async def open_journals(self) -> None:
         """The crash tail's and the lifecycle's journals: what an earlier start left goes
@@ -355,29 +168,24 @@ class _Run:
         crash tail."""
         cfg = self.cfg
         self.prefix = cfg.log_prefix.format(node=self.node.name, rank=self.node.rank)
-        budget = _Budget(cfg.log_rate * 1e6)
+        budget = Budget(cfg.log_rate * 1e6)
         # It holds the first output until the pipeline, imported after the spawn, is up.
-        self.shipper = (LogShipper(self.client, cfg.platform.run_id, prefix=self.prefix)
+        self.shipper = (LogShipper(self.client, cfg.platform.run_id, prefix=self.prefix,
+                                   on_room=self._room)
                         if self.client is not None else None)
-        self.scanner = Scanner()
-        self.report = Report(self.scanner)
-        self.streams: list[_Stream] = []
-        # Its lines go through the streams' line assemblers.
-        self.stall = stall_watch(cfg, self.report, lambda line: _announce(self.streams, line))
         keep_sgr = cfg.log_ansi == "keep"
         self.one_pipe = not cfg.tty and one_destination(1, 2)
-        names = (TERMINAL,) if cfg.tty else (ONE_PIPE,) if self.one_pipe else TWO_PIPES
+        names = (TTY,) if cfg.tty else (ONE_PIPE,) if self.one_pipe else TWO_PIPES
         _say_pipes(self.one_pipe, cfg.tty)
+        self.tails = new_tails(len(names))  # each stream's ledger, for the crash tail
         self.streams.extend(
-            _Stream(name, LineAssembler(secrets, self.prefix, keep_sgr=keep_sgr,
-                                        screen_slice_chars=SCREEN_SLICE_CHARS),
-                    self.shipper, budget, self.scanner, tail, self.stall)
-            for name, tail in zip(names, new_tails(len(names)), strict=True))
-        self.ranks = RankClock()
+            Stream(name, LineAssembler(secrets, self.prefix, keep_sgr=keep_sgr,
+                                       screen_slice_chars=SCREEN_SLICE_CHARS),
+                   self.shipper, budget, self.scanner, tail, self.stall)
+            for name, tail in zip(names, self.tails, strict=True))
         for stream in self.streams:
             stream.others = [other for other in self.streams if other is not stream]
             stream.ranks = self.ranks
-        self.stacks: StackTaker | None = None
         self.stacks_at_signal = ""  # where the ranks were when the platform stopped the run
         self.signal_stacks: asyncio.Task[None] | None = None
 
@@ -393,7 +201,17 @@ class _Run:
         self.running_at = time.time()
         fds = self.child.spawn()
         self.spawned_at = time.monotonic()
+        self.pid = self.child.pid or 0
         return fds
+
+    def _room(self) -> None:
+        """/logs has room again: the pipeline's follower reads on, once there is one."""
+        if self.runtime.pipeline is not None:
+            self.runtime.pipeline.room()
+
+    def _command_processes(self) -> list[Process]:
+        """The command's processes now, whose stacks a stall or a SIGTERM reads (blocking)."""
+        return processes_of(self.pid) if self.pid else []
 
     async def cannot_start(self, exc: SpawnError) -> int:
         """The command could not start: `failed`, with the one line that says why."""
@@ -428,40 +246,11 @@ class _Run:
 
     async def start_reporting(self) -> None:
         """The command runs: now what posts (imports, connections, threads) is set up."""
-        client = self.client
-        if client is not None:
-            from sidecar.pipeline import Pipeline
-
-            pipeline = Pipeline(self.cfg, client, self.node, self.cfg.hparams, self.shipper)
-            await client.start()
-            pipeline.start()
-            pipeline.start_telemetry(self.child_env, self.environ, self.argv,
-                                     lambda: self.child.pid or None, find_trainer_python=True)
-            pipeline.on_activity = self.stall.activity
-            self.report.gpus = pipeline
-            self.pipeline = pipeline
-        pid = self.child.pid
-        self.stacks = StackTaker(lambda: processes_of(pid) if pid else [],
-                                 self.cfg.run_dir if client is not None else None)
-        self.stall.on_stall = self._stacks_at_stall
-        self.status = await serve_status(self.cfg, self.node, "run", client, self.pipeline,
-                                         self.lifecycle, self.report, self.stacks)
+        await self.runtime.start(lifecycle=self.lifecycle, shipper=self.shipper,
+                                 child_env=self.child_env, environ=self.environ, argv=self.argv,
+                                 trainer_pid=lambda: self.child.pid or None)
+        self.pipeline, self.stacks = self.runtime.pipeline, self.runtime.stacks
         self.ticker = supervise("ticker", lambda: _tick(self.streams, self.stall))
-
-    def _stacks_at_stall(self) -> None:
-        """The stall was said: the stacks follow it, off the loop, as one block."""
-        taker = self.stacks
-        if taker is None:
-            return
-
-        async def look() -> None:  # without py-spy, one line in our log says so
-            stacks = await taker.take("stall")
-            # said while the stall lasts: after its resume line it would say a past moment
-            if stacks is not None and self.child.running and self.stall.stalled:
-                for line in taker.block(stacks, "at the stall", [self.ranks.line()]):
-                    _announce(self.streams, line)
-
-        spawn_once("stacks-at-stall", look)
 
     def _on_signal(self, signum: int) -> None:
         """A SIGTERM to a quiet or stalled run: the stacks first (within SIGNAL_BUDGET_S), then
@@ -486,7 +275,7 @@ class _Run:
                 where_said += f", stalled for {format_duration(self.stall.stalled_s)}"
             block = taker.block(stacks, where_said, [self.ranks.line()])
             for line in block:
-                _announce(self.streams, line)
+                announce_in(self.streams, line)
             if block and stacks.processes:
                 self.stacks_at_signal = "; ".join(stacks.summary())
 
@@ -547,12 +336,12 @@ class _Run:
                 stall=self._stall_note())
             log.error("%s", mask(self.report.failure.line().removeprefix("[sidecar] ")))
             # The crash tail's last line.
-            _announce(streams, self.report.failure.line())
+            announce_in(streams, self.report.failure.line())
         if pipeline is not None and self.crash_tail is not None:
             held = not all(stream.closed.is_set() for stream in streams)
-            self.behind = _BehindTail() if held else None
-            await _journal_tail(pipeline.shipper, self.crash_tail, streams, self.behind,
-                                _logs_by(self.cfg, self.deadline))
+            self.behind = BehindTail() if held else None
+            await _journal_tail(pipeline.shipper, self.crash_tail, streams, self.tails,
+                                self.behind, _logs_by(self.cfg, self.deadline))
 
     def _stall_note(self) -> str:
         """What the failure summary says of a stall: how long, and where the ranks were."""
@@ -602,8 +391,10 @@ class _Run:
 
     async def close(self) -> None:
         """Close what the run opened and release the claim on its state folder."""
-        await _close(self.client, self.lifecycle, self.pipeline, self.marker, self.status)
-        release(self.held)
+        self.marker.close()
+        await self.lifecycle.close()
+        await self.runtime.close()
+        sys.stdout.flush()
 
 
 def _marker_acceptor(lifecycle: Lifecycle, running_when: str,
@@ -650,7 +441,7 @@ def _on_signal(child: Child, signum: int, interrupted: asyncio.Event) -> None:
         interrupted.set()
 
 
-async def _tick(streams: Sequence[_Stream], stall: StallWatch) -> None:
+async def _tick(streams: Sequence[Stream], stall: StallWatch) -> None:
     while True:
         fault_point()
         await asyncio.sleep(TICK_S)
@@ -746,8 +537,9 @@ def _warn_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
                 "not wait for the drain%s", refused, what)
 
 
-async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[_Stream],
-                        behind: _BehindTail | None, deadline: float) -> None:
+async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[Stream],
+                        tails: Sequence[StreamTail], behind: BehindTail | None,
+                        deadline: float) -> None:
     """Once the request in flight was answered (or `deadline` passed with no answer), take
     what the ingest did not acknowledge of the streams' last 64 KiB (the failure summary last)
     out of the best-effort queue into the crash tail's journal; the queue's older text is then
@@ -755,7 +547,7 @@ async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Seq
     request of it is still in flight (and stored later, or cut) meanwhile; what the streams
     put from then on waits in `behind` (None: no stream is still open)."""
     await shipper.settle(deadline - time.monotonic())
-    tail = take_tail([stream.tail for stream in streams])
+    tail = take_tail(tails)
     # a writer left behind goes on: what it writes from now on is not in this tail
     for stream in streams:
         stream.behind = behind
@@ -797,7 +589,7 @@ async def _until(work: Awaitable[bool], deadline: float, stop: asyncio.Event) ->
     return task in done and not task.cancelled() and bool(task.result())
 
 
-async def _all_closed(streams: Sequence[_Stream]) -> bool:
+async def _all_closed(streams: Sequence[Stream]) -> bool:
     await asyncio.gather(*(stream.closed.wait() for stream in streams))
     return True
 
@@ -814,7 +606,7 @@ def _named(pids: Sequence[int]) -> list[str]:
     return named
 
 
-def _announce_holders(streams: Sequence[_Stream], holders: Sequence[str], waited_s: float) -> None:
+def _announce_holders(streams: Sequence[Stream], holders: Sequence[str], waited_s: float) -> None:
     """The output is still held open at the drain's end (a background process the command
     left): say by whom, in the log and in our own, and that what comes later is not
     forwarded."""
@@ -828,17 +620,4 @@ def _announce_holders(streams: Sequence[_Stream], holders: Sequence[str], waited
             "(--drain-timeout); it was forwarded until now, what they write from now on is not")
     log.warning("%s", line.removeprefix("[sidecar] "))
     if streams[-1].shipper is not None:
-        _announce(streams, line)
-
-
-async def _close(client: IngestClient | None, lifecycle: Lifecycle, pipeline: Pipeline | None,
-                 marker: asyncio.Server, status: StatusServer | None) -> None:
-    marker.close()
-    if status is not None:
-        await status.close()
-    await lifecycle.close()
-    if pipeline is not None:
-        await pipeline.close()
-    if client is not None:
-        await client.close()
-    sys.stdout.flush()
+        announce_in(streams, line)

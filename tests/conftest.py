@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ TOKEN = "tok-SECRET-0123456789abcdef"
 SIDECAR = (sys.executable, "-m", "sidecar")
 # `sidecar` with the --hardware-interval floor (1 s) lowered, for a test that needs many samples
 # quickly: the `fast_sampling` fixture makes every Sidecar of the test start this way.
-FAST_SAMPLING = (sys.executable, "-c", "import sys; import sidecar.config as c; "
+FAST_SAMPLING = (sys.executable, "-c", "import sys; import sidecar.options as c; "
                  "c.MIN_HARDWARE_INTERVAL_S = 0.01; from sidecar.cli import main; sys.exit(main())")
 
 
@@ -108,3 +109,10 @@ def sidecar(args: Sequence[str], env: Mapping[str, str], workdir: Path,
 def python_child(code: str) -> list[str]:
     """A command that runs `code` in this interpreter: the wrapped 'trainer' of a test."""
     return [sys.executable, "-c", code]
+
+
+def cut_at(data: bytes, cuts: Sequence[int]) -> list[bytes]:
+    """`data` cut at the given offsets (any order, duplicates allowed): blocks as a reader that
+    gets them in pieces sees them."""
+    points = sorted({min(max(c, 0), len(data)) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points)]

@@ -89,6 +89,17 @@ class RunningIngest(LoopHandle):
         """The bodies the route accepted, in arrival order."""
         return self._call(lambda: self._server.records(route))
 
+    def log_text(self) -> str:
+        """Every /logs chunk accepted, joined in arrival order: the text the console shows."""
+        return "".join(chunk for body in self.records("logs") for chunk in body["chunks"])
+
+    def log_lines(self) -> list[str]:
+        return self.log_text().splitlines()
+
+    def events(self) -> list[str]:
+        """The lifecycle events accepted, in arrival order."""
+        return [body["event"] for body in self.records("lifecycle")]
+
     def add_fault(self, fault: Fault) -> None:
         """Arm a fault on the server."""
         self._call(lambda: self._faults.add(fault))

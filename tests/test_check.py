@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sidecar.cli import build_parser
-from sidecar.commands import check as check_module
+from sidecar.commands import check_endpoint as endpoint_steps
 from sidecar.commands.check import check
 from sidecar.delivery.client import MAX_REASON_CHARS, refusal_reason
 from sidecar.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
@@ -65,7 +65,7 @@ class Checked:
 def no_container_markers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whether this machine has /.dockerenv must not change the results; tests that want a
     container say so."""
-    monkeypatch.setattr(check_module, "CONTAINER_MARKERS", ())
+    monkeypatch.setattr(endpoint_steps, "CONTAINER_MARKERS", ())
 
 
 def run_check(env: Mapping[str, str], capsys: pytest.CaptureFixture[str], *options: str
@@ -208,7 +208,7 @@ def test_loopback_in_a_plain_container_is_settled_by_the_connection(
     (issue 35): a receiver that takes the connection settles it; none, and the warning stays."""
     marker = tmp_path / ".dockerenv"
     marker.touch()
-    monkeypatch.setattr(check_module, "CONTAINER_MARKERS", ((marker, "a marker exists"),))
+    monkeypatch.setattr(endpoint_steps, "CONTAINER_MARKERS", ((marker, "a marker exists"),))
     env = platform_env(ingest, tmp_path)
     accepted = run_check(env, capsys)
     assert accepted.code == EXIT_OK
@@ -280,7 +280,7 @@ def test_state_dir_that_cannot_be_made(ingest: RunningIngest, tmp_path: Path,
     ("169.254.169.254", "link-local"), ("fe80::1%eth0", "link-local"),
     ("0.0.0.0", "unspecified"), ("10.0.0.5", ""), ("2001:db8::1", ""), ("192.0.2.7", "")])
 def test_addresses_that_never_leave_the_node(address: str, kind: str) -> None:
-    assert check_module._local_kind(address) == kind
+    assert endpoint_steps._local_kind(address) == kind
 
 
 # -- TLS ---------------------------------------------------------------------------------------

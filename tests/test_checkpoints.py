@@ -786,7 +786,7 @@ def test_a_checkpoint_judged_incomplete_is_not_looked_at_again_until_something_c
 
     watcher = c.CheckpointWatcher([str(tmp_path)], lambda found: None, lambda p, f: False,
                                   c.ArtifactPaths([], ""))
-    entry = watcher.entries["x"] = c.Entry("x", str(tmp_path), Shape("pt", "checkpoint", 1))
+    entry = watcher.entries["x"] = c.Candidate("x", str(tmp_path), Shape("pt", "checkpoint", 1))
     entry.seen_at = time.monotonic() - 10 * c.QUIET_S  # settled long ago
     entry.why = "no zip end record yet (still being written)"  # judged: a writer that died
     assert watcher._next_look_in() == c.REMOTE_LOOK_S  # no inotify here: the interval

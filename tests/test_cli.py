@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import CONFIG_OPTION, OPTIONS, unknown_variables
+from sidecar.config import unknown_variables
 from sidecar.delivery.handoff import WRAPPER_SOCKET_VARIABLE
+from sidecar.options import CONFIG_OPTION, OPTIONS
 from tests.conftest import RUN_ID, SIDECAR, TOKEN, clean_environ
 from tests.ingest_server import RunningIngest
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from sidecar.cli import build_parser
-from sidecar.config import OPTIONS, options_of
+from sidecar.options import OPTIONS, options_of
 from tests.conftest import SIDECAR, clean_environ
 
 COMMANDS = ("run", "watch", "check", "config", "status", "stacks", "lifecycle", "replay",
@@ -140,7 +140,8 @@ def test_the_real_process_prints_it() -> None:
 
 def test_a_new_row_of_any_kind_gets_its_help_and_parsing_derived(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from sidecar.config import Option, _pick, add_option
+    from sidecar.config import _pick
+    from sidecar.options import Option, add_option
 
     rows = (Option("tty", "bool", False, "run the command on a pseudo-terminal", only="run"),
             Option("stall-after", "float", 1800.0, "seconds of silence before a stall is said"),

@@ -17,15 +17,14 @@ import pytest
 
 from sidecar.cli import build_parser
 from sidecar.config import (
-    OPTIONS,
     Config,
-    option,
     probe_options,
     resolve,
     resolve_platform,
     unknown_variables,
 )
 from sidecar.exits import ConfigError
+from sidecar.options import OPTIONS, option
 from sidecar.sources.files.kinds import FILE_KINDS
 from tests.conftest import SIDECAR, clean_environ
 

@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 import yaml
 
-from sidecar.config import OPTIONS
+from sidecar.options import OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

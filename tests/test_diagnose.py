@@ -66,12 +66,8 @@ main()
 '''
 
 
-def log_text(ingest: RunningIngest) -> str:
-    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
-
-
 def summary(ingest: RunningIngest) -> str:
-    lines = [line for line in log_text(ingest).splitlines() if "[sidecar] run failed" in line]
+    lines = [line for line in ingest.log_text().splitlines() if "[sidecar] run failed" in line]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -92,7 +88,7 @@ def test_cuda_oom_traceback(ingest: RunningIngest, tmp_path: Path) -> None:
     assert ('likely cause: CUDA out of memory (stderr: "torch.OutOfMemoryError: CUDA out of '
             'memory. Tried to allocate 2.00 GiB.') in line
     assert line.endswith(' ..."))') or line.endswith('")')
-    assert log_text(ingest).rstrip("\n").endswith(line)  # the last line before the end event
+    assert ingest.log_text().rstrip("\n").endswith(line)  # the last line before the end event
 
 
 @pytest.mark.parametrize("shell", [
@@ -147,7 +143,7 @@ def test_a_good_run_has_no_summary(ingest: RunningIngest, tmp_path: Path) -> Non
     done = sidecar(["run", "--", *python_child("print('CUDA out of memory, said in jest')")],
                    env, tmp_path / "sc")
     assert done.status == 0
-    assert "[sidecar]" not in log_text(ingest)
+    assert "[sidecar]" not in ingest.log_text()
 
 
 @pytest.fixture
@@ -221,7 +217,7 @@ def test_signature_counts_live_and_the_failure_in_status_and_metrics(
     assert 'sidecar_signature_seen_total{signature="nccl_warn"} 3.0' in get(address, "/metrics")
     ingest.add_fault(Fault(route="lifecycle", status=503))  # hold the drain open at the end event
     go.touch()
-    wait_until(lambda: "[sidecar] run failed" in log_text(ingest), 20, "the summary arrives")
+    wait_until(lambda: "[sidecar] run failed" in ingest.log_text(), 20, "the summary arrives")
     failure = json.loads(get(address, "/status"))["failure"]
     assert (failure["exit_status"], failure["signature"]) == (3, "nccl_warn")
     metrics = get(address, "/metrics")

@@ -39,14 +39,6 @@ sys.exit(1)
 """
 
 
-def log_lines(ingest: RunningIngest) -> list[str]:
-    return log_text(ingest).splitlines()
-
-
-def log_text(ingest: RunningIngest) -> str:
-    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
-
-
 def assert_every_line_once(lines: list[str], count: int) -> None:
     wanted = [f"line {i:05d} " + "x" * 201 for i in range(count)]
     got = [line for line in lines if line.startswith("line ")]
@@ -65,7 +57,7 @@ def test_a_quick_exit_after_a_flood_delivers_every_line_once(
                     *python_child(QUICK_EXIT), stream, str(count), str(status)],
                    env, tmp_path / "sc")
     assert done.status == status, done.stderr
-    assert_every_line_once(log_lines(ingest), count)
+    assert_every_line_once(ingest.log_lines(), count)
 
 
 def test_a_slow_ingest_gets_a_failing_runs_lines_once(ingest: RunningIngest,
@@ -76,7 +68,7 @@ def test_a_slow_ingest_gets_a_failing_runs_lines_once(ingest: RunningIngest,
     done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "10", "--",
                     *python_child(PAUSED)], env, tmp_path / "sc")
     assert done.status == 1, done.stderr
-    lines = log_lines(ingest)
+    lines = ingest.log_lines()
     assert_every_line_once(lines, 200)
     assert sum(line.startswith("[sidecar] run failed") for line in lines) == 1
 
@@ -91,7 +83,7 @@ def test_a_slow_ingest_gets_a_flood_before_a_failure_once_and_in_order(
     done = sidecar(["run", "--hardware-interval", "0", "--",
                     *python_child(QUICK_EXIT), "stdout", "15000", "1"], env, tmp_path / "sc")
     assert done.status == 1, done.stderr
-    assert_every_line_once(log_lines(ingest), 15000)
+    assert_every_line_once(ingest.log_lines(), 15000)
     assert b"dropped" not in done.stderr
 
 
@@ -118,11 +110,11 @@ def test_our_lines_are_never_spliced_into_an_open_line(ingest: RunningIngest,
     proc = Sidecar(["run", "--hardware-interval", "0", "--stall-after", "1.5",
                     "--log-prefix", "[vm:0] ", "--", *python_child(OPEN_LINE), str(go),
                     "finish"], env, tmp_path / "sc")
-    ingest.wait_for(lambda: "no output" in log_text(ingest), 20, "the stall is said")
+    ingest.wait_for(lambda: "no output" in ingest.log_text(), 20, "the stall is said")
     go.touch()
     assert proc.wait(30).status == 0
     # the stacks block, when it was taken before the resume, follows the stall line
-    lines = [line for line in log_text(ingest).splitlines(keepends=True)
+    lines = [line for line in ingest.log_text().splitlines(keepends=True)
              if not line.startswith(("[vm:0] [sidecar] stacks of", "[vm:0] [sidecar]   "))]
     assert lines[0] == "[vm:0] Downloading shard 3/8: \n"
     assert lines[1].startswith("[vm:0] [sidecar] no output and no new metric step for ")
@@ -138,7 +130,7 @@ def test_the_failure_summary_is_never_spliced_into_the_last_line(ingest: Running
     done = sidecar(["run", "--hardware-interval", "0", "--log-prefix", "[vm:0] ", "--",
                     *python_child(OPEN_LINE), str(go), "fail"], env, tmp_path / "sc")
     assert done.status == 1
-    lines = log_text(ingest).splitlines(keepends=True)
+    lines = ingest.log_text().splitlines(keepends=True)
     assert lines[0] == "[vm:0] Downloading shard 3/8: \n"
     assert lines[1].startswith("[vm:0] [sidecar] run failed: exit status 1 after ")
     assert len(lines) == 2
@@ -183,7 +175,7 @@ def test_a_background_writer_runs_to_its_end(ingest: RunningIngest, tmp_path: Pa
     assert done.stdout.endswith(b"background: last line\n")  # passed through, as by tee
     written = background_lines(done.stdout.decode())
     assert written[:-1] == [f"background {i}" for i in range(len(written) - 1)]
-    text = log_text(ingest)
+    text = ingest.log_text()
     assert background_lines(text) == written
     assert text.index("the command exits") < text.index("background 0")
     assert not (tmp_path / "pid.broken").exists()
@@ -209,7 +201,7 @@ def test_a_writer_past_the_drain_is_named_and_left_alone(ingest: RunningIngest,
                           r"drain \(--drain-timeout\); it was forwarded until now, what they "
                           r"write from now on is not\n")
         assert said.search(done.stderr.decode())
-        text = log_text(ingest)
+        text = ingest.log_text()
         last = text.splitlines(keepends=True)[-1]
         assert last.startswith("[sidecar] ") and said.fullmatch(last.removeprefix("[sidecar] "))
         forwarded = background_lines(text)

@@ -37,7 +37,7 @@ from tests.conftest import RUN_ID, SIDECAR
 from tests.ingest_server import RunningIngest, wait_until
 from tests.test_delivery import wait_until as async_wait_until
 from tests.test_status import warnings_of_sidecar
-from tests.test_watch import LOGROTATE, Watch, Writer, log_lines, points
+from tests.test_watch import LOGROTATE, Watch, Writer, points
 
 CRI_TS = "2026-11-30T10:00:00.123456789Z"
 
@@ -86,19 +86,19 @@ def test_copytruncate_with_a_glob_matching_the_copy(ingest: RunningIngest, tmp_p
     writer = Writer()
     with open(log, "a") as fh:
         writer.write(fh, 1000, "a")
-        ingest.wait_for(lambda: len(log_lines(ingest)) >= 1000, 15, "the first 1,000 lines")
+        ingest.wait_for(lambda: len(ingest.log_lines()) >= 1000, 15, "the first 1,000 lines")
         shutil.copyfile(log, folder / "app.log.1")
         fh.truncate(0)
         fh.seek(0)
         writer.write(fh, 500, "b")
-    ingest.wait_for(lambda: len(set(log_lines(ingest))) >= 1500, 15)
+    ingest.wait_for(lambda: len(set(ingest.log_lines())) >= 1500, 15)
     assert watch.stop().status == 0
     watch.start()  # the copy, checkpointed as read, is not read again after a restart either
     with open(log, "a") as fh:
         writer.write(fh, 10, "c")
-    ingest.wait_for(lambda: len(set(log_lines(ingest))) >= 1510, 15)
+    ingest.wait_for(lambda: len(set(ingest.log_lines())) >= 1510, 15)
     assert watch.stop().status == 0
-    assert report("copytruncate + glob", writer.written, log_lines(ingest)) == (0, 0)
+    assert report("copytruncate + glob", writer.written, ingest.log_lines()) == (0, 0)
 
 
 def test_logrotate_alternating_create_and_copytruncate(ingest: RunningIngest, tmp_path: Path,
@@ -119,20 +119,20 @@ def test_logrotate_alternating_create_and_copytruncate(ingest: RunningIngest, tm
                 written.append(f"g{generation:02d}-{i:04d}")
                 writer.info(written[-1])
             if generation % 5 == 0:  # now and then the sidecar is seen to keep up
-                ingest.wait_for(lambda: written[-1] in log_lines(ingest), 15)
+                ingest.wait_for(lambda: written[-1] in ingest.log_lines(), 15)
             subprocess.run([LOGROTATE, "--force", "--state", str(tmp_path / "lr.state"),
                             str(confs[generation % 2])], check=True)
         writer.info("the end")
         written.append("the end")
-    ingest.wait_for(lambda: set(written) <= set(log_lines(ingest)), 20)
+    ingest.wait_for(lambda: set(written) <= set(ingest.log_lines()), 20)
     assert watch.stop().status == 0
     watch.start()  # 20 rotated files, copies and renamed ones: none read again after a restart
     with log.open("a") as fh:
         fh.write("after the restart\n")
     written.append("after the restart")
-    ingest.wait_for(lambda: "after the restart" in log_lines(ingest), 15)
+    ingest.wait_for(lambda: "after the restart" in ingest.log_lines(), 15)
     assert watch.stop().status == 0
-    repeated, lost = report("logrotate create/copytruncate", written, log_lines(ingest))
+    repeated, lost = report("logrotate create/copytruncate", written, ingest.log_lines())
     assert lost == 0
     assert repeated <= len(written) // 100
 
@@ -150,9 +150,9 @@ def test_rotation_every_20_ms_loses_no_generation(ingest: RunningIngest, tmp_pat
                 written.append(f"g{generation:03d}-{i:02d}")
                 writer.info(written[-1])
             time.sleep(0.02)  # pacing the writer: one rotation every 20 ms
-    ingest.wait_for(lambda: set(written) <= set(log_lines(ingest)), 20)
+    ingest.wait_for(lambda: set(written) <= set(ingest.log_lines()), 20)
     assert watch.stop().status == 0
-    received = log_lines(ingest)
+    received = ingest.log_lines()
     generations = {line.split("-")[0] for line in written} - {
         line.split("-")[0] for line in received}
     print(f"rotation every 20 ms: {len(generations)} of 100 generations lost")
@@ -242,16 +242,16 @@ def test_a_cri_line_cut_by_sigkill_between_p_and_f(ingest: RunningIngest, tmp_pa
     log = folder / "0.log"
     log.write_text(f"{CRI_TS} stdout F before\n{CRI_TS} stdout P first half, \n")
     watch = Watch(ingest, tmp_path, "--log", str(log)).start()
-    ingest.wait_for(lambda: log_lines(ingest) == ["before"], 10)
+    ingest.wait_for(lambda: ingest.log_lines() == ["before"], 10)
     wait_until(lambda: log.stat().st_size in committed_offsets(tmp_path), 10,
                "the P piece committed")
     watch.stop(signal.SIGKILL)
     with log.open("a") as fh:
         fh.write(f"{CRI_TS} stdout F second half\n")
     watch.start()
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= 2, 10)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= 2, 10)
     assert watch.stop().status == 0
-    assert log_lines(ingest) == ["before", "first half, second half"]
+    assert ingest.log_lines() == ["before", "first half, second half"]
 
 
 def test_a_40_byte_file_is_read_once_across_restarts(ingest: RunningIngest, tmp_path: Path,
@@ -261,20 +261,20 @@ def test_a_40_byte_file_is_read_once_across_restarts(ingest: RunningIngest, tmp_
     assert len(first) == 40
     log.write_text(first)
     watch = Watch(ingest, tmp_path, "--log", str(log)).start()
-    ingest.wait_for(lambda: log_lines(ingest) == [first.strip()], 10)
+    ingest.wait_for(lambda: ingest.log_lines() == [first.strip()], 10)
     wait_until(lambda: 40 in committed_offsets(tmp_path), 10, "the short file committed")
     watch.stop(signal.SIGKILL)
     watch.start()
     with log.open("a") as fh:  # grows past the fingerprint's length while read
         fh.write("x" * 300 + "\n")
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= 2, 10)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= 2, 10)
     assert watch.stop().status == 0
     watch.start()
     with log.open("a") as fh:
         fh.write("last\n")
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= 3, 10)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= 3, 10)
     assert watch.stop().status == 0
-    assert log_lines(ingest) == [first.strip(), "x" * 300, "last"]
+    assert ingest.log_lines() == [first.strip(), "x" * 300, "last"]
 
 
 # -- what each source matched ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ NOT_FOR_A_DAEMON = (
 
 DAEMON_IMPORTS = """
 import json, sys
-from sidecar import cli, daemon, pipeline
+from sidecar import cli, pipeline, runtime, watch
 from sidecar.observe import endpoint as status
 from sidecar.sources.telemetry import environment, sampler
 from sidecar.sources.telemetry.nvml import bindings

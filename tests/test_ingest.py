@@ -375,3 +375,12 @@ async def test_at_most_64_kib_of_an_answer_is_read() -> None:
         await runner.cleanup()
     assert answer.ok
     assert sent <= 32 << 20, f"{sent >> 20} MiB of the answer were sent to be read"
+
+
+def test_the_local_ingest_takes_the_client_s_routes_and_only_those() -> None:
+    """`sidecar receive` checks the routes of the client's table, each with its own check: a route
+    added to ROUTES without a check fails at import, and a check no route has is found here."""
+    from sidecar.commands import ingest_checks
+
+    assert set(ingest_checks.ROUTE_NAMES) == {policy.path[1:] for policy in ROUTES.values()}
+    assert set(ingest_checks._BY_NAME) == set(ingest_checks.ROUTE_NAMES)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import signal
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 
 from sidecar.sources.files import jsonl
 from sidecar.sources.files.jsonl import MAX_LINE_BYTES, JsonlParser
-from tests.conftest import RUN_ID, Sidecar, platform_env
+from tests.conftest import RUN_ID, Sidecar, cut_at, platform_env
 from tests.ingest_server import RunningIngest, wait_until
 
 NOW = 1_790_000_000.25  # the read time the caller supplies
@@ -60,12 +59,6 @@ def _follow(parser: JsonlParser, blocks: Sequence[bytes], now: float = NOW) -> F
 
 def _parse(text: str, parser: JsonlParser | None = None) -> Fed:
     return _follow(parser or JsonlParser(), [text.encode()])
-
-
-def _blocks(data: bytes, cuts: Sequence[int]) -> list[bytes]:
-    """`data` cut at the given offsets (any order, duplicates allowed)."""
-    points = sorted({min(max(c, 0), len(data)) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 def _by_key(fed: Fed) -> dict[str, dict[str, Any]]:
@@ -263,7 +256,7 @@ def test_over_long_line_is_skipped_and_counted_without_holding_it() -> None:
     chunk = 1 << 20  # what a follower reads at a time
     long_line = b'{"huge": "' + b"x" * (MAX_LINE_BYTES + 3 * chunk) + b'"}\n'
     data = b'{"a": 1}\n' + long_line + b'{"b": 2}\n'
-    fed = _follow(JsonlParser(), _blocks(data, range(0, len(data), chunk)))
+    fed = _follow(JsonlParser(), cut_at(data, range(0, len(data), chunk)))
     assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 1)]
     assert fed.unusable == 1
     assert fed.left == b""
@@ -275,7 +268,7 @@ def test_over_long_line_skipping_ends_at_its_newline_even_in_small_pieces(
     monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", 32)
     data = b'{"a": 1}\n' + b"y" * 200 + b'\n{"b": 2}\n{"c": 3}\n'
     parser = JsonlParser()
-    fed = _follow(parser, _blocks(data, range(0, len(data), 7)))
+    fed = _follow(parser, cut_at(data, range(0, len(data), 7)))
     assert [(p["key"], p["step"]) for p in fed.points] == [("a", 0), ("b", 1), ("c", 2)]
     assert fed.unusable == 1
     assert fed.most_held <= 32 + 7
@@ -285,7 +278,7 @@ def test_over_long_line_skipping_ends_at_its_newline_even_in_small_pieces(
 def test_over_long_line_is_skipped_however_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", 64)
     data = json.dumps({"loss": 1, "pad": "z" * 100}).encode() + b"\n"
-    in_pieces = _follow(JsonlParser(), _blocks(data, range(0, len(data), 8)))
+    in_pieces = _follow(JsonlParser(), cut_at(data, range(0, len(data), 8)))
     whole = _follow(JsonlParser(), [data])
     assert (in_pieces.points, in_pieces.unusable) == ([], 1)
     assert (whole.points, whole.unusable) == ([], 1)
@@ -302,7 +295,7 @@ _cuts = st.lists(st.integers(min_value=0, max_value=700), max_size=30)
 def test_random_bytes_never_raise_and_split_anywhere_gives_the_same_result(
         data: bytes, cuts: list[int]) -> None:
     whole = _follow(JsonlParser(), [data])
-    split = _follow(JsonlParser(), _blocks(data, cuts))
+    split = _follow(JsonlParser(), cut_at(data, cuts))
     assert split.points == whole.points
     assert split.unusable == whole.unusable
     assert split.invalid == whole.invalid
@@ -331,7 +324,7 @@ def test_splitting_json_lines_at_any_byte_gives_the_same_points(
     data = b"\n".join(lines) + (b"\n" if tail else b"")
     one, many = JsonlParser(), JsonlParser()
     whole = _follow(one, [data])
-    split = _follow(many, _blocks(data, cuts))
+    split = _follow(many, cut_at(data, cuts))
     assert split.points == whole.points
     assert (split.unusable, split.records, split.invalid) == (
         whole.unusable, whole.records, whole.invalid)

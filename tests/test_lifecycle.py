@@ -16,10 +16,6 @@ from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 
-def events(ingest: RunningIngest) -> list[str]:
-    return [r["event"] for r in ingest.records("lifecycle")]
-
-
 @pytest.mark.parametrize(("recorded", "event", "refused"), [
     ((), "starting", False), ((), "running", False), ((), "failed", False),
     (("starting",), "running", False), (("starting", "running"), "succeeded", False),
@@ -67,7 +63,7 @@ def test_a_marker_handed_over_after_the_command_exited_is_refused(ingest: Runnin
     assert done.status == 1, done.stderr
     answer = told.read_bytes()
     assert answer.startswith(b"1 ") and b"refused: the command has exited" in answer, answer
-    assert events(ingest) == ["starting", "failed"]
+    assert ingest.events() == ["starting", "failed"]
     assert b"`sidecar lifecycle running` refused: the command has exited" in done.stderr
 
 
@@ -88,7 +84,7 @@ def test_a_standalone_lifecycle_beside_a_run_is_refused_naming_it_and_replay_rep
     go = tmp_path / "go"
     run = Sidecar(["run", "--", *python_child(WAITS), str(go)], env, tmp_path / "run")
     try:
-        ingest.wait_for(lambda: events(ingest) == ["starting", "running"], 20)
+        ingest.wait_for(lambda: ingest.events() == ["starting", "running"], 20)
         beside = sidecar(["lifecycle", "succeeded"], env, tmp_path / "beside")
     finally:
         go.touch()
@@ -99,12 +95,12 @@ def test_a_standalone_lifecycle_beside_a_run_is_refused_naming_it_and_replay_rep
     assert f"PID {run.proc.pid}" in err and "Traceback" not in err, err
     replayed = sidecar(["replay"], env, tmp_path / "replay")
     assert replayed.status == 0, replayed.stderr
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     after = sidecar(["lifecycle", "failed"], env, tmp_path / "after")  # the run has ended
     assert after.status == 1 and b"refused: the run has ended" in after.stderr, after.stderr
     again = sidecar(["lifecycle", "succeeded"], env, tmp_path / "again")  # a repeat: nothing to do
     assert again.status == 0, again.stderr
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
 
 
 def test_a_run_whose_journal_holds_its_end_runs_the_command_and_posts_nothing_more(
@@ -120,7 +116,7 @@ def test_a_run_whose_journal_holds_its_end_runs_the_command_and_posts_nothing_mo
     done = sidecar(["run", "--", *python_child("print('trained')")], env, tmp_path / "sc")
     err = done.stderr.decode()
     assert done.status == 0 and done.stdout == b"trained\n", err
-    assert events(ingest) == []
+    assert ingest.events() == []
     assert "already holds the end of run" in err and "Traceback" not in err, err
 
 
@@ -149,7 +145,7 @@ def test_hand_off_clients_that_leave_before_their_answer_cost_a_line_at_most(
     assert "Traceback" not in err and "Unhandled exception" not in err, err[:2000]
     assert err.count("went away before its answer") <= 2, err
     assert all(" sidecar " in line for line in err.splitlines()), err  # each line one of ours
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
 
 
 def test_a_short_run_against_an_ingest_that_restarts_posts_its_whole_lifecycle(
@@ -174,5 +170,5 @@ def test_a_short_run_against_an_ingest_that_restarts_posts_its_whole_lifecycle(
     [waits] = [line for line in done.stderr.decode().splitlines() if "waiting up to" in line]
     assert "(--drain-timeout) for the ingest to take what is left (failing now: " in waits
     assert "no payload of this run was accepted" not in done.stderr.decode()
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     assert "bye" in "".join(c for body in ingest.records("logs") for c in body["chunks"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -16,18 +15,13 @@ from sidecar.sources.console.lines import (
     QUIET_FLUSH_S,
     LineAssembler,
 )
+from tests.conftest import cut_at
 
 TOKEN = "tok-SECRET-0123456789abcdef"
 PREFIX = "[n1] "
 
 
 SECRETS = Secrets([TOKEN])
-
-
-def _blocks(data: bytes, cuts: Sequence[int]) -> list[bytes]:
-    """`data` cut at the given offsets (any order, duplicates allowed)."""
-    points = sorted({min(max(c, 0), len(data)) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 def _feed_all(asm: LineAssembler, blocks: Sequence[bytes], now: float = 0.0) -> list[str]:
@@ -62,14 +56,14 @@ _cuts = st.lists(st.integers(min_value=0, max_value=400), max_size=30)
 
 @given(data=_no_cr_data, cuts=_cuts)
 def test_any_split_gives_the_one_shot_decoding(data: bytes, cuts: list[int]) -> None:
-    out = _feed_all(LineAssembler(), _blocks(data, cuts))
+    out = _feed_all(LineAssembler(), cut_at(data, cuts))
     assert "".join(out) == data.decode("utf-8", "replace")
 
 
 @given(data=_no_cr_data, cuts=_cuts)
 def test_feed_without_a_quiet_tick_returns_only_whole_lines(data: bytes, cuts: list[int]) -> None:
     asm = LineAssembler()
-    for block in _blocks(data, cuts):
+    for block in cut_at(data, cuts):
         out = asm.feed(block, 0.0)
         assert out == "" or out.endswith("\n")
         assert asm.tick(QUIET_FLUSH_S / 2) == ""
@@ -104,7 +98,7 @@ def test_random_bytes_never_raise(data: bytes, cuts: list[int], times: list[floa
     asm = LineAssembler(prefix=PREFIX, secrets=SECRETS, max_line_chars=16)
     now = 0.0
     out: list[str] = []
-    for i, block in enumerate(_blocks(data, cuts)):
+    for i, block in enumerate(cut_at(data, cuts)):
         out.append(asm.feed(block, now))
         now += times[i] if i < len(times) else 0.5
         out.append(asm.tick(now))
@@ -145,7 +139,7 @@ def test_quiet_ticks_lose_and_repeat_nothing(data: bytes, cuts: list[int],
     asm = LineAssembler(prefix=PREFIX)
     out: list[str] = []
     now = 0.0
-    for i, block in enumerate(_blocks(data, cuts)):
+    for i, block in enumerate(cut_at(data, cuts)):
         out.append(asm.feed(block, now))
         last_feed = now
         now += pauses[i] if i < len(pauses) else 0.0
@@ -210,7 +204,7 @@ def test_split_lines_respect_the_limit_for_any_blocks(lines: list[int], cuts: li
                                                       limit: int) -> None:
     text = "".join(_line_chars(n, salt=i) + "\n" for i, n in enumerate(lines))
     data = text.encode()
-    out = "".join(_feed_all(LineAssembler(max_line_chars=limit), _blocks(data, cuts)))
+    out = "".join(_feed_all(LineAssembler(max_line_chars=limit), cut_at(data, cuts)))
     assert all(len(line) <= limit for line in out.split("\n"))
     assert out.replace("\n", "") == text.replace("\n", "")
     assert out.endswith("\n")
@@ -316,7 +310,7 @@ def test_token_is_masked_when_split_at_any_byte_across_two_blocks() -> None:
        cuts=st.lists(st.integers(min_value=0, max_value=80), max_size=6))
 def test_token_never_appears_in_output(before: str, cuts: list[int]) -> None:
     data = f"{before}{TOKEN}{before}\n{TOKEN}\n".encode()
-    out = "".join(_feed_all(LineAssembler(secrets=SECRETS, prefix=PREFIX), _blocks(data, cuts)))
+    out = "".join(_feed_all(LineAssembler(secrets=SECRETS, prefix=PREFIX), cut_at(data, cuts)))
     assert TOKEN not in out
     assert out == _prefixed(f"{before}***{before}\n***\n", PREFIX)
 
@@ -411,7 +405,7 @@ def test_a_token_overwritten_by_a_progress_bar_leaves_nothing_of_it(overwrite: s
     for tick in (False, True):
         asm = LineAssembler(secrets=SECRETS)
         out = []
-        for i, block in enumerate(_blocks(data, cuts)):
+        for i, block in enumerate(cut_at(data, cuts)):
             out.append(asm.feed(block, i * 2.0))
             if tick:
                 out.append(asm.tick(i * 2.0 + QUIET_FLUSH_S))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 from sidecar.masking import Secrets
 from sidecar.sources.console.lines import MAX_LINE_CHARS
 from sidecar.sources.files.logfile import FIND_LINE_BYTES, LogFileParser, count_lines
+from tests.conftest import cut_at
 
 TOKEN = "tok-SECRET-0123456789abcdef"
 TS = b"2026-11-30T10:00:00.123456789Z"
@@ -50,12 +50,6 @@ def _follow(parser: LogFileParser, blocks: Sequence[bytes], now: float = 0.0) ->
         fed.records += parsed.records
         fed.skipped += parsed.skipped
     return fed
-
-
-def _blocks(data: bytes, cuts: Sequence[int]) -> list[bytes]:
-    """`data` cut at the given offsets (any order, duplicates allowed)."""
-    points = sorted({min(max(c, 0), len(data)) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 # --- plain -----------------------------------------------------------------------------------
@@ -136,7 +130,7 @@ _plain_piece = st.one_of(
        cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=20))
 def test_plain_split_anywhere_gives_the_text_of_its_whole_lines(
         data: bytes, cuts: list[int]) -> None:
-    fed = _follow(LogFileParser(log_format="plain"), _blocks(data, cuts))
+    fed = _follow(LogFileParser(log_format="plain"), cut_at(data, cuts))
     whole_lines = data[: data.rfind(b"\n") + 1]
     assert fed.text == whole_lines.decode("utf-8", "replace")
     assert fed.left == data[len(whole_lines):]
@@ -247,7 +241,7 @@ def test_cri_split_anywhere_reassembles_each_stream(
         if tag == "F":
             expected += open_pieces[stream] + "\n"
             open_pieces[stream] = ""
-    fed = _follow(LogFileParser(log_format="cri"), _blocks(data, cuts))
+    fed = _follow(LogFileParser(log_format="cri"), cut_at(data, cuts))
     assert fed.text == expected
     assert fed.left == b""
     assert fed.records == sum(tag == "F" for _, tag, _ in entries)

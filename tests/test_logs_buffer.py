@@ -25,10 +25,6 @@ print("the end", flush=True)
 """
 
 
-def log_text(ingest: RunningIngest) -> str:
-    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
-
-
 def steps(text: str) -> list[int]:
     return [int(line[5:]) for line in text.splitlines() if line.startswith("step ")]
 
@@ -42,7 +38,7 @@ def test_a_3_s_outage_mid_run_loses_no_line(ingest: RunningIngest, tmp_path: Pat
                    env, tmp_path / "sc")
     passed = tmp_path / "sc" / "stdout"
     try:
-        ingest.wait_for(lambda: "step 00050" in log_text(ingest), 30, "50 lines arrived")
+        ingest.wait_for(lambda: "step 00050" in ingest.log_text(), 30, "50 lines arrived")
         ingest.stop_listening()
         at_stop = max(steps(passed.read_text()))
         # the outage's length, counted in the command's own lines (20 ms apart, or slower)
@@ -50,14 +46,14 @@ def test_a_3_s_outage_mid_run_loses_no_line(ingest: RunningIngest, tmp_path: Pat
                    "150 lines written during the outage")
         ingest.start_listening()
         at_back = max(steps(passed.read_text()))
-        ingest.wait_for(lambda: f"step {at_back + 50:05d}" in log_text(ingest), 60,
+        ingest.wait_for(lambda: f"step {at_back + 50:05d}" in ingest.log_text(), 60,
                         "50 lines after the outage arrived")
     finally:
         ingest.start_listening()
         go.touch()
     done = proc.wait(60)
     assert done.status == 0, done.stderr
-    text = log_text(ingest)
+    text = ingest.log_text()
     assert "[sidecar]" not in text, MARKER.findall(text)
     got = steps(text)
     assert got == list(range(len(got))), "lines lost, repeated or out of order"
@@ -95,7 +91,7 @@ def test_a_flood_into_a_slow_ingest_keeps_the_end_and_marks_every_drop(
                     *python_child(FLOOD_THEN_CRASH)], env, tmp_path / "sc")
     done = proc.wait(180)
     assert done.status == 1, done.stderr
-    text = log_text(ingest)
+    text = ingest.log_text()
     lines = text.splitlines()
     assert "the real last line" in lines
     traceback = [line for line in lines if line.startswith(("Traceback", "  File", "Runtime"))]

@@ -9,7 +9,6 @@ import pytest
 
 from tests.conftest import TOKEN, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest
-from tests.test_run import log_text
 
 # each a way output puts a token, or a part of it, where a redraw, a cut or a prefix could
 # leave a part of it showing
@@ -43,7 +42,7 @@ def test_no_run_of_the_token_survives_a_redraw(ingest: RunningIngest, tmp_path: 
     done = sidecar(["run", *(["--tty"] if tty else []), "--", *python_child(CHILD), *REDRAWS,
                     "end\n"], env, tmp_path / "sc")
     assert done.status == 0, done.stderr.decode()[-3000:]
-    text = log_text(ingest)
+    text = ingest.log_text()
     assert "end" in text
     assert _runs(text) == [], text
 
@@ -56,7 +55,7 @@ def test_a_log_prefix_holding_the_token_is_refused_at_start(ingest: RunningInges
     assert done.status == 2
     assert b"--log-prefix" in done.stderr
     assert TOKEN[:8].encode() not in done.stderr
-    assert log_text(ingest) == ""
+    assert ingest.log_text() == ""
 
 
 def test_a_followed_cri_file_and_its_path_keep_no_run_of_the_token(ingest: RunningIngest,
@@ -71,7 +70,7 @@ def test_a_followed_cri_file_and_its_path_keep_no_run_of_the_token(ingest: Runni
     done = sidecar(["run", "--log", str(log), "--", *python_child("import time; time.sleep(1)")],
                    env, tmp_path / "sc")
     assert done.status == 0, done.stderr.decode()[-3000:]
-    assert _runs(log_text(ingest)) == [], log_text(ingest)
+    assert _runs(ingest.log_text()) == [], ingest.log_text()
     written = [path for path in state.rglob("*") if path.is_file()]
     assert any(path.name == "offsets.json" for path in written)
     for path in written:

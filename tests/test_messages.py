@@ -20,10 +20,6 @@ from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 
-def events(ingest: RunningIngest) -> list[str]:
-    return [r["event"] for r in ingest.records("lifecycle")]
-
-
 def lines_with(stderr: bytes, text: str) -> list[str]:
     return [line for line in stderr.decode().splitlines() if text in line]
 
@@ -34,7 +30,7 @@ def test_a_marker_that_never_came_is_said_at_the_end(ingest: RunningIngest,
     done = sidecar(["run", "--running-when", "marker", "--", *python_child("print('hi')")], env,
                    tmp_path / "sc")
     assert done.status == 0, done.stderr
-    assert events(ingest) == ["starting", "succeeded"]
+    assert ingest.events() == ["starting", "succeeded"]
     [warning] = lines_with(done.stderr, "never ran `sidecar lifecycle running`")
     assert " WARNING " in warning and "`running` was never posted" in warning
     assert "exited (status 0)" in warning
@@ -47,7 +43,7 @@ def test_a_marker_that_came_is_not_warned_about(ingest: RunningIngest, tmp_path:
     done = sidecar(["run", "--running-when", "marker", "--", *python_child(marked)], env,
                    tmp_path / "sc")
     assert done.status == 0, done.stderr
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     assert lines_with(done.stderr, "never ran") == []
 
 
@@ -189,7 +185,7 @@ def test_an_outage_is_said_waited_out_and_said_over(ingest: RunningIngest,
                   tmp_path / "sc")
     stderr = tmp_path / "sc" / "stderr"
     try:
-        wait_until(lambda: len(log_lines(ingest)) >= 5, 20, "output before the outage")
+        wait_until(lambda: len(ingest.log_lines()) >= 5, 20, "output before the outage")
         ingest.stop_listening()  # between two requests: one a line, 0.1 s apart
         wait_until(lambda: b"/logs: the ingest did not take a payload" in stderr.read_bytes(),
                    20, "the outage said")
@@ -200,7 +196,7 @@ def test_an_outage_is_said_waited_out_and_said_over(ingest: RunningIngest,
         go.touch()
     done = run.wait(60)
     assert done.status == 0, done.stderr
-    received = log_lines(ingest)
+    received = ingest.log_lines()
     numbers = [int(line.removeprefix("line ")) for line in received if line.startswith("line ")]
     assert numbers == list(range(len(numbers))), "a line lost, repeated or out of its place"
     assert not [line for line in received if line.startswith("[sidecar] ")]
@@ -212,10 +208,6 @@ def test_an_outage_is_said_waited_out_and_said_over(ingest: RunningIngest,
                      back), back
     assert lines_with(done.stderr, "dropped") == []
     assert lines_with(done.stderr, "not delivered") == []
-
-
-def log_lines(ingest: RunningIngest) -> list[str]:
-    return "".join(c for body in ingest.records("logs") for c in body["chunks"]).splitlines()
 
 
 def test_a_rejected_token_says_what_is_kept_and_does_not_wait_out_the_drain(
@@ -246,13 +238,13 @@ def test_a_rejected_token_says_what_is_kept_and_does_not_wait_out_the_drain(
     ingest.clear_faults()  # the token fixed: replay delivers what was kept, once
     replayed = sidecar(["replay", "--timeout", "10"], env, tmp_path / "replay")
     assert replayed.status == 0, replayed.stderr
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     if "the command's last output" in kept:  # `bye`, unanswered at the exit (the usual case):
-        assert log_lines(ingest) == [  # replayed, after a line of ours where `hi` was dropped
+        assert ingest.log_lines() == [  # replayed, after a line of ours where `hi` was dropped
             "[sidecar] 3 characters of output were dropped here: the ingest did not take it "
             "(token rejected)", "bye"]
     else:
-        assert log_lines(ingest) == []
+        assert ingest.log_lines() == []
 
 
 def test_an_ingest_never_reachable_is_waited_for_and_what_is_kept_said(

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from tests.conftest import Finished, platform_env, python_child, sidecar
 from tests.ingest_server import RunningIngest
-from tests.test_run import log_text
 
 # Each child waits, instead of sleeping, for two files the test makes: `go` once the sidecar
 # is up (its environment snapshot arrived: the pipeline is imported and posting; what a command
@@ -36,7 +35,7 @@ def run_in_order(ingest: RunningIngest, tmp_path: Path, script: str, last_line: 
         try:
             ingest.wait_for(lambda: bool(ingest.records("environment")), 60, "the sidecar is up")
             go.touch()
-            ingest.wait_for(lambda: last_line in log_text(ingest).splitlines(), 60,
+            ingest.wait_for(lambda: last_line in ingest.log_text().splitlines(), 60,
                             "the last line arrived")
         finally:
             go.touch()
@@ -108,7 +107,7 @@ def test_writes_5_ms_apart_on_two_streams_arrive_in_the_order_written(
         ingest: RunningIngest, tmp_path: Path) -> None:
     done = run_in_order(ingest, tmp_path, ALTERNATING, "line 79 on o", "0.005")
     assert done.status == 0, done.stderr
-    lines = log_text(ingest).splitlines()
+    lines = ingest.log_text().splitlines()
     numbers = [int(line.split()[1]) for line in lines]
     assert numbers == list(range(80)), lines
 
@@ -119,7 +118,7 @@ def test_a_closed_bar_reaches_the_log_before_the_line_printed_after_it(
     comes back up; a line on the other stream would have ended that wait on a shared terminal."""
     done = run_in_order(ingest, tmp_path, BAR_THEN_LINE, "epoch 2 done")
     assert done.status == 0, done.stderr
-    lines = log_text(ingest).splitlines()
+    lines = ingest.log_text().splitlines()
     for epoch in range(3):
         final = lines.index(f"epoch {epoch} done") - 1
         assert lines[final] == "train: 100%|##########| 10/10", lines
@@ -132,7 +131,7 @@ def test_lines_held_by_the_screen_model_go_before_a_later_line_of_the_other_stre
     comes back; on a terminal shared with stdout, stdout's next line would have ended that."""
     done = run_in_order(ingest, tmp_path, NESTED_BARS_THEN_LINE, "epoch 2 done")
     assert done.status == 0, done.stderr
-    lines = log_text(ingest).splitlines()
+    lines = ingest.log_text().splitlines()
     for epoch in range(3):
         at = lines.index(f"epoch {epoch} done")
         assert lines[at - 2:at] == [f"epoch {epoch}: 1/1", "batch 5/5 done"], lines
@@ -156,7 +155,7 @@ def test_a_line_after_a_block_the_terminal_draws_in_slices_comes_after_all_of_it
         ingest: RunningIngest, tmp_path: Path) -> None:
     done = run_in_order(ingest, tmp_path, BIG_REDRAWN_BLOCK_THEN_LINE, "after the block")
     assert done.status == 0, done.stderr
-    lines = log_text(ingest).splitlines()
+    lines = ingest.log_text().splitlines()
     assert lines[-1] == "after the block", lines[-5:]
     assert lines[:2000] == [f"INFO step {n} of the warm-up" for n in range(2000)]  # none cut
 

@@ -45,14 +45,6 @@ def epoch(ts: str) -> float:
     return datetime.fromisoformat(ts).timestamp()
 
 
-def events(ingest: RunningIngest) -> list[str]:
-    return [r["event"] for r in ingest.records("lifecycle")]
-
-
-def log_text(ingest: RunningIngest) -> str:
-    return "".join(c for r in ingest.records("logs") for c in r["chunks"])
-
-
 def stamp(text: str, word: str) -> float:
     line = next(line for line in text.splitlines() if line.startswith(word + " "))
     return float(line.split()[1])
@@ -65,8 +57,8 @@ def test_exit_status_and_lifecycle_in_order(ingest: RunningIngest, tmp_path: Pat
     env = platform_env(ingest, tmp_path / "state")
     done = sidecar(["run", "--", *python_child(STAMPED), str(code)], env, tmp_path / "sc")
     assert done.status == status, done.stderr
-    assert events(ingest) == ["starting", "running", end]
-    text = log_text(ingest)
+    assert ingest.events() == ["starting", "running", end]
+    text = ingest.log_text()
     assert "working\n" in text
     times = {r["event"]: epoch(r["ts"]) for r in ingest.records("lifecycle")}
     assert times["starting"] <= times["running"] <= stamp(text, "first")
@@ -90,8 +82,8 @@ def test_started_with_stdout_closed_the_exit_status_is_the_commands(
     done = run.wait(60)
     assert done.status == code, done.stderr
     assert b"Traceback" not in done.stderr
-    assert events(ingest) == ["starting", "running", end]
-    assert "working\n" in log_text(ingest)
+    assert ingest.events() == ["starting", "running", end]
+    assert "working\n" in ingest.log_text()
 
 
 def test_output_written_the_instant_the_command_starts_reaches_logs(
@@ -102,7 +94,7 @@ def test_output_written_the_instant_the_command_starts_reaches_logs(
     done = sidecar(["run", "--", "/bin/sh", "-c", "echo at once; echo to stderr >&2"], env,
                    tmp_path / "sc")
     assert done.status == 0, done.stderr
-    text = log_text(ingest)
+    text = ingest.log_text()
     assert "at once\n" in text and "to stderr\n" in text
     assert "dropped" not in text
 
@@ -124,7 +116,7 @@ def test_log_rate_caps_a_flood_and_forwards_what_follows_it(ingest: RunningInges
     done = sidecar(["run", "--", *python_child(FLOOD_THEN_QUIET)], env, tmp_path / "sc")
     assert done.status == 0, done.stderr
     assert done.stdout == (b"x" * 99 + b"\n") * 20000 + b"the last line\n"
-    text = log_text(ingest)
+    text = ingest.log_text()
     forwarded = text.count("x" * 99)
     assert 0 < forwarded < 20000 // 4, forwarded  # 0.1 MB of 2 MB, and a little refill
     marked = re.findall(r"\[sidecar\] (\d+) characters of output were dropped here: the "
@@ -183,7 +175,7 @@ def test_endpoint_down_at_start_does_not_delay_the_child(ingest: RunningIngest,
     ingest.start_listening()
     done = run.wait()
     assert done.status == 0, done.stderr
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     times = [epoch(r["ts"]) for r in ingest.records("lifecycle")]
     assert times == sorted(times)
     assert times[1] <= child_started < back  # original times, not delivery times
@@ -194,7 +186,7 @@ def test_logs_failing_never_fails_a_good_run(ingest: RunningIngest, tmp_path: Pa
     env = platform_env(ingest, tmp_path / "state")
     done = sidecar(["run", "--", *python_child("print('hello')")], env, tmp_path / "sc")
     assert done.status == 0
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     assert ingest.records("logs") == []
     assert ingest.stats.routes["logs"].rejected  # it really tried
 
@@ -225,7 +217,7 @@ def test_hung_ingest_does_not_slow_a_fast_writer(ingest: RunningIngest, tmp_path
     took_base, took_hung = stamp(base.stderr.decode(), "took"), stamp(slow.stderr.decode(), "took")
     print(f"child write time: no ingest {took_base:.2f} s, hung ingest {took_hung:.2f} s")
     assert took_hung < 2 * took_base + 1.0
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
 
 
 TRAPS_TERM = """
@@ -250,7 +242,7 @@ def test_sigterm_reaches_the_child(ingest: RunningIngest, tmp_path: Path, child:
     run.proc.send_signal(signal.SIGTERM)
     done = run.wait()
     assert done.status == status
-    assert events(ingest) == ["starting", "running", end]
+    assert ingest.events() == ["starting", "running", end]
     if status == 0:
         assert b"cleaning up" in done.stdout
 
@@ -263,7 +255,7 @@ def test_token_never_printed_or_stored(ingest: RunningIngest, tmp_path: Path) ->
     assert done.status == 1
     assert TOKEN.encode() in done.stdout  # the child's own output stays as it wrote it
     assert TOKEN.encode() not in done.stderr
-    assert "my token is ***!\n" in log_text(ingest), done.stderr.decode()[-3000:]
+    assert "my token is ***!\n" in ingest.log_text(), done.stderr.decode()[-3000:]
     for path in state.rglob("*"):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
@@ -297,7 +289,7 @@ def test_token_reread_after_a_401_is_masked_too(ingest: RunningIngest, tmp_path:
     done = run.wait()
     assert done.status == 0, done.stderr
     assert TOKEN.encode() in done.stdout  # the child's own output stays as it wrote it
-    text = log_text(ingest)
+    text = ingest.log_text()
     assert "new token ***\n" in text
     assert TOKEN not in text and old not in text
 
@@ -331,10 +323,10 @@ def test_progress_bar_arrives_as_a_handful_of_lines(ingest: RunningIngest,
     done = sidecar(["run", "--", *python_child(TQDM_CHILD)], env, tmp_path / "sc")
     assert done.status == 0
     assert done.stderr.count(b"\r") >= 400  # the terminal still sees every update
-    bar_lines = [line for line in log_text(ingest).splitlines() if line.startswith("epoch")]
+    bar_lines = [line for line in ingest.log_text().splitlines() if line.startswith("epoch")]
     assert 1 <= len(bar_lines) <= 6, bar_lines
     assert "400/400" in bar_lines[-1]
-    assert "\r" not in log_text(ingest)
+    assert "\r" not in ingest.log_text()
 
 
 MARKED = """
@@ -353,7 +345,7 @@ def test_running_when_marker(ingest: RunningIngest, tmp_path: Path) -> None:
     done = sidecar(["run", "--running-when", "marker", "--", *python_child(MARKED)], env,
                    tmp_path / "sc")
     assert done.status == 0, done.stderr
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     running = epoch(ingest.records("lifecycle")[1]["ts"])
     text = done.stdout.decode()
     assert stamp(text, "setup") < running < stamp(text, "training")
@@ -384,7 +376,7 @@ def test_only_the_wrapped_command_hands_over_running_and_at_the_wrappers_time(
     assert done.status == 0, done.stderr
     text = done.stdout.decode()
     assert text.count("forged False") == 2, text
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     running = epoch(ingest.records("lifecycle")[1]["ts"])
     assert stamp(text, "setup") < running < stamp(text, "training")
 
@@ -392,7 +384,7 @@ def test_only_the_wrapped_command_hands_over_running_and_at_the_wrappers_time(
 def test_lifecycle_command_outside_a_wrapper(ingest: RunningIngest, tmp_path: Path) -> None:
     env = platform_env(ingest, tmp_path / "state")
     assert sidecar(["lifecycle", "running"], env, tmp_path / "a").status == 0
-    assert events(ingest) == ["running"]
+    assert ingest.events() == ["running"]
     ingest.stop_listening()
     done = sidecar(["lifecycle", "failed", "--timeout", "1"], env, tmp_path / "b")
     assert done.status == 1
@@ -415,7 +407,7 @@ def test_events_left_by_a_killed_sidecar_are_replayed_first_and_not_recorded_aga
     ingest.start_listening()
     done = sidecar(["run", "--", *python_child("pass")], env, tmp_path / "two")
     assert done.status == 0
-    assert events(ingest) == ["starting", "running", "succeeded"]
+    assert ingest.events() == ["starting", "running", "succeeded"]
     assert "already holds starting, running from an earlier start" in done.stderr.decode()
 
 
@@ -430,8 +422,8 @@ def test_missing_command_is_a_configuration_error(ingest: RunningIngest, tmp_pat
     assert b"no command" in done.stderr
     missing = sidecar(["run", "--", "/nonexistent/train.sh"], env, tmp_path / "sc2")
     assert missing.status == 127
-    assert events(ingest) == ["starting", "failed"]  # never running: nothing to bill
-    assert log_text(ingest) == ("[sidecar] run failed: exit status 127 after 0s; likely cause: "
+    assert ingest.events() == ["starting", "failed"]  # never running: nothing to bill
+    assert ingest.log_text() == ("[sidecar] run failed: exit status 127 after 0s; likely cause: "
                                 "cannot start '/nonexistent/train.sh': No such file or "
                                 "directory\n")
 
@@ -454,7 +446,7 @@ def test_tuneplane_family_sends_its_own_header(tmp_path: Path) -> None:
         done = sidecar(["run", "--token-file", str(token_file), "--", sys.executable, "-c",
                         "print(1)"], env, tmp_path / "sc")
         assert done.status == 0, done.stderr
-        assert events(ingest) == ["starting", "running", "succeeded"]
+        assert ingest.events() == ["starting", "running", "succeeded"]
 
 
 ORPHAN_MAKER = """

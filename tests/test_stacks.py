@@ -64,10 +64,6 @@ RANK0 = re.compile(r"^\[sidecar\]   rank 0: all_reduce( \[[^]]+\])? <- <module> 
 RANK1 = re.compile(r"^\[sidecar\]   rank 1: rank_one_is_elsewhere \(hang\.py:\d+\)$")
 
 
-def log_lines(ingest: RunningIngest) -> list[str]:
-    return "".join(c for r in ingest.records("logs") for c in r["chunks"]).splitlines()
-
-
 def block(lines: list[str], heading: str) -> list[str]:
     """The lines of the stacks block whose heading contains `heading`."""
     for i, line in enumerate(lines):
@@ -104,8 +100,8 @@ def hung(ingest: RunningIngest, tmp_path: Path) -> Iterator[tuple[Sidecar, Path]
 def test_at_a_stall_one_block_names_each_rank_where_it_is_and_the_run_goes_on(
         ingest: RunningIngest, tmp_path: Path, hung: tuple[Sidecar, Path]) -> None:
     proc, release = hung
-    wait_until(lambda: block(log_lines(ingest), "at the stall"), 60, "the stacks block")
-    lines = block(log_lines(ingest), "at the stall")
+    wait_until(lambda: block(ingest.log_lines(), "at the stall"), 60, "the stacks block")
+    lines = block(ingest.log_lines(), "at the stall")
     assert "3 processes" in lines[0] and "/stacks/last" in lines[0], lines
     assert any(RANK0.match(line) for line in lines), lines
     assert any(RANK1.match(line) for line in lines), lines
@@ -113,7 +109,7 @@ def test_at_a_stall_one_block_names_each_rank_where_it_is_and_the_run_goes_on(
                for line in lines), lines  # the launcher, without a rank
     assert any(re.search(r"last output by rank \(UTC\): rank \d at [\d:]+ \(quiet first\), "
                          r"rank \d at", line) for line in lines), lines
-    all_lines = log_lines(ingest)
+    all_lines = ingest.log_lines()
     assert all_lines.index(lines[0]) > next(
         i for i, line in enumerate(all_lines) if "no output and no new metric step" in line)
     # the full dump in the state folder
@@ -137,10 +133,10 @@ def test_at_a_stall_one_block_names_each_rank_where_it_is_and_the_run_goes_on(
     done = proc.wait(60)
     assert done.status == 0, done.stderr.decode()
     # both ranks' last lines, wherever a chunk put them (two processes write the one pipe)
-    wait_until(lambda: all(done_line in "\n".join(log_lines(ingest))
+    wait_until(lambda: all(done_line in "\n".join(ingest.log_lines())
                            for done_line in ("[rank0]: done 2", "[rank1]: done 2")),
                10, "both ranks' last lines")
-    assert len([line for line in log_lines(ingest) if line.startswith("[sidecar] stacks of")]) == 1
+    assert len([line for line in ingest.log_lines() if line.startswith("[sidecar] stacks of")]) == 1
 
 
 def test_a_sigterm_to_a_stalled_run_takes_the_stacks_first_and_the_summary_names_them(
@@ -148,11 +144,11 @@ def test_a_sigterm_to_a_stalled_run_takes_the_stacks_first_and_the_summary_names
     proc, _ = hung
     # at once: the stall's own look may still be under way (its native pass takes seconds)
     wait_until(lambda: any("no output and no new metric step" in line
-                           for line in log_lines(ingest)), 60, "the stall")
+                           for line in ingest.log_lines()), 60, "the stall")
     proc.proc.send_signal(signal.SIGTERM)
     done = proc.wait(60)
     assert done.status == 128 + signal.SIGTERM or done.status != 0
-    lines = log_lines(ingest)
+    lines = ingest.log_lines()
     sigterm = block(lines, "at SIGTERM")
     assert sigterm, lines
     assert any(RANK0.match(line) for line in sigterm), sigterm
@@ -181,7 +177,7 @@ def test_without_py_spy_the_stall_line_is_todays(ingest: RunningIngest, tmp_path
                            "1", "--", sys.executable, "-c", script], env=env,
                           capture_output=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr.decode()
-    lines = log_lines(ingest)
+    lines = ingest.log_lines()
     assert any("no output and no new metric step" in line for line in lines), lines
     assert not any(line.startswith("[sidecar] stacks") for line in lines)
     assert b"py-spy is not installed here" in done.stderr
@@ -265,7 +261,7 @@ def test_watch_reads_the_ranked_processes_it_can_see(ingest: RunningIngest,
                        tmp_path / "watch")
 
         def said() -> list[str]:
-            lines = log_lines(ingest)
+            lines = ingest.log_lines()
             return [line for line in lines if re.match(
                 r"\[sidecar\]   rank 0: waiting_for_data \(<string>:\d+\)$", line)
                 or "cannot be taken: ptrace is not allowed here" in line]

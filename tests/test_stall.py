@@ -27,10 +27,6 @@ STALLED = re.compile(r"\[sidecar\] no output and no new metric step for (\d+)s; 
 RESUMED = re.compile(r"\[sidecar\] output resumed after (\d+)s$")
 
 
-def log_lines(ingest: RunningIngest) -> list[str]:
-    return "".join(c for r in ingest.records("logs") for c in r["chunks"]).splitlines()
-
-
 def stalled_gauge(address: str) -> float:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as answer:
         text = answer.read().decode()
@@ -46,17 +42,17 @@ def test_stall_after_2(ingest: RunningIngest, tmp_path: Path) -> None:
     addr_file = tmp_path / "state" / RUN_ID / "status-addr"
     wait_until(addr_file.exists, 20, "the status endpoint is up")
     address = addr_file.read_text().strip()
-    wait_until(lambda: any(STALLED.match(line) for line in log_lines(ingest)), 20,
+    wait_until(lambda: any(STALLED.match(line) for line in ingest.log_lines()), 20,
                "the stall is said")
     assert stalled_gauge(address) >= 2.0
     resume.touch()
-    wait_until(lambda: any(RESUMED.match(line) for line in log_lines(ingest)), 20,
+    wait_until(lambda: any(RESUMED.match(line) for line in ingest.log_lines()), 20,
                "the resume is said")
     assert stalled_gauge(address) == 0.0
     finish.touch()
     done = proc.wait(30)
     assert done.status == 0  # a stall is never a failure
-    lines = log_lines(ingest)
+    lines = ingest.log_lines()
     stalls = [line for line in lines if STALLED.match(line)]
     resumes = [line for line in lines if RESUMED.match(line)]
     assert len(stalls) == 1 and len(resumes) == 1, lines
@@ -135,16 +131,16 @@ def test_watch_a_new_metric_step_ends_a_stall_and_a_repeated_step_does_not(
     def points() -> int:
         return sum(len(r["points"]) for r in ingest.records("metrics"))
 
-    wait_until(lambda: any(STALLED.match(line) for line in log_lines(ingest)), 20,
+    wait_until(lambda: any(STALLED.match(line) for line in ingest.log_lines()), 20,
                "the stall is said")
     with metrics.open("a") as fh:
         fh.write('{"step": 1, "loss": 0.4}\n')  # the same step again: no progress
     wait_until(lambda: points() == 2, 20, "the repeated step's point arrived")
-    assert not any(RESUMED.match(line) for line in log_lines(ingest))
+    assert not any(RESUMED.match(line) for line in ingest.log_lines())
     with metrics.open("a") as fh:
         fh.write('{"step": 2, "loss": 0.3}\n')
-    wait_until(lambda: any(RESUMED.match(line) for line in log_lines(ingest)), 20,
+    wait_until(lambda: any(RESUMED.match(line) for line in ingest.log_lines()), 20,
                "the resume is said")
     proc.proc.terminate()
     assert proc.wait(30).status == 0
-    assert len([line for line in log_lines(ingest) if STALLED.match(line)]) == 1
+    assert len([line for line in ingest.log_lines() if STALLED.match(line)]) == 1

@@ -25,10 +25,6 @@ from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest, wait_until
 
 
-def log_lines(ingest: RunningIngest) -> list[str]:
-    return "".join(c for r in ingest.records("logs") for c in r["chunks"]).splitlines()
-
-
 def points(ingest: RunningIngest) -> list[dict[str, object]]:
     return [p for r in ingest.records("metrics") for p in r["points"]]
 
@@ -73,10 +69,10 @@ def test_lines_and_points_arrive_and_sigterm_drains(ingest: RunningIngest, tmp_p
         fh.write('{"partial": 1')  # never sent half-written
     with log.open("a") as fh:
         fh.write("step 7 done\nno newline yet")
-    ingest.wait_for(lambda: "step 7 done" in log_lines(ingest) and points(ingest), 10)
+    ingest.wait_for(lambda: "step 7 done" in ingest.log_lines() and points(ingest), 10)
     done = watch.stop()
     assert done.status == 0, done.stderr
-    assert log_lines(ingest) == ["before the sidecar started", "step 7 done", "no newline yet"]
+    assert ingest.log_lines() == ["before the sidecar started", "step 7 done", "no newline yet"]
     assert sorted((p["key"], p["step"], p["value"]) for p in points(ingest)) == [
         ("acc/top1", 7, 0.5), ("loss", 7, 0.25)]
 
@@ -89,9 +85,9 @@ def test_a_large_file_goes_out_in_full_requests(ingest: RunningIngest, tmp_path:
     written = [f"line {i:07d} " + "x" * 86 for i in range(60_000)]  # 100 B each, 6 MB
     log.write_text("".join(line + "\n" for line in written))
     watch = Watch(ingest, tmp_path, "--log", str(log)).start()
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= len(written), 30)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= len(written), 30)
     assert watch.stop().status == 0
-    assert log_lines(ingest) == written
+    assert ingest.log_lines() == written
     assert len(ingest.records("logs")) <= math.ceil(6_000_000 / MAX_REQUEST_CHARS)
 
 
@@ -121,9 +117,9 @@ def test_a_steady_trickle_costs_about_a_request_a_second_per_route(
         os.close(log_fd)
         os.close(metrics_fd)
     elapsed = time.monotonic() - began
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= 60 and len(points(ingest)) >= 13, 15)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= 60 and len(points(ingest)) >= 13, 15)
     assert watch.stop().status == 0
-    assert log_lines(ingest) == lines
+    assert ingest.log_lines() == lines
     assert sorted(int(str(p["step"])) for p in points(ingest)) == [-1, *range(0, 60, 5)]
     most = elapsed / PACE_S + 3  # the lone first one, the pace, the drain at the stop
     for route in ("logs", "metrics"):
@@ -137,7 +133,7 @@ def test_a_file_in_a_folder_that_does_not_exist_yet(ingest: RunningIngest, tmp_p
     watch = Watch(ingest, tmp_path, "--log", str(later / "*.log")).start()
     later.mkdir(parents=True)
     (later / "rank0.log").write_text("appeared\n")
-    ingest.wait_for(lambda: log_lines(ingest) == ["appeared"], 10)
+    ingest.wait_for(lambda: ingest.log_lines() == ["appeared"], 10)
     assert watch.stop().status == 0
 
 
@@ -178,15 +174,15 @@ def test_several_writers_in_one_folder(ingest: RunningIngest, tmp_path: Path,
     writer.write(files[0], 3, "r0")  # the oldest file grows after newer ones appeared
     for fh in files:
         fh.close()
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= len(writer.written), 15)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= len(writer.written), 15)
     assert watch.stop().status == 0
-    assert_same_lines_in_order(writer.written, log_lines(ingest))
+    assert_same_lines_in_order(writer.written, ingest.log_lines())
 
 
 def write_generation(fh: IO[str], writer: Writer, ingest: RunningIngest, tag: str) -> None:
     """Lines of which the sidecar has seen some (so it has the file open) and some not yet."""
     writer.write(fh, 40, tag)
-    ingest.wait_for(lambda: any(line.startswith(tag + "-") for line in log_lines(ingest)), 10,
+    ingest.wait_for(lambda: any(line.startswith(tag + "-") for line in ingest.log_lines()), 10,
                     f"the sidecar reading {tag}")
     writer.write(fh, 10, tag)
 
@@ -202,13 +198,13 @@ def rotate_by_hand(kind: str, log: Path, fh: IO[str], writer: Writer, ingest: Ru
         return new
     if kind == "truncate":
         seen = len(writer.written)
-        ingest.wait_for(lambda: len(log_lines(ingest)) >= seen, 10, "read before truncation")
+        ingest.wait_for(lambda: len(ingest.log_lines()) >= seen, 10, "read before truncation")
         fh.truncate(0)
         fh.seek(0)
         return fh
     if kind == "delete":
         seen = len(writer.written)
-        ingest.wait_for(lambda: len(log_lines(ingest)) >= seen, 10, "read before deletion")
+        ingest.wait_for(lambda: len(ingest.log_lines()) >= seen, 10, "read before deletion")
         fh.close()
         log.unlink()
         return open(log, "a")
@@ -227,9 +223,9 @@ def test_rotation_by_hand_loses_and_repeats_nothing(ingest: RunningIngest, tmp_p
         fh = rotate_by_hand(kind, log, fh, writer, ingest, generation)
     writer.write(fh, 50, "g9")
     fh.close()
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= len(writer.written), 15)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= len(writer.written), 15)
     assert watch.stop().status == 0
-    assert_same_lines_in_order(writer.written, log_lines(ingest))
+    assert_same_lines_in_order(writer.written, ingest.log_lines())
 
 
 LOGROTATE = shutil.which("logrotate") or "/usr/sbin/logrotate"
@@ -255,9 +251,9 @@ def test_rotation_by_logrotate(ingest: RunningIngest, tmp_path: Path, folder: Pa
             fh = open(log, "a")  # noqa: SIM115
     writer.write(fh, 40, "g9")
     fh.close()
-    ingest.wait_for(lambda: len(log_lines(ingest)) >= len(writer.written), 15)
+    ingest.wait_for(lambda: len(ingest.log_lines()) >= len(writer.written), 15)
     assert watch.stop().status == 0
-    assert_same_lines_in_order(writer.written, log_lines(ingest))
+    assert_same_lines_in_order(writer.written, ingest.log_lines())
 
 
 def test_kubelet_cri_logs_with_partial_lines_and_rotation(ingest: RunningIngest, tmp_path: Path,
@@ -267,12 +263,12 @@ def test_kubelet_cri_logs_with_partial_lines_and_rotation(ingest: RunningIngest,
     log.write_text(f"{ts} stdout P first half, \n{ts} stderr F an error\n"
                    f"{ts} stdout F second half\n")
     watch = Watch(ingest, tmp_path, "--log", str(folder / "*.log")).start()
-    ingest.wait_for(lambda: len(log_lines(ingest)) == 2, 10)
+    ingest.wait_for(lambda: len(ingest.log_lines()) == 2, 10)
     log.rename(folder / "0.log.20261130-100001")
     (folder / "0.log").write_text(f"{ts} stdout F after rotation\n")
-    ingest.wait_for(lambda: len(log_lines(ingest)) == 3, 10)
+    ingest.wait_for(lambda: len(ingest.log_lines()) == 3, 10)
     assert watch.stop().status == 0
-    assert log_lines(ingest) == ["an error", "first half, second half", "after rotation"]
+    assert ingest.log_lines() == ["an error", "first half, second half", "after rotation"]
 
 
 def test_a_new_file_on_a_reused_inode_is_read_from_its_start(ingest: RunningIngest,
@@ -288,7 +284,7 @@ def test_a_new_file_on_a_reused_inode_is_read_from_its_start(ingest: RunningInge
     (run_dir / "offsets.json").write_text(json.dumps(
         {"version": 1, "files": {f"{st.st_dev}:{st.st_ino}": stale}}))
     watch = Watch(ingest, tmp_path, "--log", str(log)).start()
-    ingest.wait_for(lambda: log_lines(ingest) == ["a different file now"], 10)
+    ingest.wait_for(lambda: ingest.log_lines() == ["a different file now"], 10)
     assert watch.stop().status == 0
 
 
@@ -301,7 +297,7 @@ def test_a_corrupt_checkpoint_is_set_aside_not_a_crash_loop(ingest: RunningInges
     run_dir.mkdir(parents=True)
     (run_dir / "offsets.json").write_bytes(b"\x00garbage{")
     watch = Watch(ingest, tmp_path, "--log", str(log)).start()
-    ingest.wait_for(lambda: log_lines(ingest) == ["line"], 10)
+    ingest.wait_for(lambda: ingest.log_lines() == ["line"], 10)
     done = watch.stop()
     assert done.status == 0
     assert done.stderr.count(b"offsets.json is malformed") == 1
@@ -320,10 +316,10 @@ def test_bad_input_is_skipped_and_counted_never_fatal(ingest: RunningIngest, tmp
     watch = Watch(ingest, tmp_path, "--log", str(folder / "*.log"), "--jsonl",
                   str(folder / "*.jsonl")).start()
     ingest.wait_for(lambda: {"after_huge", "ok"} <= {p["key"] for p in points(ingest)}, 20)
-    ingest.wait_for(lambda: "fine" in log_lines(ingest), 10)
+    ingest.wait_for(lambda: "fine" in ingest.log_lines(), 10)
     done = watch.stop()
     assert done.status == 0, done.stderr
-    assert log_lines(ingest)[0] == "\ufffd\ufffd bad utf-8 \ufffd"
+    assert ingest.log_lines()[0] == "\ufffd\ufffd bad utf-8 \ufffd"
 
 
 def test_nan_values_of_a_new_key_every_step_are_named_for_100_keys_then_counted_together(
@@ -414,19 +410,19 @@ def test_sigkill_and_restart_lose_nothing(ingest: RunningIngest, tmp_path: Path,
     rng = random.Random(11)
     for _ in range(5):
         watch.start()
-        target = len(log_lines(ingest)) + rng.randrange(200, 2000)
-        wait_until(lambda t=target: len(log_lines(ingest)) >= t, 20, "progress before the kill")
+        target = len(ingest.log_lines()) + rng.randrange(200, 2000)
+        wait_until(lambda t=target: len(ingest.log_lines()) >= t, 20, "progress before the kill")
         # Kill at a random moment after that progress, not always the instant a big catch-up
         # batch was accepted (this pause picks the moment; it synchronises nothing).
         time.sleep(rng.uniform(0.05, 0.3))
         watch.stop(signal.SIGKILL)
     stop.set()
     watch.start()
-    wait_until(lambda: len(set(log_lines(ingest))) >= len(writer.written)
+    wait_until(lambda: len(set(ingest.log_lines())) >= len(writer.written)
                and len({p["step"] for p in points(ingest)}) >= len(metric_lines), 30,
                "everything delivered after the last restart")
     assert watch.stop().status == 0
-    received = log_lines(ingest)
+    received = ingest.log_lines()
     assert set(received) == set(writer.written)
     steps = [p["step"] for p in points(ingest) if p["key"] == "loss"]
     assert set(steps) == set(range(len(metric_lines)))
@@ -466,9 +462,9 @@ def test_poll_mode_follows_without_file_events(ingest: RunningIngest, tmp_path: 
     with open(log, "a") as fh:
         for tag in ("a", "b", "c"):
             writer.write(fh, 10, tag)
-            ingest.wait_for(lambda t=tag: any(x.startswith(t) for x in log_lines(ingest)), 10)
+            ingest.wait_for(lambda t=tag: any(x.startswith(t) for x in ingest.log_lines()), 10)
     assert watch.stop().status == 0
-    assert log_lines(ingest) == writer.written
+    assert ingest.log_lines() == writer.written
 
 
 def test_a_stall_line_is_never_spliced_into_a_followed_files_open_line(
@@ -480,13 +476,13 @@ def test_a_stall_line_is_never_spliced_into_a_followed_files_open_line(
     watch = Watch(ingest, tmp_path, "--log", str(log), "--stall-after", "2").start()
     ingest.wait_for(lambda: "Downloading shard 3/8: " in "".join(
         c for r in ingest.records("logs") for c in r["chunks"]), 20)
-    ingest.wait_for(lambda: any("output resumed" in line for line in log_lines(ingest)), 20)
+    ingest.wait_for(lambda: any("output resumed" in line for line in ingest.log_lines()), 20)
     with log.open("a") as fh:
         fh.write("done\n")
-    ingest.wait_for(lambda: "done" in log_lines(ingest), 10)
+    ingest.wait_for(lambda: "done" in ingest.log_lines(), 10)
     finished = watch.stop()
     assert finished.status == 0, finished.stderr
-    lines = log_lines(ingest)
+    lines = ingest.log_lines()
     assert [line for line in lines if "[sidecar]" in line and not line.startswith(
         "[sidecar] ")] == [], lines
     assert lines.index("Downloading shard 3/8: ") < lines.index("done"), lines

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.commands import print_out
-from sidecar.config import Config, option, options_of, resolve, unknown_variables
+from sidecar.config import Config, resolve, unknown_variables
 from sidecar.exits import EXIT_CONFIG, EXIT_OK, ConfigError
 from sidecar.masking import MASK, add_secret, mask, mask_doc
+from sidecar.options import option, options_of
 
 VALUE_COLUMN = 40  # where the `# from` comments start, for a table that reads down
 

@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import math
 import os
 import signal
 import socket
@@ -31,300 +30,38 @@ from typing import Any
 from aiohttp import ClientError as aiohttp_ClientError
 from aiohttp import web
 
-from sidecar.records import MAX_POINTS_PER_REQUEST
+from sidecar.commands.ingest_checks import (
+    CHECKS,
+    QUERY_ROUTES,
+    ROUTE_NAMES,
+    Rejected,
+    Reset,
+    item_count,
+    parse_body,
+    shown,
+    text_field,
+)
 
 __all__ = ["DEFAULT_PREFIX", "ROUTE_NAMES", "Hooks", "IngestServer", "IngestStats", "ReceivedRoute",
            "Rejected", "Reset", "serve"]
 
 DEFAULT_PREFIX = "/api/ingest"
-LIFECYCLE_EVENTS = ("starting", "running", "succeeded", "failed")
-ARTIFACT_KINDS = ("checkpoint", "hf_export", "eval_report", "merged_model")
 FAMILY_TOKEN_HEADERS = ("X-StarForge-Token", "X-TunePlane-Token")  # docs/ingest.md#requests
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any batch the sidecar builds; beyond it: 413
 _SHUTDOWN_TIMEOUT_S = 2.0  # handlers still running at stop() are cancelled after this
 _SUMMARY_INTERVAL_S = 1.0
-_MAX_SHOWN_CHARS = 40  # how much of an offending value a rejection reason quotes
 REJECTED_STORE = "rejected.jsonl"  # no route's store name: a route's has no "rejected"
 _MAX_KEPT_BODY_CHARS = 64 * 1024  # of a rejected body, in the rejected store
 # S3's limit on one PUT, 5 GB, read as 10^9 bytes: a margin whichever GB AWS means
-MAX_SINGLE_PUT_BYTES = 5 * 10**9
 OBJECTS_PATH = "/_objects"  # where `sidecar receive` takes uploads itself (LocalObjects)
 OBJECTS_FOLDER = "objects"  # in the store dir
 URL_LIFETIME_S = 3600.0
 _OBJECT_CHUNK_BYTES = 1 << 20
 
 
-class Rejected(Exception):
-    """A request answered with an error status and a reason, and counted as rejected."""
-
-    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.headers = headers or {}
-
-
-class Reset(Exception):
-    """A request whose connection is aborted without an answer."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Field checks: each returns the field's value or raises Rejected(400) naming the field.
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    text = json.dumps(value)
-    return text if len(text) <= _MAX_SHOWN_CHARS else text[: _MAX_SHOWN_CHARS - 3] + "..."
-
-
-def _invalid(path: str, expected: str, value: Any) -> Rejected:
-    return Rejected(400, f"{path} must be {expected}, got {_shown(value)}")
-
-
-def _field(obj: dict[str, Any], name: str, where: str) -> Any:
-    if name not in obj:
-        raise Rejected(400, f"{where}{name} is required")
-    return obj[name]
-
-
-def _text(obj: dict[str, Any], name: str, where: str = "") -> str:
-    value = _field(obj, name, where)
-    if not isinstance(value, str) or not value:
-        raise _invalid(where + name, "a non-empty string", value)
-    return value
-
-
-def _integer(obj: dict[str, Any], name: str, where: str = "") -> int:
-    value = _field(obj, name, where)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _invalid(where + name, "an integer", value)
-    return value
-
-
-def _is_number(value: Any) -> bool:
-    # Finiteness is enforced by the parser, which refuses NaN, Infinity and overflowing floats.
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _number(obj: dict[str, Any], name: str, where: str = "") -> float:
-    value = _field(obj, name, where)
-    if not _is_number(value):
-        raise _invalid(where + name, "a finite number", value)
-    return float(value)
-
-
-def _timestamp(obj: dict[str, Any], name: str, where: str = "") -> str:
-    value = _field(obj, name, where)
-    expected = "an ISO-8601 time with a timezone"
-    if not isinstance(value, str):
-        raise _invalid(where + name, expected, value)
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise _invalid(where + name, expected, value) from None
-    if parsed.utcoffset() is None:
-        raise Rejected(400, f"{where}{name} has no timezone: {_shown(value)}")
-    return value
-
-
-def _choice(obj: dict[str, Any], name: str, choices: tuple[str, ...]) -> str:
-    value = _field(obj, name, "")
-    if value not in choices:
-        raise _invalid(name, "one of " + ", ".join(choices), value)
-    return str(value)
-
-
-def _array(obj: dict[str, Any], name: str, *, non_empty: bool = False) -> list[Any]:
-    value = _field(obj, name, "")
-    if not isinstance(value, list):
-        raise _invalid(name, "an array", value)
-    if non_empty and not value:
-        raise Rejected(400, f"{name} must not be empty")
-    return value
-
-
-def _objects(items: list[Any], name: str) -> list[dict[str, Any]]:
-    for index, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise _invalid(f"{name}[{index}]", "an object", item)
-    return items
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-route body checks (after run_id): one function per route, registered in _ROUTES.
-
-
-def _check_lifecycle(body: dict[str, Any]) -> None:
-    _choice(body, "event", LIFECYCLE_EVENTS)
-    _timestamp(body, "ts")
-
-
-def _check_logs(body: dict[str, Any]) -> None:
-    for index, chunk in enumerate(_array(body, "chunks")):
-        if not isinstance(chunk, str):
-            raise _invalid(f"chunks[{index}]", "a string", chunk)
-    eof = _field(body, "eof", "")
-    if eof is True:
-        raise Rejected(400, "eof is set by the platform; send false")
-    if eof is not False:
-        raise _invalid("eof", "false", eof)
-
-
-def _check_metrics(body: dict[str, Any]) -> None:
-    points = _objects(_array(body, "points", non_empty=True), "points")
-    if len(points) > MAX_POINTS_PER_REQUEST:
-        raise Rejected(
-            400, f"points has {len(points)} items, at most {MAX_POINTS_PER_REQUEST} per request"
-        )
-    for index, point in enumerate(points):
-        where = f"points[{index}]."
-        _text(point, "key", where)
-        _integer(point, "step", where)
-        _number(point, "value", where)
-        _timestamp(point, "ts", where)
-
-
-def _check_hparams(body: dict[str, Any]) -> None:
-    params = _field(body, "params", "")
-    if not isinstance(params, dict):
-        raise _invalid("params", "an object", params)
-    for key, value in params.items():
-        if value is not None and not isinstance(value, str | bool) and not _is_number(value):
-            raise _invalid(f"params.{key}", "a string, number, boolean or null", value)
-
-
-def _check_hardware(body: dict[str, Any]) -> None:
-    _text(body, "node")
-    for index, point in enumerate(_objects(_array(body, "points", non_empty=True), "points")):
-        where = f"points[{index}]."
-        _text(point, "key", where)
-        _number(point, "value", where)
-        _timestamp(point, "ts", where)
-
-
-def _check_environment_nodes(body: dict[str, Any]) -> None:
-    _objects(_array(body, "nodes", non_empty=True), "nodes")
-
-
-def _check_validation(body: dict[str, Any]) -> None:
-    _integer(body, "step")
-    for index, sample in enumerate(_objects(_array(body, "samples"), "samples")):
-        where = f"samples[{index}]."
-        for name in ("user", "assistant"):
-            if not isinstance(_field(sample, name, where), str):
-                raise _invalid(where + name, "a string", sample[name])
-        _number(sample, "reward", where)
-        if "extra" in sample and not isinstance(sample["extra"], dict):
-            raise _invalid(where + "extra", "an object", sample["extra"])
-    _number(body, "avg_reward")
-    # left out when the samples have no correctness field
-    if "accuracy" in body and not 0 <= _number(body, "accuracy") <= 1:
-        raise _invalid("accuracy", "a number from 0 to 1", body["accuracy"])
-    total = _integer(body, "total_chunks")
-    if total < 1:
-        raise _invalid("total_chunks", "an integer, 1 or more", total)
-    index = _integer(body, "chunk_index")
-    if not 0 <= index < total:
-        raise _invalid("chunk_index", f"an integer from 0 to total_chunks - 1 ({total - 1})",
-                       index)
-
-
-def _check_artifact(body: dict[str, Any]) -> None:
-    _choice(body, "kind", ARTIFACT_KINDS)
-    _text(body, "path")
-    _text(body, "format")
-    for name in ("step", "size_bytes"):  # step is left out when unknown
-        if name in body and (_integer(body, name) < 0):
-            raise _invalid(name, "an integer, 0 or more", body[name])
-
-
-def _check_upload_url(body: dict[str, Any]) -> None:
-    name = _text(body, "name")
-    parts = name.split("/")
-    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise Rejected(400, f"name must be a relative, /-separated path, got {_shown(name)}")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
-        raise Rejected(400, f"name holds a control character: {_shown(name)}")
-    size = _integer(body, "size_bytes")
-    if size < 0:
-        raise _invalid("size_bytes", "an integer, 0 or more", size)
-    if size > MAX_SINGLE_PUT_BYTES:
-        raise Rejected(400, f"size_bytes {size} is above the {MAX_SINGLE_PUT_BYTES} bytes one "
-                       "PUT may carry (EntityTooLarge)")
-
-
-def _check_nothing(body: dict[str, Any]) -> None:
-    """Routes whose body is any object carrying run_id."""
-
-
-@dataclass(frozen=True)
-class _Route:
-    check: Callable[[dict[str, Any]], None]
-    items_field: str | None = None  # the batch a 413 splits and the summary counts
-    # its items are text: their UTF-8 bytes count in the summary's log bytes
-    text_items: bool = False
-    # the answer says how many items were inserted
-    answers_inserted: bool = False
-    # its bodies are chunks of rounds (chunk_index of total_chunks, by step): rounds are counted
-    rounds: bool = False
-
-
-_ROUTES: dict[str, _Route] = {
-    "lifecycle": _Route(_check_lifecycle),
-    "logs": _Route(_check_logs, "chunks", text_items=True),
-    "metrics": _Route(_check_metrics, "points", answers_inserted=True),
-    "hparams": _Route(_check_hparams),
-    "hardware": _Route(_check_hardware, "points"),
-    "environment": _Route(_check_nothing),
-    "environment/nodes": _Route(_check_environment_nodes, "nodes"),
-    "validation": _Route(_check_validation, "samples", rounds=True),
-    "artifact": _Route(_check_artifact),
-    "benchmark": _Route(_check_nothing),
-    # a GET whose query is the body: the signed URL a checkpoint's file is uploaded to
-    "artifact/upload-url": _Route(_check_upload_url),
-}
-_QUERY_ROUTES = frozenset({"artifact/upload-url"})
-ROUTE_NAMES = tuple(_ROUTES)
-
-
-def _item_count(route: str, body: dict[str, Any]) -> int:
-    items_field = _ROUTES[route].items_field
-    items = body.get(items_field) if items_field else None
-    return len(items) if isinstance(items, list) else 0
-
-
 def _store_name(route: str) -> str:
     return route.replace("/", "_") + ".jsonl"
-
-
-# ---------------------------------------------------------------------------------------------
-# Parsing and auth.
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number (non-finite values are never sent)")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} overflows a double")
-    return value
-
-
-def _parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError) as exc:
-        raise Rejected(400, f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise _invalid("body", "a JSON object", body)
-    return body
 
 
 def _bearer(authorization: str) -> str:
@@ -401,7 +138,7 @@ class IngestStats:
     total_requests: int = 0  # every request on any path, answered or not
     not_found: int = 0  # requests outside the ingest routes
     routes: dict[str, ReceivedRoute] = field(
-        default_factory=lambda: {route: ReceivedRoute() for route in _ROUTES}
+        default_factory=lambda: {route: ReceivedRoute() for route in CHECKS}
     )
     # the route of each accepted request, in order across routes
     arrivals: list[str] = field(default_factory=list)
@@ -435,7 +172,7 @@ class IngestStats:
         for route, counts in self.routes.items():
             if not counts.accepted:
                 continue
-            items_field = _ROUTES[route].items_field
+            items_field = CHECKS[route].items_field
             part = (
                 f"{route} {counts.items} {items_field}"
                 if items_field
@@ -443,7 +180,7 @@ class IngestStats:
             )
             if counts.log_bytes:
                 part += f" {_human_bytes(counts.log_bytes)}"
-            if _ROUTES[route].rounds:
+            if CHECKS[route].rounds:
                 part += f" in {self.complete_rounds} rounds"
             parts.append(part)
         rejected = self.rejected_total()
@@ -497,7 +234,7 @@ class IngestServer:
         self._token = token
         self._run_id = run_id
         self._prefix = prefix.rstrip("/")
-        self._paths = {f"{self._prefix}/{route}": route for route in _ROUTES}
+        self._paths = {f"{self._prefix}/{route}": route for route in CHECKS}
         self._hooks = hooks or Hooks()
         self.objects = LocalObjects(store_dir / OBJECTS_FOLDER)
         self._signer = signer or self._local_signer
@@ -568,8 +305,8 @@ class IngestServer:
 
     def records(self, route: str) -> list[dict[str, Any]]:
         """The bodies this route's store file holds, in arrival order."""
-        if route not in _ROUTES:
-            raise ValueError(f"unknown route {route!r}; routes are {', '.join(_ROUTES)}")
+        if route not in CHECKS:
+            raise ValueError(f"unknown route {route!r}; routes are {', '.join(CHECKS)}")
         path = self.store_dir / _store_name(route)
         if not path.exists():
             return []
@@ -613,24 +350,24 @@ class IngestServer:
         return _answer(200, payload)
 
     async def _ingest(self, route: str, request: web.Request) -> dict[str, Any]:
-        method = "GET" if route in _QUERY_ROUTES else "POST"
+        method = "GET" if route in QUERY_ROUTES else "POST"
         if request.method != method:
             raise Rejected(405, f"{request.method} is not allowed; use {method}",
                            {"Allow": method})
         await self._hooks.arrived(route, self._stopping)
         self._check_auth(request)
-        if route in _QUERY_ROUTES:
+        if route in QUERY_ROUTES:
             return self._sign(route, request)
         raw = await self._read(request)
         self._hooks.read(route, raw)
-        body = _parse_body(raw)
+        body = parse_body(raw)
         self._check_run_id(body)
-        items = _item_count(route, body)
+        items = item_count(route, body)
         self._hooks.parsed(route, items)
-        _ROUTES[route].check(body)
+        CHECKS[route].check(body)
         self._store(route, body, items)
         await self._hooks.stored(route, self._stopping)
-        return {"ok": True, "inserted": items} if _ROUTES[route].answers_inserted else {"ok": True}
+        return {"ok": True, "inserted": items} if CHECKS[route].answers_inserted else {"ok": True}
 
     def _sign(self, route: str, request: web.Request) -> dict[str, Any]:
         """artifact/upload-url: the query checked and stored as a body, then signed."""
@@ -640,7 +377,7 @@ class IngestServer:
                 body["size_bytes"] = int(body["size_bytes"])
         self._check_run_id(body)
         self._hooks.parsed(route, 0)
-        _ROUTES[route].check(body)
+        CHECKS[route].check(body)
         self._store(route, body, 0)
         return self._signer(body["run_id"], body["name"], body["size_bytes"])
 
@@ -672,10 +409,10 @@ class IngestServer:
             raise Rejected(413, f"body larger than {_MAX_BODY_BYTES} bytes") from None
 
     def _check_run_id(self, body: dict[str, Any]) -> None:
-        run_id = _text(body, "run_id")
+        run_id = text_field(body, "run_id")
         if self._run_id is not None and run_id != self._run_id:
             raise Rejected(
-                400, f"run_id mismatch: expected {self._run_id!r}, got {_shown(run_id)}"
+                400, f"run_id mismatch: expected {self._run_id!r}, got {shown(run_id)}"
             )
 
     def _store(self, route: str, body: dict[str, Any], items: int) -> None:
@@ -688,9 +425,9 @@ class IngestServer:
         self.stats.arrivals.append(route)
         counts.accepted += 1
         counts.items += items
-        if _ROUTES[route].rounds:
+        if CHECKS[route].rounds:
             self.stats.add_chunk(body)
-        if _ROUTES[route].text_items:
+        if CHECKS[route].text_items:
             counts.log_bytes += sum(
                 len(chunk.encode("utf-8", "surrogatepass")) for chunk in body["chunks"]
             )

@@ -18,13 +18,13 @@ import sys
 import time
 
 from sidecar.config import Config
-from sidecar.daemon import claim_run_dir, make_client
 from sidecar.delivery.crashtail import CrashTail
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.exits import ConfigError
 from sidecar.log import log
 from sidecar.node import resolve_node
 from sidecar.pipeline import Pipeline, recorded_sources
+from sidecar.runtime import claim_run_dir, make_client
 from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.statefile import release
 

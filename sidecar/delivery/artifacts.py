@@ -19,7 +19,7 @@ from typing import Any
 from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import Answer, IngestClient, Verdict, json_body
 from sidecar.delivery.journal import SKIPPED, Journal, read_back
-from sidecar.delivery.strict import Entry, StrictSender
+from sidecar.delivery.strict import Pending, StrictSender
 from sidecar.log import log, state_write_failed
 from sidecar.statefile import Malformed, load_checked, write_atomic
 from sidecar.supervise import supervise
@@ -117,7 +117,7 @@ class Artifacts:
                 continue
             await self._journal_fresh()
 
-    def _open(self) -> list[Entry]:
+    def _open(self) -> list[Pending]:
         """Blocking: read the registered identities back; returns the journal's undelivered
         records."""
         self._registered.update(load_checked(self.run_dir / REGISTERED, _parse_registered) or {})

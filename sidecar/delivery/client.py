@@ -99,6 +99,11 @@ ROUTES: dict[str, RoutePolicy] = {
         path="/artifact", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0),
     # a GET: the signed URL a checkpoint's file is uploaded to (delivery/upload.py)
+    # scores a harness produced outside the platform: a route of the ingest's that the sidecar
+    # posts none of yet; its row keeps the local ingest's routes (commands/ingest_checks.py) whole
+    "benchmark": RoutePolicy(
+        path="/benchmark", guarantee=Guarantee.AT_LEAST_ONCE, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0, carries="benchmark scores"),
     "artifact/upload-url": RoutePolicy(
         path="/artifact/upload-url", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0,

@@ -25,7 +25,7 @@ from sidecar.aio import cancel, wait_set
 from sidecar.delivery.client import Answer, IngestClient
 from sidecar.delivery.handoff import WRAPPER_SOCKET_VARIABLE
 from sidecar.delivery.journal import SKIPPED, Journal, read_back
-from sidecar.delivery.strict import Entry, StrictSender
+from sidecar.delivery.strict import Pending, StrictSender
 from sidecar.exits import ConfigError
 from sidecar.log import log, state_write_failed
 from sidecar.records import iso_ts
@@ -33,7 +33,7 @@ from sidecar.statefile import TEXT, Busy, record
 from sidecar.supervise import supervise
 
 EVENTS = ("starting", "running", "succeeded", "failed")
-TERMINAL = ("succeeded", "failed")
+END_EVENTS = ("succeeded", "failed")
 _STAGE = {"starting": 0, "running": 1, "succeeded": 2, "failed": 2}  # each at most once, rising
 JOURNAL_NAME = "lifecycle.journal"
 
@@ -44,7 +44,7 @@ def refusal(recorded: Sequence[str], event: str) -> str | None:
     repeat of an event already recorded is no refusal: there is nothing to record."""
     if event in recorded:
         return None
-    end = next((e for e in recorded if e in TERMINAL), None)
+    end = next((e for e in recorded if e in END_EVENTS), None)
     if end is not None:
         return f"the run has ended (`{end}` is recorded); nothing is recorded after its end"
     later = [e for e in recorded if _STAGE[e] > _STAGE[event]]
@@ -70,7 +70,7 @@ class Lifecycle:
     @property
     def ended(self) -> bool:
         """Whether the run's end event is recorded."""
-        return any(event in TERMINAL for event in self.recorded)
+        return any(event in END_EVENTS for event in self.recorded)
 
     async def open(self) -> None:
         """Hold the run's journal (ConfigError naming the process that holds it), load what an
@@ -99,7 +99,7 @@ class Lifecycle:
         self._sender.put(queue)
         self._task = supervise("lifecycle", self._sender.run)
 
-    def _load(self, journal: Journal) -> list[Entry]:
+    def _load(self, journal: Journal) -> list[Pending]:
         """Hold `journal` (Busy when another process does) and read it back; blocking."""
         try:
             journal.hold()
@@ -107,7 +107,7 @@ class Lifecycle:
             state_write_failed(journal.lock_path, exc)
         return read_back(journal, self._is_event, "lifecycle events", self.run_id)
 
-    def _follow_history(self, records: Sequence[bytes], queue: list[Entry]) -> None:
+    def _follow_history(self, records: Sequence[bytes], queue: list[Pending]) -> None:
         """Take the events the journal holds as recorded, in order; one of `queue` (those not
         yet acknowledged) that breaks the order (an earlier version wrote `running` after
         `failed`) is made SKIPPED there, never posted."""

@@ -27,7 +27,7 @@ from sidecar.supervise import fault_point, supervise
 MAX_BUFFER_CHARS = 8 << 20  # text held while the ingest is slow; beyond it the oldest is dropped
 # a text queued for /logs: its ticket, where it lies in its piece of the crash tail's ledger, and
 # why it is given up once it reaches the head of the queue ("" to send it)
-Entry = tuple[str, Ticket | None, Span | None, str]
+Queued = tuple[str, Ticket | None, Span | None, str]
 # nginx's default client_max_body_size (ingress-nginx's proxy-body-size too): a larger body is
 # answered 413
 MAX_REQUEST_BYTES = 1 << 20
@@ -71,7 +71,7 @@ class LogShipper:
         self._gap_why = ""
         self._line_open = False  # the log's last character sent was not a line end
         self.stop_reason = "shutdown reached its drain deadline"  # of what `stop` drops
-        self._chunks: deque[Entry] = deque()
+        self._chunks: deque[Queued] = deque()
         self._buffered = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -79,7 +79,7 @@ class LogShipper:
         self._hurry = False  # a flush waits: what is queued goes without lingering
         self._task: asyncio.Task[None] | None = None
         # taken, not yet answered
-        self._inflight: list[Entry] | None = None
+        self._inflight: list[Queued] | None = None
         # the queue behind the request in flight overflowed: it is given up once its attempt
         # fails, instead of being retried (it is the oldest text)
         self._overtaken = False
@@ -144,7 +144,7 @@ class LogShipper:
         if not self._lingering or self._buffered >= self.linger_below_chars:
             self._wake.set()
 
-    def _queue(self, entry: Entry) -> None:
+    def _queue(self, entry: Queued) -> None:
         if not entry[0]:
             if entry[1] is not None:
                 entry[1].release()
@@ -212,7 +212,7 @@ class LogShipper:
     def forget(self, carried_from: Mapping[int, int]) -> None:
         """Take out of the queue the text the crash tail carries: of each piece (by its order)
         what lies from the given offset on; what lies before it stays queued."""
-        kept: deque[Entry] = deque()
+        kept: deque[Queued] = deque()
         for entry in self._chunks:
             text, ticket, span, why = entry
             start = None if span is None else carried_from.get(span.piece.order)
@@ -339,13 +339,13 @@ class LogShipper:
         self._buffered += size
         return True
 
-    def _take(self) -> list[Entry]:
+    def _take(self) -> list[Queued]:
         """The next request's worth: whole texts while they fit, then the head of the next one
         up to its last line end in reach, so that a request is full: a read block just over
         the limit left a request of its own for the few lines past it. Only a text that opens
         the request is cut where the limit falls when it has no line end in reach. A text to
         give up ends the batch; at its head it is given up (it is the oldest then)."""
-        batch: list[Entry] = []
+        batch: list[Queued] = []
         size = 0
         limit = self.max_request_chars
         while self._chunks:
@@ -417,7 +417,7 @@ class LogShipper:
         return False
 
 
-def _cut(entry: Entry, at: int) -> tuple[Entry, Entry]:
+def _cut(entry: Queued, at: int) -> tuple[Queued, Queued]:
     """One queued text as two, cut after the last line end before `at` (else at `at`). Both
     hold its ticket; each knows where it lies in the piece, so that each marks its own part
     acknowledged."""

@@ -19,7 +19,7 @@ from sidecar.delivery.journal import SKIPPED, Journal
 from sidecar.log import state_write_failed
 from sidecar.supervise import fault_point
 
-Entry = tuple[bytes, bool]  # (record, in the journal)
+Pending = tuple[bytes, bool]  # (record, in the journal)
 REFUSED_FOR_GOOD = frozenset({Verdict.REJECTED})
 
 
@@ -60,7 +60,7 @@ class StrictSender:
         self.journal = journal
         self.run_dir = run_dir
         self.letter_route = letter_route
-        self.queue: list[Entry] = []  # not yet acknowledged, oldest first
+        self.queue: list[Pending] = []  # not yet acknowledged, oldest first
         self.idle = asyncio.Event()  # set by `run` while nothing is queued or coming
         self._refused = refused
         self._accepted = accepted
@@ -71,7 +71,7 @@ class StrictSender:
         self._more_coming = more_coming
         self._wake = asyncio.Event()
 
-    async def journaled(self, record: bytes) -> Entry:
+    async def journaled(self, record: bytes) -> Pending:
         """Append `record` to the journal durably; on a full disk it is said, and the record
         goes from memory (the next start may then repeat or miss it). Not yet queued."""
         try:
@@ -85,7 +85,7 @@ class StrictSender:
         """Journal `record`, then queue it."""
         self.put([await self.journaled(record)])
 
-    def put(self, entries: Iterable[Entry]) -> None:
+    def put(self, entries: Iterable[Pending]) -> None:
         """Queue entries (journaled, or read back from the journal) behind what is queued."""
         before = len(self.queue)
         self.queue.extend(entries)

@@ -3,7 +3,7 @@
     python tests/bench/bench_scan.py
 
 CPU per MB of 100-byte lines on stdout through the loop's part of the /logs path but the HTTP
-post (LineAssembler.feed, then the request body's encoding), alone and with what `_Stream.feed`
+post (LineAssembler.feed, then the request body's encoding), alone and with what `Stream.feed`
 adds beside it (issue 16): the failure-signature scanner, the crash tail's piece and the stall
 clock. The two alternate, medians of 15 runs of 20 blocks of 1 MB. Target: the hooks add at most
 5 % of what the whole /logs path costs a MB (bench_throughput.py's CPU-s/GB, about 4 ms/MB on the

@@ -74,7 +74,7 @@ QUOTED_FIRST = "stderr"  # where PyTorch, CUDA, glog and Python's tracebacks wri
 # (--tty), a stream that holds both.
 TWO_PIPES = ("stdout", "stderr")
 ONE_PIPE = "stdout+stderr"
-TERMINAL = "terminal"
+TTY = "terminal"
 
 
 class Seen:
@@ -242,7 +242,7 @@ _BY_FREQUENCY = (b" etaoinsrhldcumfpgwybvkxjqz0123456789.,:;-_/=()[]'\"ETAOINSRH
 
 def _applies(row: Signature, stream: str) -> bool:
     """Whether `row` is looked for on `stream`; a stream other than stdout and stderr holds
-    both (ONE_PIPE, TERMINAL, a log file)."""
+    both (ONE_PIPE, TTY, a log file)."""
     return row.stream in ("any", stream) or stream not in TWO_PIPES
 
 

@@ -80,7 +80,7 @@ class Found(NamedTuple):
     upload: bool  # unmapped: to be uploaded, `path` is then its local path
 
 
-class Entry:
+class Candidate:
     """One candidate: what it is, what it looked like at the last look, where it stands."""
 
     __slots__ = (
@@ -258,7 +258,7 @@ def survey(root: str) -> tuple[list[Surveyed], int]:
     looks, aliases, _, _ = walk(root)
     found = []
     for seen in sorted(looks, key=lambda lk: lk.path):
-        entry = Entry(seen.path, root, seen.shape)
+        entry = Candidate(seen.path, root, seen.shape)
         entry.files, entry.signature = seen.files, seen.signature
         found.append(Surveyed(seen.path, seen.shape, seen.size, _judge(entry)[0]))
     return found, aliases
@@ -308,7 +308,7 @@ def _signature(files: Iterable[tuple[str, int, int]]) -> str:
     return digest.hexdigest()
 
 
-def _judge(entry: Entry) -> tuple[Assessment, str]:
+def _judge(entry: Candidate) -> tuple[Assessment, str]:
     """The assessment of a settled candidate and, when complete, its fingerprint. Blocking."""
     path = Path(entry.path)
     try:
@@ -344,7 +344,7 @@ class CheckpointWatcher:
         self.paths = paths
         self.not_registering = registers
         self.mode = mode
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, Candidate] = {}
         self.aliases: dict[str, int] = dict.fromkeys(self.folders, 0)
         self.not_posted: dict[str, int] = dict.fromkeys(self.folders, 0)
         self.deleted: dict[str, int] = dict.fromkeys(self.folders, 0)
@@ -456,7 +456,7 @@ class CheckpointWatcher:
     def _update(self, folder: str, seen: _Look, now: float) -> None:
         entry = self.entries.get(seen.path)
         if entry is None:
-            entry = self.entries[seen.path] = Entry(seen.path, folder, seen.shape)
+            entry = self.entries[seen.path] = Candidate(seen.path, folder, seen.shape)
             entry.seen_at = now
         elif entry.signature == seen.signature:
             return
@@ -467,16 +467,16 @@ class CheckpointWatcher:
             seen.shape, seen.files, seen.signature, seen.size)
         entry.why = "changing"
 
-    def _settled(self, entry: Entry, now: float) -> bool:
+    def _settled(self, entry: Candidate, now: float) -> bool:
         return now - entry.seen_at >= self._quiet_of(entry)
 
-    def _quiet_of(self, entry: Entry) -> float:
+    def _quiet_of(self, entry: Candidate) -> float:
         """How long a candidate must be quiet: a save_pretrained export longer, as the
         Trainer's save_model writes the tokenizer and its arguments seconds after the
         weights, and nothing marks the export's end."""
         return self.quiet_s * (EXPORT_QUIET_FACTOR if entry.shape.format == "hf" else 1)
 
-    def _decide(self, entry: Entry, assessment: Assessment, fingerprint: str) -> None:
+    def _decide(self, entry: Candidate, assessment: Assessment, fingerprint: str) -> None:
         if not assessment.complete:
             if entry.why != assessment.why:
                 log.debug("--checkpoints: %s is not complete: %s", shown(entry.path),

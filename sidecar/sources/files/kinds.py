@@ -1,6 +1,6 @@
 """The kinds of followed file, one row a kind: the one place a kind is named.
 
-Its option (`config.OPTIONS` makes the row of each), how its files are parsed (the pipeline's
+Its option (`options.OPTIONS` makes the row of each), how its files are parsed (the pipeline's
 specs), and what `check`, `replay` and the wrapper need of it are read from the row; a new kind is
 its parser module and a row here (tests/test_layout.py keeps every other module from naming one).
 
