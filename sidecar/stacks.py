@@ -55,8 +55,11 @@ _PLUMBING = re.compile(r"^(?:0x[0-9a-f]+|pybind11::|_?_?pthread_|std::|__GI_|_Py
                        r"PyObject_|_PyObject|cfunction|method_vectorcall|clock_nanosleep|"
                        r"syscall|poll|epoll_wait|select|futex)")
 _SYSTEM_LIBS = ("libc.so", "libpthread", "libstdc++", "ld-linux", "libpython")
-# `[rank3]:` (PyTorch's own prefix), `[default3]:` (torchrun --tee)
-RANK_PREFIX = re.compile(rb"(?:^|\n)\[[A-Za-z_]*?(\d{1,5})\]:")
+# `[rank3]:` (PyTorch's own prefix), `[default3]:` (torchrun --tee), at a line's start; the rest
+# of the line is kept, since two ranks' writes on one pipe interleave there: unbuffered, Python
+# writes a print's text and its newline apart, so `[rank0]: step 1[rank1]: step 1\n\n` is one
+# line of two ranks
+RANK_PREFIX = re.compile(rb"(?:^|\n)\[([A-Za-z_]*?)(\d{1,5})\]:([^\n]*)")
 
 
 def find_tool() -> str | None:
@@ -392,7 +395,11 @@ class RankClock:
             return
         now = self.clock()
         for match in RANK_PREFIX.finditer(block):
-            self.last[int(match[1])] = now
+            self.last[int(match[2])] = now
+            name, rest = match[1], match[3]
+            if b"]:" in rest:  # another rank's prefix, of the same form, within the line
+                for other in re.finditer(rb"\[" + re.escape(name) + rb"(\d{1,5})\]:", rest):
+                    self.last[int(other[1])] = now
 
     def line(self) -> str:
         """`last output by rank: rank 1 at 20:41:03 (quiet first), rank 0 at 20:41:40`; "" for

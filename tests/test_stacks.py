@@ -232,6 +232,18 @@ def test_rank_clock_reads_torchrun_and_pytorch_prefixes() -> None:
     assert "(quiet first), rank 0 at" in ranks.line()
 
 
+def test_rank_clock_reads_two_ranks_whose_writes_interleave_on_one_line() -> None:
+    """Unbuffered, Python writes a print's text and its newline apart: two ranks on one pipe
+    give `[rank0]: step 1[rank1]: step 1\n\n` (seen under load). The second rank is read, and
+    a prefix-like text of another form in a rank's line (`loss[3]:`) is not a rank."""
+    clock = Clock()
+    ranks = RankClock(clock)
+    ranks.feed(b"starting\n[rank0]: step 1[rank1]: step 1\n\n[rank2]: loss[3]: 0.5\n")
+    assert ranks.last == {0: 1000.0, 1: 1000.0, 2: 1000.0}
+    ranks.feed(b"[default4]: a[default5]: b\n")
+    assert set(ranks.last) == {0, 1, 2, 4, 5}
+
+
 SLEEPER = r'''
 import sys, time
 
