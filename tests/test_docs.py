@@ -84,6 +84,8 @@ def test_the_ingest_document_names_every_route_the_sidecar_posts_to() -> None:
 
     text = INGEST_DOC.read_text(encoding="utf-8")
     for policy in ROUTES.values():
+        if not policy.of_ingest:
+            continue
         assert f"| `{policy.path}` |" in text, policy.path
         assert policy.guarantee.value in text
 

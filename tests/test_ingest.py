@@ -73,7 +73,9 @@ def test_policies_are_data() -> None:
     assert ROUTES["lifecycle"].max_attempts is None
     # the crash tail posts to /logs, strictly: the same path under a policy of its own
     assert (ROUTES["logs/tail"].path, ROUTES["logs/tail"].guarantee) == ("/logs", Guarantee.STRICT)
-    assert all(p.path == "/" + name for name, p in ROUTES.items() if name != "logs/tail")
+    assert all(p.path == "/" + name for name, p in ROUTES.items()
+               if name != "logs/tail" and p.of_ingest)
+    assert [name for name, p in ROUTES.items() if not p.of_ingest] == ["artifact/put"]
 
 
 def _route_names_compared(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
@@ -287,8 +289,8 @@ async def test_a_rejected_token_says_what_the_route_keeps(
     try:
         answer = await client.post(route, metrics_body(1))
     finally:
+        await client.close()  # which says the cause still gathering its routes
         log.propagate = False
-        await client.close()
     assert answer.verdict is Verdict.AUTH
     said = [r.getMessage() for r in caplog.records if "rejected the token" in r.getMessage()]
     assert said and f"the ingest rejected the token; {kept}" in said[0], said
@@ -382,5 +384,51 @@ def test_the_local_ingest_takes_the_client_s_routes_and_only_those() -> None:
     added to ROUTES without a check fails at import, and a check no route has is found here."""
     from sidecar.commands import ingest_checks
 
-    assert set(ingest_checks.ROUTE_NAMES) == {policy.path[1:] for policy in ROUTES.values()}
+    assert set(ingest_checks.ROUTE_NAMES) == {policy.path[1:] for policy in ROUTES.values()
+                                              if policy.of_ingest}
     assert set(ingest_checks._BY_NAME) == set(ingest_checks.ROUTE_NAMES)
+
+
+async def test_retried_waits_a_retry_after_whole_and_stops_at_the_policy_s_attempts() -> None:
+    """One retry machine: the answer that said Retry-After is waited for as told (the sleep is
+    told so, not given a wait whose sign says it), a backoff wait is not, and a row's
+    max_attempts ends the retries with the last answer."""
+    from sidecar.delivery.client import retried
+
+    policy = ROUTES["metrics"]._replace(max_attempts=3, first_backoff_s=0.001,
+                                        max_backoff_s=0.002)
+    answers = iter([("busy", 0.01), ("busy", None), ("busy", None), ("never", None)])
+    slept: list[tuple[float, bool]] = []
+    retries: list[str] = []
+
+    async def sleep(seconds: float, told: bool) -> None:
+        slept.append((seconds, told))
+
+    async def again() -> tuple[str, float | None]:
+        return next(answers)
+
+    last = await retried(policy, await again(), again, retryable=lambda a: a[0] == "busy",
+                         told_s=lambda a: a[1], sleep=sleep,
+                         on_retry=lambda a: retries.append(a[0]))
+    assert last == ("busy", None)  # the third attempt's, the policy's last
+    assert [told for _, told in slept] == [True, False]
+    assert 0.01 <= slept[0][0] <= 0.015 and 0 <= slept[1][0] <= 0.002
+    assert retries == ["busy", "busy"]
+
+
+def test_only_the_client_holds_a_retry_loop() -> None:
+    """Every retry, the ingest's routes' and the object store's PUT alike, goes through
+    client.retried under a row of ROUTES: no other module imports tenacity or computes a wait."""
+    import sidecar
+
+    package = Path(sidecar.__file__).parent
+    found = set()
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or "", *(a.name for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "tenacity" or n == "retry_wait" for n in names):
+                found.add(str(path.relative_to(package)))
+    assert found == {"delivery/client.py"}

@@ -258,7 +258,8 @@ _BY_NAME: dict[str, RouteCheck] = {
 }
 # The client's routes (ROUTES), each with its check: a route added there without one here fails
 # here, at import, naming it.
-_NAMES = tuple(dict.fromkeys(policy.path[1:] for policy in ROUTES.values()))
+_NAMES = tuple(dict.fromkeys(policy.path[1:] for policy in ROUTES.values()
+                             if policy.of_ingest))
 if _unchecked := [name for name in _NAMES if name not in _BY_NAME]:
     raise LookupError(f"route(s) {', '.join(_unchecked)} of delivery/client.py's ROUTES have no "
                       "check of their body in commands/ingest_checks.py's _BY_NAME")

@@ -14,10 +14,10 @@ import enum
 import json
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 import orjson
@@ -26,6 +26,8 @@ from sidecar.aio import wait_set
 from sidecar.delivery.transport import Transport, TransportError, TransportFailure
 from sidecar.log import Throttle, format_duration, log
 from sidecar.masking import add_secret
+
+A = TypeVar("A")  # an attempt's answer, as `retried` retries it
 
 MAX_REASON_CHARS = 300  # of a refusal's body, in messages and `sidecar check`
 
@@ -58,6 +60,9 @@ class RoutePolicy(NamedTuple):
     thinned: bool = False
     # its items are text: the characters given up on count too (Prometheus)
     text_items: bool = False
+    # a route of the ingest's (`path` under the endpoint); False: a request to another server,
+    # retried by the same rules, `path` saying where it goes
+    of_ingest: bool = True
 
 
 HARDWARE_SPOOL_BYTES = 64 << 20  # smaller than the others' so that samples are thinned first
@@ -108,6 +113,12 @@ ROUTES: dict[str, RoutePolicy] = {
         path="/artifact/upload-url", guarantee=Guarantee.STRICT, max_attempts=None,
         first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0,
         carries="the checkpoint being uploaded"),
+    # not the ingest's: a checkpoint's file sent to the URL artifact/upload-url signed
+    # (delivery/upload.py), the object store's answers read by delivery/put.py
+    "artifact/put": RoutePolicy(
+        path="the signed URL", guarantee=Guarantee.STRICT, max_attempts=None,
+        first_backoff_s=0.5, max_backoff_s=30.0, timeout_s=30.0,
+        carries="the checkpoint being uploaded", of_ingest=False),
 }
 
 CONNECT_TIMEOUT_S = 5.0
@@ -538,49 +549,26 @@ class IngestClient:
         first = await self.post(route, body, query)
         if first.ok or not _retryable(policy, first) or policy.max_attempts == 1:
             return first
-        from tenacity import (  # nor is tenacity's import, most runs never retry
-            AsyncRetrying,
-            RetryCallState,
-            retry_if_result,
-        )
-
-        def stop(state: RetryCallState) -> bool:
-            return ((policy.max_attempts is not None
-                     and state.attempt_number >= policy.max_attempts)
-                    or (give_up is not None and give_up()))
-
-        def wait(state: RetryCallState) -> float:
-            answer = state.outcome.result() if state.outcome else None
-            told = answer.retry_after_s if isinstance(answer, Answer) else None
-            # negative: a Retry-After, honoured whole (see _sleep)
-            return retry_wait(policy, state.attempt_number, told) * (1 if told is None else -1)
-
-        made: list[Answer] = [first]
-
-        async def attempt() -> Answer:  # the first attempt was made above
-            return made.pop() if made else await self.post(route, body, query)
-
-        def count_retry(state: RetryCallState) -> None:
-            self.route_stats(route).retries += 1
-
-        retrying = AsyncRetrying(
-            stop=stop, wait=wait, retry=retry_if_result(lambda a: _retryable(policy, a)),
-            sleep=self._sleep,
-            before_sleep=count_retry, retry_error_callback=lambda state: state.outcome.result()
-            if state.outcome else Answer(Verdict.RETRY))
-        answer: Answer = await retrying(attempt)
+        answer: Answer = await retried(
+            policy, first, lambda: self.post(route, body, query),
+            retryable=lambda a: _retryable(policy, a), told_s=lambda a: a.retry_after_s,
+            sleep=self._sleep, give_up=give_up,
+            on_retry=lambda _: self._count_retry(route))
         return answer
+
+    def _count_retry(self, route: str) -> None:
+        self.route_stats(route).retries += 1
 
     def hurry(self) -> None:
         """Shutdown began: backoff waits end now and stay short (Retry-After still holds)."""
         self._hurry.set()
 
-    async def _sleep(self, seconds: float) -> None:
-        """Between attempts. A negative wait is a Retry-After, honoured whole; a backoff wait
-        ends when the drain begins, and is at most DRAIN_BACKOFF_S during it, so a long
-        backoff grown during a flapping outage cannot outlast --drain-timeout."""
-        if seconds < 0:
-            await asyncio.sleep(-seconds)
+    async def _sleep(self, seconds: float, told: bool) -> None:
+        """Between attempts. A wait a Retry-After told is honoured whole; a backoff wait ends
+        when the drain begins, and is at most DRAIN_BACKOFF_S during it, so a long backoff
+        grown during a flapping outage cannot outlast --drain-timeout."""
+        if told:
+            await asyncio.sleep(seconds)
         elif self._hurry.is_set():
             await asyncio.sleep(min(seconds, DRAIN_BACKOFF_S))
         else:
@@ -600,6 +588,50 @@ def _kept(routes: list[str]) -> str:
         said.append(f"{whose} output is dropped and counted "
                     "(/logs is best-effort); later output is sent once the token is accepted")
     return "; ".join(said)
+
+
+async def retried(policy: RoutePolicy, first: A, again: Callable[[], Awaitable[A]], *,
+                  retryable: Callable[[A], bool], told_s: Callable[[A], float | None],
+                  sleep: Callable[[float, bool], Awaitable[None]],
+                  give_up: Callable[[], bool] | None = None,
+                  on_retry: Callable[[A], None] | None = None) -> A:
+    """`again()` until an answer is not `retryable`, under `policy`: its attempts, and between
+    them retry_wait's backoff, or what the answer's Retry-After (`told_s`) said. `first` is the
+    attempt already made (tenacity is imported only once one failed: most runs never retry).
+    `sleep(seconds, told)` waits; `give_up()`, asked after each failed attempt, ends the retries
+    there; `on_retry(answer)` is told of each failed attempt that is tried again. Returns the
+    last answer; an exception of `again` ends the retries and is raised."""
+    if not retryable(first) or policy.max_attempts == 1:
+        return first
+    from tenacity import AsyncRetrying, RetryCallState, retry_if_result
+
+    made: list[A] = [first]
+    last: list[A] = [first]
+
+    async def attempt() -> A:
+        answer = made.pop() if made else await again()
+        last[0] = answer
+        return answer
+
+    def stop(state: RetryCallState) -> bool:
+        return ((policy.max_attempts is not None and state.attempt_number >= policy.max_attempts)
+                or (give_up is not None and give_up()))
+
+    def wait(state: RetryCallState) -> float:
+        return retry_wait(policy, state.attempt_number, told_s(last[0]))
+
+    async def pause(seconds: float) -> None:
+        await sleep(seconds, told_s(last[0]) is not None)
+
+    def before_sleep(state: RetryCallState) -> None:
+        if on_retry is not None:
+            on_retry(last[0])
+
+    retrying = AsyncRetrying(stop=stop, wait=wait, retry=retry_if_result(retryable), sleep=pause,
+                             before_sleep=before_sleep,
+                             retry_error_callback=lambda state: last[0])
+    answer: A = await retrying(attempt)
+    return answer
 
 
 def retry_wait(policy: RoutePolicy, failed: int, retry_after_s: float | None = None) -> float:

@@ -36,7 +36,7 @@ from sidecar.delivery.client import (
     IngestClient,
     json_body,
     parse_retry_after,
-    retry_wait,
+    retried,
 )
 from sidecar.delivery.deadletter import dead_letter
 from sidecar.delivery.put import PutAnswer, RateLimit, Stopped, Target, put_file
@@ -48,6 +48,7 @@ from sidecar.threads import in_background
 LEDGER = "uploads.ledger"
 STAGED = "staged"  # the run's folder's subfolder of hard links, one folder a checkpoint
 ROUTE = "artifact/upload-url"
+PUT = "artifact/put"  # the store's PUT: its retries' policy, a row of the routes' table
 NAME_PREFIX = "checkpoints"  # the object names asked for: checkpoints/<path under the folder>
 FILES_IN_FLIGHT = 4
 PUT_IDLE_TIMEOUT_S = 60.0  # a store that takes nothing, nor answers, for this long: retried
@@ -274,42 +275,46 @@ class Uploads:
         name = _object_name(job.cp, rel)
         query = urlencode({"run_id": self.run_id, "name": name, "size_bytes": file.size},
                           quote_via=quote, safe="/")
-        fresh = failed = 0
-        policy = ROUTES[ROUTE]
+        fresh = 0
         signed: tuple[Target, str] | None = None
-        while True:
-            # A URL is asked for once and used until the store says it expired: a store that
-            # throttles a fleet's uploads is not answered with as many requests to the ingest.
-            if signed is None:
-                async with self._asking:
-                    signed = await self._ask(query)
-            target, path = signed
-            async with self._slots:
-                answer = await self._put(job, rel, file, target)
-            if answer.stored:
-                file.stored = path
-                self.bytes_uploaded += file.size
-                self.files_uploaded += 1
-                await self._append({"op": "stored", "id": job.id, "rel": rel, "path": path,
-                                    "etag": answer.etag})
-                return
-            if answer.expired and fresh < MAX_FRESH_URLS:
+
+        async def attempt() -> PutAnswer:
+            """Ask for a URL where none is held (a URL is used until the store says it expired:
+            a store that throttles a fleet's uploads is not answered with as many requests to
+            the ingest), and send the file to it."""
+            nonlocal fresh, signed
+            while True:
+                if signed is None:
+                    async with self._asking:
+                        signed = await self._ask(query)
+                async with self._slots:
+                    answer = await self._put(job, rel, file, signed[0])
+                if not (answer.expired and fresh < MAX_FRESH_URLS):
+                    return answer
                 fresh += 1
                 signed = None
                 log.debug("--checkpoints: the URL for %s expired; asking for another", name,
                           extra={"source": "checkpoints"})
-                continue
-            if 400 <= answer.status < 500 and not answer.throttled:
-                raise Refused(f"the object store refused {_shown(name)}: HTTP {answer.status}: "
-                              f"{answer.reason or 'no reason given'}", answer.status, query)
-            failed += 1
+
+        def failed(answer: PutAnswer) -> None:
             if self._throttle.admit("put") is not None:
                 log.warning("--checkpoints: sending %s failed (%s); it is retried with backoff",
                             _shown(name), answer.reason or f"HTTP {answer.status}",
                             extra={"source": "checkpoints"})
-            # full jitter; after a Retry-After, no sooner than told and spread beyond it
-            told_s = parse_retry_after(answer.retry_after) if answer.throttled else None
-            await asyncio.sleep(retry_wait(policy, failed, told_s))
+
+        answer = await retried(
+            ROUTES[PUT], await attempt(), attempt, retryable=_put_retryable,
+            told_s=lambda a: parse_retry_after(a.retry_after) if a.throttled else None,
+            sleep=_pause, on_retry=failed)
+        if not answer.stored:
+            raise Refused(f"the object store refused {_shown(name)}: HTTP {answer.status}: "
+                          f"{answer.reason or 'no reason given'}", answer.status, query)
+        assert signed is not None  # a file stored was sent to a URL
+        file.stored = signed[1]
+        self.bytes_uploaded += file.size
+        self.files_uploaded += 1
+        await self._append({"op": "stored", "id": job.id, "rel": rel, "path": file.stored,
+                            "etag": answer.etag})
 
     async def _ask(self, query: str) -> tuple[Target, str]:
         """The signed URL for one file and the object's URI; Refused on a 4xx."""
@@ -536,6 +541,17 @@ def _close_fds(job: _Job) -> None:
 
 def _staged_name(job: _Job, rel: str) -> str:
     return rel or os.path.basename(job.cp.local)
+
+
+def _put_retryable(answer: PutAnswer) -> bool:
+    """A PUT not stored is tried again, but a 4xx that is not the store asking us to slow down:
+    that one the store will refuse again."""
+    return not answer.stored and not (400 <= answer.status < 500 and not answer.throttled)
+
+
+async def _pause(seconds: float, told: bool) -> None:
+    """Between PUT attempts: the whole wait, told by a Retry-After or not."""
+    await asyncio.sleep(seconds)
 
 
 def _object_name(cp: Checkpoint, rel: str) -> str:
