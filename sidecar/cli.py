@@ -436,10 +436,10 @@ def _stacks(args: argparse.Namespace) -> int:
 
 
 def _lifecycle(args: argparse.Namespace) -> int:
-    from sidecar.commands.lifecycle import hand_over, post
+    from sidecar.commands.lifecycle import post, to_wrapper
 
     setup()
-    handed = hand_over(args.event, os.environ)
+    handed = to_wrapper(args.event, os.environ)
     if handed is not None:
         return handed
     cfg = _configured(args, "lifecycle")

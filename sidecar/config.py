@@ -245,7 +245,7 @@ def _platform(environ: Mapping[str, str], problems: list[str], token_file: bool)
     missing = [v for v in (family.endpoint, family.run_id) if not environ.get(v, "").strip()]
     endpoint = ""
     if family.endpoint not in missing:
-        endpoint = _collected(problems, check_endpoint,
+        endpoint = _collected(problems, valid_endpoint,
                               environ[family.endpoint].strip().rstrip("/"), family.endpoint) or ""
     if not token_file and not environ.get(family.token, "").strip():
         missing.append(family.token)
@@ -290,7 +290,7 @@ INGEST_PATH = "/api/ingest"  # every endpoint ends with it (docs/ingest.md#the-p
 EXAMPLE_ENDPOINT = "https://platform.example.com/api/ingest"
 
 
-def check_endpoint(endpoint: str, variable: str) -> str:
+def valid_endpoint(endpoint: str, variable: str) -> str:
     """`endpoint` when it is an http(s) URL ending in /api/ingest with a valid port and no
     credentials; else ConfigError naming `variable`, the URL shown without any credentials."""
     parts = urlsplit(endpoint)

@@ -139,8 +139,8 @@ def _checkpoint_watcher(cfg: Config, node: Node, artifacts: Artifacts,
     )
 
     def register(found: Found) -> None:
-        body: dict[str, Any] = {"kind": found.kind, "path": found.path, "format": found.format,
-                                "size_bytes": found.size_bytes}
+        body: dict[str, Any] = {"kind": found.kind, "path": found.artifact_path,
+                                "format": found.format, "size_bytes": found.size_bytes}
         if found.step is not None:
             body["step"] = found.step
         if not found.upload:

@@ -156,7 +156,7 @@ class _Run:
         address = handoff.new_address()
         # From then on no hand-off is taken.
         self.exited = asyncio.Event()
-        self.marker = await handoff.serve(
+        self.marker = await handoff.listen(
             address, _marker_acceptor(self.lifecycle, self.cfg.running_when, self.exited))
         self.child_env = dict(self.environ)
         self.child_env.setdefault("PYTHONUNBUFFERED", "1")

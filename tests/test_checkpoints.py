@@ -759,7 +759,7 @@ def test_nemo_waits_for_its_unfinished_marker_and_a_nemo_file_for_its_tar_end(
 
 
 def test_the_shards_of_an_export_are_never_checkpoints_of_their_own(tmp_path: Path) -> None:
-    from sidecar.sources.files.checkpoints import survey
+    from sidecar.sources.files.checkpoints import checkpoints_in
 
     export = tmp_path / "export"
     export.mkdir()
@@ -767,13 +767,13 @@ def test_the_shards_of_an_export_are_never_checkpoints_of_their_own(tmp_path: Pa
     header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     shard = len(header).to_bytes(8, "little") + header + bytes(4)
     (export / "model-00001-of-00002.safetensors").write_bytes(shard)  # the second not yet
-    found, _ = survey(str(tmp_path))
+    found, _ = checkpoints_in(str(tmp_path))
     assert [(c.path, c.shape.format, c.assessment.why) for c in found] == [
         (str(export), "hf", "shards without their index yet")]
     (export / "model-00002-of-00002.safetensors").write_bytes(shard)
     (export / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-    ((c,), _) = survey(str(tmp_path))
+    ((c,), _) = checkpoints_in(str(tmp_path))
     assert c.assessment.complete and c.shape.kind == "hf_export"
 
 

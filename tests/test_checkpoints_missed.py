@@ -259,13 +259,13 @@ def test_a_legacy_pickle_cut_a_third_of_the_way_is_never_registered_and_named_at
 
 def test_a_walk_stops_at_its_time_limit_and_says_it_did_not_see_everything(
         tmp_path: Path) -> None:
-    from sidecar.sources.files.checkpoints import walk
+    from sidecar.sources.files.checkpoints import look_over
 
     for step in range(3):
         (tmp_path / f"run{step}").mkdir()
         torch_save(tmp_path / f"run{step}" / f"step_{step}.pt")
-    assert walk(str(tmp_path))[3] is True and len(walk(str(tmp_path))[0]) == 3
-    looks, _, _, whole = walk(str(tmp_path), limit_s=0.0)
+    assert look_over(str(tmp_path))[3] is True and len(look_over(str(tmp_path))[0]) == 3
+    looks, _, _, whole = look_over(str(tmp_path), limit_s=0.0)
     assert whole is False and looks == []
 
 

@@ -280,3 +280,23 @@ def test_no_module_is_longer_than_one_idea() -> None:
     long = {f"{path.relative_to(PACKAGE)}: {lines}" for path in PACKAGE.rglob("*.py")
             if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == set()
+
+
+def _public_names(paths: list[Path]) -> dict[str, set[str]]:
+    """Each public function or class defined at a module's top, with the modules defining it."""
+    names: dict[str, set[str]] = {}
+    for path in paths:
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                    and not node.name.startswith("_")):
+                names.setdefault(node.name, set()).add(str(path.relative_to(PACKAGE)))
+    return names
+
+
+def test_no_two_modules_give_one_name_to_two_things() -> None:
+    """A name means one thing: two modules' `walk`, `survey`, `Target` or `serve` made a reader
+    open both to know which was meant. The example trainer is a script of its own (`main`)."""
+    paths = [p for p in PACKAGE.rglob("*.py") if "examples" not in p.parts]
+    twice = {name: sorted(where) for name, where in _public_names(paths).items()
+             if len(where) > 1}
+    assert twice == {}

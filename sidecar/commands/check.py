@@ -278,8 +278,8 @@ def _checkpoints(cfg: Config, folder: str, report: CheckReport) -> None:
     from sidecar.options import parse_artifact_uri
     from sidecar.sources.files.checkpoints import (
         ArtifactPaths,
+        checkpoints_in,
         container_signal,
-        survey,
         uploads_unmapped,
     )
 
@@ -290,7 +290,7 @@ def _checkpoints(cfg: Config, folder: str, report: CheckReport) -> None:
                    "are found, but check the path (in a pod, the volume's mountPath)",
                    folder=folder, matched=0)
         return
-    found, aliases = survey(os.path.abspath(folder))
+    found, aliases = checkpoints_in(os.path.abspath(folder))
     container = container_signal(os.environ)
     upload = uploads_unmapped(cfg.checkpoint_upload, container)
     paths = ArtifactPaths([parse_artifact_uri(m) for m in cfg.artifact_uri], container,

@@ -46,7 +46,7 @@ _NETWORK_STEPS = frozenset({"dns", "tcp", "tls", "probe"})  # where a proxy may 
 
 
 @dataclass(frozen=True)
-class Target:
+class Endpoint:
     """The endpoint as the steps need it, and the names of the variables behind it."""
 
     url: str
@@ -56,7 +56,7 @@ class Target:
     family: Family | None
 
     @classmethod
-    def of(cls, cfg: Config, environ: Mapping[str, str]) -> Target:
+    def of(cls, cfg: Config, environ: Mapping[str, str]) -> Endpoint:
         parts = urlsplit(cfg.platform.endpoint)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         return cls(cfg.platform.endpoint, parts.scheme, parts.hostname or "", port,
@@ -69,7 +69,7 @@ class Target:
 
 async def check_endpoint(cfg: Config, environ: Mapping[str, str], report: CheckReport,
                           timeout_s: float) -> int:
-    target = Target.of(cfg, environ)
+    target = Endpoint.of(cfg, environ)
     _proxy_note(environ, report, failed=False)
     addresses = await _dns(target, report, timeout_s)
     if addresses:
@@ -88,7 +88,7 @@ async def check_endpoint(cfg: Config, environ: Mapping[str, str], report: CheckR
     return EXIT_FAILED if report.failed else EXIT_OK
 
 
-async def _dns(target: Target, report: CheckReport, timeout_s: float) -> list[str]:
+async def _dns(target: Endpoint, report: CheckReport, timeout_s: float) -> list[str]:
     if _ip(target.host) is not None:
         report.add("dns", "ok", f"{target.host} is an address, nothing to resolve",
                    addresses=[target.host])
@@ -111,7 +111,7 @@ async def _dns(target: Target, report: CheckReport, timeout_s: float) -> list[st
     return addresses
 
 
-def _dns_failure(target: Target, exc: socket.gaierror) -> str:
+def _dns_failure(target: Endpoint, exc: socket.gaierror) -> str:
     if exc.errno == socket.EAI_AGAIN:
         return (f"{target.host} cannot be resolved now ({exc.strerror}): this node's DNS servers "
                 "did not answer; check /etc/resolv.conf and the network")
@@ -120,7 +120,7 @@ def _dns_failure(target: Target, exc: socket.gaierror) -> str:
             "namespace (NAME.NAMESPACE.svc) and a name outside it needs DNS that reaches out")
 
 
-def _placement(target: Target, addresses: Sequence[str], environ: Mapping[str, str],
+def _placement(target: Endpoint, addresses: Sequence[str], environ: Mapping[str, str],
                report: CheckReport) -> tuple[str, str, str] | None:
     """Diagnose an endpoint that cannot be the platform as seen from a GPU node in a pod. In a
     plain container, where the TCP step settles it, (where, evidence, warning) for
@@ -185,7 +185,7 @@ def container_evidence(environ: Mapping[str, str]) -> tuple[str | None, str | No
     return pod, container
 
 
-async def _tcp(target: Target, addresses: Sequence[str], report: CheckReport,
+async def _tcp(target: Endpoint, addresses: Sequence[str], report: CheckReport,
                timeout_s: float) -> str | None:
     """The first address that takes a TCP connection, or None."""
     failures: list[str] = []
@@ -216,7 +216,7 @@ async def _tcp(target: Target, addresses: Sequence[str], report: CheckReport,
     return None
 
 
-async def _tls(cfg: Config, target: Target, address: str, report: CheckReport,
+async def _tls(cfg: Config, target: Endpoint, address: str, report: CheckReport,
                timeout_s: float) -> bool:
     if target.scheme != "https":
         local = _local_kind(address)
@@ -255,7 +255,7 @@ async def _tls(cfg: Config, target: Target, address: str, report: CheckReport,
     return True
 
 
-def _untrusted(cfg: Config, target: Target, exc: ssl.SSLCertVerificationError) -> str:
+def _untrusted(cfg: Config, target: Endpoint, exc: ssl.SSLCertVerificationError) -> str:
     why = exc.verify_message or str(exc)
     if exc.verify_code in _UNTRUSTED_CODES:
         if cfg.ca_file is not None:
@@ -289,7 +289,7 @@ def _cert_name(name: Any) -> str:
     return str(fields.get("commonName") or fields.get("organizationName") or "?")
 
 
-async def _probe(cfg: Config, target: Target, report: CheckReport, timeout_s: float) -> None:
+async def _probe(cfg: Config, target: Endpoint, report: CheckReport, timeout_s: float) -> None:
     from sidecar.runtime import make_client  # the running sidecar's own client: its exact headers
 
     client = make_client(cfg)
@@ -323,7 +323,7 @@ def _quiet_client_log() -> Iterator[None]:
         log.disabled = disabled
 
 
-def _explain(answer: Answer, cfg: Config, target: Target) -> str:
+def _explain(answer: Answer, cfg: Config, target: Endpoint) -> str:
     """What the ingest's answer to the probe means, and what to do about it."""
     http = f"HTTP {answer.status}" if answer.status is not None else "no answer"
     run = f"{target.var('run_id')}={cfg.platform.run_id}"

@@ -40,7 +40,7 @@ class Reset(Exception):
 # Field checks: each returns the field's value or raises Rejected(400) naming the field.
 
 
-def shown(value: Any) -> str:
+def described(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     if isinstance(value, list):
@@ -50,7 +50,7 @@ def shown(value: Any) -> str:
 
 
 def _invalid(path: str, expected: str, value: Any) -> Rejected:
-    return Rejected(400, f"{path} must be {expected}, got {shown(value)}")
+    return Rejected(400, f"{path} must be {expected}, got {described(value)}")
 
 
 def _field(obj: dict[str, Any], name: str, where: str) -> Any:
@@ -95,7 +95,7 @@ def _timestamp(obj: dict[str, Any], name: str, where: str = "") -> str:
     except ValueError:
         raise _invalid(where + name, expected, value) from None
     if parsed.utcoffset() is None:
-        raise Rejected(400, f"{where}{name} has no timezone: {shown(value)}")
+        raise Rejected(400, f"{where}{name} has no timezone: {described(value)}")
     return value
 
 
@@ -214,9 +214,9 @@ def _check_upload_url(body: dict[str, Any]) -> None:
     name = text_field(body, "name")
     parts = name.split("/")
     if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise Rejected(400, f"name must be a relative, /-separated path, got {shown(name)}")
+        raise Rejected(400, f"name must be a relative, /-separated path, got {described(name)}")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
-        raise Rejected(400, f"name holds a control character: {shown(name)}")
+        raise Rejected(400, f"name holds a control character: {described(name)}")
     size = _integer(body, "size_bytes")
     if size < 0:
         raise _invalid("size_bytes", "an integer, 0 or more", size)

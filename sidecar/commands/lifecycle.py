@@ -21,7 +21,7 @@ from sidecar.log import log
 from sidecar.runtime import claim_run_dir, make_client
 
 
-def hand_over(event: str, environ: Mapping[str, str]) -> int | None:
+def to_wrapper(event: str, environ: Mapping[str, str]) -> int | None:
     """Inside a command `sidecar run` wraps: `event` handed to the wrapper, and the exit status;
     elsewhere None, and the event is posted by `post`."""
     address = environ.get(handoff.WRAPPER_SOCKET_VARIABLE)

@@ -36,9 +36,9 @@ from sidecar.commands.ingest_checks import (
     ROUTE_NAMES,
     Rejected,
     Reset,
+    described,
     item_count,
     parse_body,
-    shown,
     text_field,
 )
 
@@ -412,7 +412,7 @@ class IngestServer:
         run_id = text_field(body, "run_id")
         if self._run_id is not None and run_id != self._run_id:
             raise Rejected(
-                400, f"run_id mismatch: expected {self._run_id!r}, got {shown(run_id)}"
+                400, f"run_id mismatch: expected {self._run_id!r}, got {described(run_id)}"
             )
 
     def _store(self, route: str, body: dict[str, Any], items: int) -> None:

@@ -39,7 +39,7 @@ def _split(address: str) -> tuple[str, str]:
     return ("\0" + name[1:] if name.startswith("@") else name), secret
 
 
-async def serve(address: str, accept: Acceptor) -> asyncio.Server:
+async def listen(address: str, accept: Acceptor) -> asyncio.Server:
     """Listen on `address`; `accept(event, ts)` returns None when taken, else the refusal. A
     request without the address's secret is refused before `accept` sees it."""
     path, secret = _split(address)

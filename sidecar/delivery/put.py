@@ -54,7 +54,7 @@ class RateLimit:
             raise Stopped
 
 
-class Target(NamedTuple):
+class SignedUrl(NamedTuple):
     """Where one file goes, as the ingest answered `artifact/upload-url`."""
 
     url: str
@@ -95,7 +95,7 @@ def store_reason(body: bytes) -> str:
     return body[:200].decode("utf-8", "replace").strip()
 
 
-def put_file(target: Target, fd: int, size: int, limit: RateLimit, stop: threading.Event,
+def put_file(target: SignedUrl, fd: int, size: int, limit: RateLimit, stop: threading.Event,
              timeout_s: float, sent: list[int],
              ssl_context: ssl.SSLContext | None = None) -> PutAnswer:
     """Send the `size` bytes of the file open at `fd` (from its start) to `target`; `sent[0]`

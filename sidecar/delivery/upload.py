@@ -39,7 +39,7 @@ from sidecar.delivery.client import (
     retried,
 )
 from sidecar.delivery.deadletter import dead_letter
-from sidecar.delivery.put import PutAnswer, RateLimit, Stopped, Target, put_file
+from sidecar.delivery.put import PutAnswer, RateLimit, SignedUrl, Stopped, put_file
 from sidecar.log import Throttle, log, state_write_failed
 from sidecar.statefile import open_checked, read_state
 from sidecar.supervise import supervise
@@ -276,7 +276,7 @@ class Uploads:
         query = urlencode({"run_id": self.run_id, "name": name, "size_bytes": file.size},
                           quote_via=quote, safe="/")
         fresh = 0
-        signed: tuple[Target, str] | None = None
+        signed: tuple[SignedUrl, str] | None = None
 
         async def attempt() -> PutAnswer:
             """Ask for a URL where none is held (a URL is used until the store says it expired:
@@ -316,7 +316,7 @@ class Uploads:
         await self._append({"op": "stored", "id": job.id, "rel": rel, "path": file.stored,
                             "etag": answer.etag})
 
-    async def _ask(self, query: str) -> tuple[Target, str]:
+    async def _ask(self, query: str) -> tuple[SignedUrl, str]:
         """The signed URL for one file and the object's URI; Refused on a 4xx."""
         answer = await self.client.deliver(ROUTE, b"", query=query)
         if not answer.ok:  # the route retries what may pass: this is final
@@ -328,7 +328,7 @@ class Uploads:
             raise Refused(f"the ingest's answer to {ROUTES[ROUTE].path} is unusable ({exc})",
                           answer.status, query) from None
 
-    async def _put(self, job: _Job, rel: str, file: _File, target: Target) -> PutAnswer:
+    async def _put(self, job: _Job, rel: str, file: _File, target: SignedUrl) -> PutAnswer:
         stop = threading.Event()
         file.sent[0] = 0
         try:
@@ -343,7 +343,7 @@ class Uploads:
             if not file.stored:
                 file.sent[0] = 0
 
-    def _put_blocking(self, job: _Job, rel: str, file: _File, target: Target,
+    def _put_blocking(self, job: _Job, rel: str, file: _File, target: SignedUrl,
                       stop: threading.Event) -> PutAnswer:
         fd, owned = self._source(job, rel, file)
         try:
@@ -558,7 +558,7 @@ def _object_name(cp: Checkpoint, rel: str) -> str:
     return "/".join(p for p in (NAME_PREFIX, cp.name, rel) if p)
 
 
-def _target(body: bytes) -> tuple[Target, str]:
+def _target(body: bytes) -> tuple[SignedUrl, str]:
     """The URL, method, headers and object URI of an `upload-url` answer; ValueError why not."""
     doc = json.loads(body)
     if not isinstance(doc, dict):
@@ -572,7 +572,7 @@ def _target(body: bytes) -> tuple[Target, str]:
     if not isinstance(method, str) or not isinstance(headers, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
         raise ValueError("a method or headers that are not text")
-    return Target(url, method.upper(), headers), path
+    return SignedUrl(url, method.upper(), headers), path
 
 
 def _checkpoint_uri(job: _Job) -> str:

@@ -104,6 +104,8 @@ class CheckpointSnapshot(NamedTuple):
     skipped (and why), the aliases passed over, and counts of what was never registered."""
 
     folder: str
+    # complete and handed on (checkpoints.py's "complete"): registered, or uploaded then
+    # registered; the key keeps the name /status and the metric's label have always had
     registered: tuple[str, ...] = ()
     waiting: tuple[tuple[str, str], ...] = ()  # (path, why)
     skipped: tuple[tuple[str, str], ...] = ()  # (path, why)

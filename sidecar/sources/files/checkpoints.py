@@ -68,7 +68,7 @@ URI_PATH_SAFE = "/:@!$&'()*+,;="
 class Found(NamedTuple):
     """A complete checkpoint, as `register` receives it."""
 
-    path: str  # as posted: the mapped URI, or the local path
+    artifact_path: str  # what /artifact's `path` says: the mapped URI, or the local path
     local: str  # absolute, local: with the fingerprint, its identity
     kind: str
     format: str
@@ -77,7 +77,7 @@ class Found(NamedTuple):
     fingerprint: str
     root: str  # the --checkpoints folder it lies under
     files: tuple[str, ...]  # relative to `local`; empty for a checkpoint that is one file
-    upload: bool  # unmapped: to be uploaded, `path` is then its local path
+    upload: bool  # unmapped: to be uploaded, `artifact_path` is then its local path
 
 
 class Candidate:
@@ -105,7 +105,9 @@ class Candidate:
         self.signature = ""
         self.size = 0
         self.seen_at = 0.0  # when the signature last changed (monotonic)
-        self.state = "waiting"  # waiting, registered, skipped
+        # waiting; complete: handed on, to be registered (mapped) or uploaded, then
+        # registered (delivery/upload.py); skipped
+        self.state = "waiting"
         self.why = "changing"
         self.fingerprint = ""
         # the step and size it was registered with by this start (None: not registered)
@@ -126,7 +128,7 @@ class FolderState(NamedTuple):
     """What `/status` shows of one --checkpoints folder."""
 
     folder: str
-    registered: tuple[str, ...]
+    complete: tuple[str, ...]  # handed on: registered, or uploaded then registered
     waiting: tuple[tuple[str, str], ...]  # path, why
     skipped: tuple[tuple[str, str], ...]  # path, why
     aliases: int
@@ -194,7 +196,7 @@ def _nearest_existing(folder: str) -> str:
     return folder
 
 
-def walk(root: str, limit_s: float = WALK_LIMIT_S) -> tuple[list[_Look], int, list[str], bool]:
+def look_over(root: str, limit_s: float = WALK_LIMIT_S) -> tuple[list[_Look], int, list[str], bool]:
     """Every candidate under `root`, how many aliases were passed over, every folder seen (to
     be watched: a checkpoint's own folders too, even empty, as a save fills them later), and
     whether the walk saw everything (False: it stopped after `limit_s`, on a filesystem that
@@ -253,9 +255,9 @@ class Surveyed(NamedTuple):
     assessment: Assessment
 
 
-def survey(root: str) -> tuple[list[Surveyed], int]:
+def checkpoints_in(root: str) -> tuple[list[Surveyed], int]:
     """Every candidate under `root` with its assessment now, and the aliases passed over."""
-    looks, aliases, _, _ = walk(root)
+    looks, aliases, _, _ = look_over(root)
     found = []
     for seen in sorted(looks, key=lambda lk: lk.path):
         entry = Candidate(seen.path, root, seen.shape)
@@ -449,7 +451,7 @@ class CheckpointWatcher:
 
     def _walk_all(self) -> list[tuple[str, tuple[list[_Look], int, list[str], bool]]]:
         started = time.thread_time()
-        walks = [(folder, walk(folder)) for folder in self.folders]
+        walks = [(folder, look_over(folder)) for folder in self.folders]
         self._walk_cpu_s = time.thread_time() - started
         return walks
 
@@ -488,7 +490,7 @@ class CheckpointWatcher:
         if self.known(entry.path, fingerprint):
             log.debug("--checkpoints: %s was registered already, as it is now", entry.path,
                       extra={"source": "checkpoints", "path": entry.path})
-            entry.state, entry.why = "registered", ""
+            entry.state, entry.why = "complete", ""
             return
         if self.not_registering:
             entry.state, entry.why = "skipped", self.not_registering
@@ -526,12 +528,12 @@ class CheckpointWatcher:
             # Nothing would tell the two registrations apart (a `last.pt` saved over again):
             # a rewrite is registered again with a step or a size of its own, or when its
             # writer's marker says it saved again.
-            entry.state, entry.why = "registered", ""
+            entry.state, entry.why = "complete", ""
             log.info("--checkpoints: %s was rewritten with the same step (%s) and size: not "
                      "registered again", shown(entry.path), "unknown" if step is None else step,
                      extra={"source": "checkpoints", "path": shown(entry.path)})
             return
-        entry.state, entry.why, entry.registered_as = "registered", "", (step, entry.size)
+        entry.state, entry.why, entry.registered_as = "complete", "", (step, entry.size)
         log.info("--checkpoints: %s complete (%s, %s, step %s, %d bytes); %s it",
                  shown(entry.path), entry.shape.kind, entry.shape.format,
                  "unknown" if step is None else step, entry.size,
@@ -557,7 +559,7 @@ class CheckpointWatcher:
     def say_unregistered(self) -> None:
         """At the exit: every candidate seen and not registered, with why, one a line (the
         first MAX_NAMED_AT_EXIT), so that no checkpoint is missed in silence."""
-        left = [(e.path, e.why) for e in self.entries.values() if e.state != "registered"]
+        left = [(e.path, e.why) for e in self.entries.values() if e.state != "complete"]
         left += [(path, why) for _, path, why in self.gone]
         for path, why in left[:MAX_NAMED_AT_EXIT]:
             log.info("--checkpoints: %s was not registered: %s", shown(path), why,
@@ -575,7 +577,7 @@ class CheckpointWatcher:
             note = "" if os.path.isdir(folder) else (
                 "is not a folder" if os.path.exists(folder) else "does not exist yet")
             result.append(FolderState(
-                folder, tuple(sorted(e.path for e in mine if e.state == "registered")),
+                folder, tuple(sorted(e.path for e in mine if e.state == "complete")),
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "waiting")),
                 tuple(sorted((e.path, e.why) for e in mine if e.state == "skipped")),
                 self.aliases.get(folder, 0), self.not_posted[folder], self.deleted[folder],

@@ -24,7 +24,7 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
     path = Path(pattern)
     if tree:
         if path.is_dir():
-            names = sorted(str(p) for p in walk(path, tree))
+            names = sorted(str(p) for p in files_matching(path, tree))
             return names, "" if names else f"no {tree} file under it yet"
         if path.exists() and file_too(kind):
             return [pattern], ""
@@ -65,7 +65,7 @@ def _glob(pattern: str) -> list[str]:
         return sorted(glob.glob(pattern))
     root = fixed_folder(pattern)
     parts = Path(pattern).relative_to(root).parts
-    return sorted(str(p) for p in walk(root, "*")
+    return sorted(str(p) for p in files_matching(root, "*")
                   if _match_parts(p.relative_to(root).parts, parts))
 
 
@@ -101,7 +101,7 @@ def folders(root: Path) -> Iterator[Path]:
         yield Path(dirpath)
 
 
-def walk(root: Path, name_glob: str) -> Iterator[Path]:
+def files_matching(root: Path, name_glob: str) -> Iterator[Path]:
     """The files named like `name_glob` in `root` and every folder below it (see folders)."""
     for folder in folders(root):
         try:
