@@ -6,7 +6,6 @@ the commands it is not running."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -14,19 +13,10 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from sidecar import __version__
-from sidecar.config import (
-    Config,
-    closest,
-    command_of,
-    fallback_state_dir,
-    probe_options,
-    resolve,
-    unknown_variables,
-)
+from sidecar.config import closest, command_of, log_context
 from sidecar.delivery.lifecycle import EVENTS
 from sidecar.exits import EXIT_CONFIG, ConfigError
 from sidecar.log import log, setup
-from sidecar.masking import add_secret
 from sidecar.options import add_option, add_options, help_line, option, show_default
 
 CHECK_TIMEOUT_S = 10.0  # how long each step of `sidecar check` may take
@@ -84,92 +74,64 @@ def build_parser(for_command: str | None = None) -> argparse.ArgumentParser:
                                       usage=command.usage,
                                       epilog=_epilog(HELP_TAILS[command.name]),
                                       formatter_class=_Formatter, allow_abbrev=False)
-            command.add_arguments(sub)
+            for adds in command.arguments:
+                adds(sub)
     return parser
 
 
-def _run_arguments(run: argparse.ArgumentParser) -> None:
-    add_options(run, "run")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+# What a row's `arguments` are made of: each adds its argument to the command's parser, so a
+# command's arguments are written in its row alone.
+Adder = Callable[[argparse.ArgumentParser], None]
 
 
-def _watch_arguments(watch: argparse.ArgumentParser) -> None:
-    add_options(watch, "watch")
+def _options(command: str) -> Adder:
+    """Every option of the table that `command` takes (options.py)."""
+    return lambda parser: add_options(parser, command)
 
 
-def _check_arguments(check: argparse.ArgumentParser) -> None:
-    check.add_argument("--json", action="store_true", help="print one JSON document")
-    _add(check, "--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
-         type=_seconds, metavar="SECONDS")
-    add_options(check, "check")
+def _option(*names: str) -> Adder:
+    """The options of the table named."""
+    def adds(parser: argparse.ArgumentParser) -> None:
+        for name in names:
+            add_option(parser, name)
+    return adds
 
 
-def _config_arguments(config: argparse.ArgumentParser) -> None:
-    config.add_argument("--json", action="store_true", help="print one JSON document")
-    add_options(config, "config")
+def _flag(flag: str, help: str) -> Adder:
+    def adds(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(flag, action="store_true", help=help)
+    return adds
 
 
-def _status_arguments(status: argparse.ArgumentParser) -> None:
-    status.add_argument("--json", action="store_true",
-                        help="print the daemon's /status document once, as JSON")
-    status.add_argument("--once", action="store_true",
-                        help="print the table once and exit (for scripts)")
-    _status_arguments_common(status)
+def _value(flag: str, default: object, help: str, *, metavar: str,
+           type: Callable[[str], object] = str, shown: str = "", env: str = "") -> Adder:
+    """An option outside the table, its help ending as the table's rows do."""
+    return lambda parser: _add(parser, flag, default, help, metavar=metavar, type=type,
+                               shown=shown, env=env)
 
 
-def _stacks_arguments(stacks: argparse.ArgumentParser) -> None:
-    stacks.add_argument("--full", action="store_true",
-                        help="every thread's frames after the summary")
-    stacks.add_argument("--json", action="store_true", help="print the dump as JSON")
-    stacks.add_argument("--last", action="store_true",
-                        help="the stacks taken at the stall or the SIGTERM, not new ones")
-    _status_arguments_common(stacks)
+def _positional(name: str, help: str, **how: Any) -> Adder:
+    def adds(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(name, help=help, **how)
+    return adds
 
 
-def _status_arguments_common(parser: argparse.ArgumentParser) -> None:
-    _add(parser, "--run-id", None, "the run whose daemon to show, when several run on this "
-         "node", metavar="ID", shown="the platform's run id variable, else the only daemon")
-    _add(parser, "--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
-         shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
-         env="SIDECAR_STATUS_ADDR")
-    add_option(parser, "state-dir")
-    add_option(parser, "config")
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
-def _lifecycle_arguments(lifecycle: argparse.ArgumentParser) -> None:
-    lifecycle.add_argument("event", choices=EVENTS, help="the event to post")
-    _add(lifecycle, "--timeout", 60.0, "give up (exit 1, event kept for replay) after this "
-         "many seconds", type=_seconds, metavar="SECONDS")
-    for name in ("state-dir", "token-file", "config"):
-        add_option(lifecycle, name)
-
-
-def _replay_arguments(replay: argparse.ArgumentParser) -> None:
-    _add(replay, "--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
-         type=_seconds, metavar="SECONDS")
-    for name in ("state-dir", "token-file", "config"):
-        add_option(replay, name)
-
-
-def _receive_arguments(receive: argparse.ArgumentParser) -> None:
-    _add(receive, "--host", "127.0.0.1", "the address to listen on", metavar="HOST")
-    _add(receive, "--port", 8080, "the port to listen on; 0: any free one", type=int,
-         metavar="PORT")
-    _add(receive, "--dir", Path("received"), "folder for one JSONL file per route", type=Path,
-         metavar="DIR")
-    _add(receive, "--token", None, "accept only this token", metavar="TOKEN", shown="any")
-    _add(receive, "--run-id", None, "accept only this run id", metavar="ID", shown="any")
-    _add(receive, "--ready-file", None, "write the base URL here once listening", type=Path,
-         metavar="PATH")
-    receive.add_argument("--quiet", action="store_true", help="no live summary")
-
-
-def _no_arguments(parser: argparse.ArgumentParser) -> None:
-    """A command that takes none (`demo`)."""
-
-
-def _completion_arguments(completion: argparse.ArgumentParser) -> None:
-    completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete in")
+# `status` and `stacks`: which daemon's to show
+_DAEMON = (
+    _value("--run-id", None, "the run whose daemon to show, when several run on this node",
+           metavar="ID", shown="the platform's run id variable, else the only daemon"),
+    _value("--status-addr", None, "the daemon's status endpoint", metavar="HOST:PORT",
+           shown="the address the daemon wrote to the state dir, else 127.0.0.1:9620",
+           env="SIDECAR_STATUS_ADDR"),
+    _option("state-dir", "config"),
+)
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, default: object, help: str, *,
@@ -187,11 +149,6 @@ def _epilog(tail: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
             + "\nexit status:\n" + "".join(f"  {line}\n" for line in exit_codes))
 
 
-def _context(run_id: str, node: str) -> dict[str, str]:
-    """The fields every JSON message carries: the run (when there is one) and the node."""
-    return {"run_id": run_id, "node": node} if run_id else {"node": node}
-
-
 def _early_context() -> dict[str, str]:
     """The run and node as the environment names them, for a message said before (or because)
     the configuration could not be resolved."""
@@ -200,7 +157,7 @@ def _early_context() -> dict[str, str]:
     from sidecar.config import FAMILIES
 
     run_id = next((os.environ[f.run_id] for f in FAMILIES if os.environ.get(f.run_id)), "")
-    return _context(run_id, os.environ.get("NODE_NAME") or socket.gethostname())
+    return log_context(run_id, os.environ.get("NODE_NAME") or socket.gethostname())
 
 
 def _wants_json(argv: Sequence[str]) -> bool:
@@ -281,8 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.command = command_of(args.command, argv)
         except ValueError as exc:
             subparser(parser, "run").error(str(exc))
+    args.build_parser = build_parser  # what `completion` describes: every command
     try:
-        code: int = COMMANDS[args.cmd](args)
+        code = _main_of(COMMANDS[args.cmd])(args)
     except ConfigError as exc:
         if _Parser.json_errors:
             _json_error(args.cmd, exc.said, exc.concerns)
@@ -296,6 +254,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         discard(sys.stdout)
     return code
+
+
+def _main_of(command: Subcommand) -> Callable[[argparse.Namespace], int]:
+    """The `main` of the command's module, imported now: only the command that runs is loaded."""
+    import importlib
+
+    run: Callable[[argparse.Namespace], int] = importlib.import_module(command.module).main
+    return run
 
 
 def _reserve_standard_descriptors() -> None:
@@ -341,144 +307,15 @@ def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argumen
     return found
 
 
-def _run(args: argparse.Namespace) -> int:
-    command: list[str] = args.command
-    if not command:
-        raise ConfigError("no command to run: put it after --, as in "
-                          "`sidecar run -- ./train.sh`")
-    cfg = _configured(args, "run")
-    from sidecar.wrapper import run_wrapped
-
-    return asyncio.run(run_wrapped(cfg, command, os.environ))
-
-
-def _watch(args: argparse.Namespace) -> int:
-    cfg = _configured(args, "watch")
-    if not (any(cfg.files.values()) or cfg.hparams or cfg.hardware_interval or cfg.checkpoints):
-        from sidecar.sources.files.kinds import FILE_KINDS
-
-        files = ", ".join(kind.flag for kind in FILE_KINDS)
-        raise ConfigError(f"nothing to watch: give at least one of {files}, --hparams or "
-                          "--checkpoints, or leave --hardware-interval above 0")
-    from sidecar.watch import run_watch
-
-    return asyncio.run(run_watch(cfg, os.environ))
-
-
-def _configured(args: argparse.Namespace, command: str) -> Config:
-    """The command's Config, with the sidecar's own messages set up as it says."""
-    cfg = resolve(args, command, os.environ)
-    from sidecar.node import resolve_node
-
-    node = resolve_node(cfg.node_name, os.environ, cfg.nodes).name
-    setup(cfg.log_level, cfg.message_format, _context(cfg.platform.run_id, node))
-    add_secret(cfg.token)
-    _warn_unknown_variables()
-    default_state_dir = cfg.state_dir
-    cfg, why = fallback_state_dir(cfg)
-    if why:
-        log.warning("the default state folder %s cannot be used (%s); this run's state (spool, "
-                    "journal, offsets) is kept in %s instead, which a reboot may clear: give "
-                    "--state-dir a lasting writable folder (in a pod, an emptyDir volume)",
-                    default_state_dir, why, cfg.state_dir)
-    if command in ("run", "watch"):
-        probe_options(cfg)
-    return cfg
-
-
-def _warn_unknown_variables() -> None:
-    for warning in unknown_variables(os.environ):
-        log.warning("%s", warning)
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def _check(args: argparse.Namespace) -> int:
-    from sidecar.commands.check import check
-
-    setup()  # unknown variables are one of its steps, not a line on stderr
-    return check(args, os.environ)
-
-
-def _config(args: argparse.Namespace) -> int:
-    from sidecar.commands.config import show_config
-
-    setup()
-    return show_config(args, os.environ)
-
-
-def _completion(args: argparse.Namespace) -> int:
-    from sidecar.commands.completion import script
-
-    print(script(build_parser(), args.shell), end="")
-    return 0
-
-
-def _status(args: argparse.Namespace) -> int:
-    from sidecar.commands.status import status_command
-
-    setup()
-    _warn_unknown_variables()
-    return status_command(args)
-
-
-def _stacks(args: argparse.Namespace) -> int:
-    from sidecar.commands.stacks import stacks_command
-
-    setup()
-    _warn_unknown_variables()
-    return stacks_command(args)
-
-
-def _lifecycle(args: argparse.Namespace) -> int:
-    from sidecar.commands.lifecycle import post, to_wrapper
-
-    setup()
-    handed = to_wrapper(args.event, os.environ)
-    if handed is not None:
-        return handed
-    cfg = _configured(args, "lifecycle")
-    return asyncio.run(post(cfg, args.event, args.timeout))
-
-
-def _replay(args: argparse.Namespace) -> int:
-    cfg = _configured(args, "replay")
-    from sidecar.commands.replay import replay
-
-    return asyncio.run(replay(cfg, args.timeout))
-
-
-def _receive(args: argparse.Namespace) -> int:
-    from sidecar.commands.receive import serve
-
-    return serve(args.dir, host=args.host, port=args.port, token=args.token,
-                 run_id=args.run_id, summary=not args.quiet,
-                 ready_file=args.ready_file)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from sidecar.commands.demo import demo
-
-    with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
-        return demo(Path(tmp))
-
-
 class Subcommand(NamedTuple):
-    """One command of the command line, its one row: what --help says of it, the function that
-    adds its arguments, the one that runs it, and the end of its --help (its examples and exit
-    statuses)."""
+    """One command of the command line, its one row: what --help says of it, its arguments,
+    the module whose `main(args)` runs it (imported only then), and the end of its --help (its
+    examples and exit statuses)."""
 
     name: str
     help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
+    arguments: tuple[Adder, ...]
+    module: str
     examples: tuple[str, ...]
     exits: tuple[str, ...]
     usage: str | None = None  # None: the one argparse writes
@@ -487,7 +324,10 @@ class Subcommand(NamedTuple):
 # In the order `sidecar --help` lists them.
 SUBCOMMANDS = (
     Subcommand(
-        "run", "wrap a training command and report it", _run_arguments, _run,
+        "run", "wrap a training command and report it",
+        (_options("run"), _positional("command", "the command to run, after --",
+                                      nargs=argparse.REMAINDER)),
+        "sidecar.wrapper",
         ("sidecar run -- python train.py --lr 3e-4",
          "sidecar run --jsonl 'out/metrics*.jsonl' --tensorboard runs/ -- ./train.sh",
          "sidecar run --running-when marker -- ./train.sh  # see: sidecar lifecycle -h"),
@@ -496,8 +336,8 @@ SUBCOMMANDS = (
          "2    configuration error: nothing was started"),
         usage="sidecar run [OPTIONS] -- COMMAND [ARG...]"),
     Subcommand(
-        "watch", "follow log, JSONL and TensorBoard files until SIGTERM", _watch_arguments,
-        _watch,
+        "watch", "follow log, JSONL and TensorBoard files until SIGTERM", (_options("watch"),),
+        "sidecar.watch",
         ("sidecar watch --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
          "sidecar watch --tensorboard /shared/tb --hardware-interval 30"),
         ("0  SIGTERM or SIGINT, then a clean drain",
@@ -505,7 +345,12 @@ SUBCOMMANDS = (
         usage="sidecar watch [OPTIONS]"),
     Subcommand(
         "check", "validate the configuration, probe the endpoint from this node, explain what "
-        "is wrong; takes the options of run and watch", _check_arguments, _check,
+        "is wrong; takes the options of run and watch",
+        (_flag("--json", "print one JSON document"),
+         _value("--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
+                type=_seconds, metavar="SECONDS"),
+         _options("check")),
+        "sidecar.commands.check",
         ("sidecar check",
          "sidecar check --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
          "sidecar check --json | jq .steps"),
@@ -514,27 +359,41 @@ SUBCOMMANDS = (
          "2  configuration error")),
     Subcommand(
         "config", "print the configuration `run` would start with, each value with where it "
-        "came from; contacts nothing, starts nothing", _config_arguments, _config,
+        "came from; contacts nothing, starts nothing",
+        (_flag("--json", "print one JSON document"), _options("config")),
+        "sidecar.commands.config",
         ("sidecar config --config deploy/sidecar.toml",
          "sidecar config --jsonl 'out/*.jsonl' --json | jq .options.jsonl"),
         ("0  `run` would start with this configuration",
          "2  configuration error: `run` would refuse it")),
     Subcommand(
-        "status", "counters of the running daemon", _status_arguments, _status,
+        "status", "counters of the running daemon",
+        (_flag("--json", "print the daemon's /status document once, as JSON"),
+         _flag("--once", "print the table once and exit (for scripts)"), *_DAEMON),
+        "sidecar.commands.status",
         ("sidecar status", "sidecar status --once --run-id run-4f2a91",
          "sidecar status --json --status-addr 127.0.0.1:9620"),
         ("0  the daemon answered", "1  nothing answered at the address",
          "2  several daemons run here and no --run-id picks one, or a bad --status-addr")),
     Subcommand(
         "stacks", "where every process of the running daemon's command is, now",
-        _stacks_arguments, _stacks,
+        (_flag("--full", "every thread's frames after the summary"),
+         _flag("--json", "print the dump as JSON"),
+         _flag("--last", "the stacks taken at the stall or the SIGTERM, not new ones"),
+         *_DAEMON),
+        "sidecar.commands.stacks",
         ("sidecar stacks", "sidecar stacks --full --run-id run-4f2a91", "sidecar stacks --last"),
         ("0  the stacks were printed (from the state folder when no daemon answers)",
          "1  nothing answered and no dump is kept",
          "2  several daemons run here and no --run-id picks one",
          "3  the daemon cannot take them (no py-spy)")),
     Subcommand(
-        "lifecycle", "post one lifecycle event, strictly", _lifecycle_arguments, _lifecycle,
+        "lifecycle", "post one lifecycle event, strictly",
+        (_positional("event", "the event to post", choices=EVENTS),
+         _value("--timeout", 60.0, "give up (exit 1, event kept for replay) after this many "
+                "seconds", type=_seconds, metavar="SECONDS"),
+         _option("state-dir", "token-file", "config")),
+        "sidecar.commands.lifecycle",
         ("sidecar lifecycle running   # in a `run --running-when marker` child",
          "sidecar lifecycle failed --timeout 10"),
         ("0  acknowledged (or recorded already), handed to the wrapper, or reporting off",
@@ -542,29 +401,46 @@ SUBCOMMANDS = (
          "   time (kept for `sidecar replay`)",
          "2  configuration error, or another sidecar (named) writes the run's lifecycle")),
     Subcommand(
-        "replay", "deliver what an earlier run left spooled", _replay_arguments, _replay,
+        "replay", "deliver what an earlier run left spooled",
+        (_value("--timeout", 300.0, "give up (exit 1, data kept) after this many seconds",
+                type=_seconds, metavar="SECONDS"),
+         _option("state-dir", "token-file", "config")),
+        "sidecar.commands.replay",
         ("sidecar replay", "sidecar replay --state-dir /var/lib/sidecar --timeout 60"),
         ("0  everything was delivered (or nothing was left)",
          "1  something is still undelivered; it stays in the state folder",
          "2  configuration error")),
     Subcommand(
         "receive", "a local ingest server that checks every request as docs/ingest.md "
-        "describes it and stores what it accepts", _receive_arguments, _receive,
+        "describes it and stores what it accepts",
+        (_value("--host", "127.0.0.1", "the address to listen on", metavar="HOST"),
+         _value("--port", 8080, "the port to listen on; 0: any free one", type=int,
+                metavar="PORT"),
+         _value("--dir", Path("received"), "folder for one JSONL file per route", type=Path,
+                metavar="DIR"),
+         _value("--token", None, "accept only this token", metavar="TOKEN", shown="any"),
+         _value("--run-id", None, "accept only this run id", metavar="ID", shown="any"),
+         _value("--ready-file", None, "write the base URL here once listening", type=Path,
+                metavar="PATH"),
+         _flag("--quiet", "no live summary")),
+        "sidecar.commands.receive",
         ("sidecar receive --dir /tmp/ingest --port 8080",
          "sidecar receive --port 0 --ready-file /tmp/url --token tok --run-id run-1"),
         ("0  stopped by SIGTERM or Ctrl-C", "1  cannot listen on HOST:PORT")),
     Subcommand(
-        "demo", "run a bundled example trainer against a local receiver", _no_arguments, _demo,
+        "demo", "run a bundled example trainer against a local receiver", (),
+        "sidecar.commands.demo",
         ("sidecar demo",),
         ("the example trainer's exit status under `sidecar run` (0)",)),
     Subcommand(
-        "completion", "print a shell completion script for bash or zsh", _completion_arguments,
-        _completion,
+        "completion", "print a shell completion script for bash or zsh",
+        (_positional("shell", "the shell to complete in", choices=("bash", "zsh")),),
+        "sidecar.commands.completion",
         ("sidecar completion bash > ~/.local/share/bash-completion/completions/sidecar",
          "sidecar completion zsh > \"${fpath[1]}/_sidecar\"  # then: compinit"),
         ("0  the script was printed",)),
 )
-COMMANDS = {command.name: command.run for command in SUBCOMMANDS}
+COMMANDS = {command.name: command for command in SUBCOMMANDS}
 # Each command's examples, then its exit statuses: the end of its --help, `sidecar --help`'s too.
 HELP_TAILS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "sidecar": (

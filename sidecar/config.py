@@ -603,3 +603,39 @@ def fallback_state_dir(cfg: Config) -> tuple[Config, str]:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         private = Path(tempfile.mkdtemp(prefix="sidecar-"))  # that name is someone else's
     return cfg._replace(state_dir=private), why
+
+
+def log_context(run_id: str, node: str) -> dict[str, str]:
+    """The fields every JSON message carries: the run (when there is one) and the node."""
+    return {"run_id": run_id, "node": node} if run_id else {"node": node}
+
+
+def configured(args: argparse.Namespace, command: str) -> Config:
+    """`command`'s Config, resolved from its parsed `args`, with the sidecar's own messages set
+    up as it says: what every command that runs with a configuration does first."""
+    from sidecar.log import log, setup
+    from sidecar.node import resolve_node
+
+    cfg = resolve(args, command, os.environ)
+    node = resolve_node(cfg.node_name, os.environ, cfg.nodes).name
+    setup(cfg.log_level, cfg.message_format, log_context(cfg.platform.run_id, node))
+    add_secret(cfg.token)
+    warn_unknown_variables()
+    default_state_dir = cfg.state_dir
+    cfg, why = fallback_state_dir(cfg)
+    if why:
+        log.warning("the default state folder %s cannot be used (%s); this run's state (spool, "
+                    "journal, offsets) is kept in %s instead, which a reboot may clear: give "
+                    "--state-dir a lasting writable folder (in a pod, an emptyDir volume)",
+                    default_state_dir, why, cfg.state_dir)
+    if command in ("run", "watch"):
+        probe_options(cfg)
+    return cfg
+
+
+def warn_unknown_variables() -> None:
+    """A SIDECAR_* or platform variable no option reads (a typo), one WARNING each."""
+    from sidecar.log import log
+
+    for warning in unknown_variables(os.environ):
+        log.warning("%s", warning)

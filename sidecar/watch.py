@@ -10,15 +10,18 @@ could be due. SIGTERM or SIGINT --> every file read to its end, delivered within
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from sidecar.aio import cancel
-from sidecar.config import Config
+from sidecar.config import Config, configured
+from sidecar.exits import ConfigError
 from sidecar.log import log
 from sidecar.runtime import TICK_S, Runtime
 from sidecar.sources.files.kinds import FILE_KINDS
@@ -89,3 +92,13 @@ async def _watch_stall(stall: StallWatch) -> None:
         await asyncio.sleep(STALL_LOOK_S if due_in is None else min(max(due_in, TICK_S),
                                                                     STALL_LOOK_S))
         stall.check()
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar watch`: refused when it has nothing to watch."""
+    cfg = configured(args, "watch")
+    if not (any(cfg.files.values()) or cfg.hparams or cfg.hardware_interval or cfg.checkpoints):
+        files = ", ".join(kind.flag for kind in FILE_KINDS)
+        raise ConfigError(f"nothing to watch: give at least one of {files}, --hparams or "
+                          "--checkpoints, or leave --hardware-interval above 0")
+    return asyncio.run(run_watch(cfg, os.environ))

@@ -17,8 +17,10 @@ runtime's (runtime.py).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
+import os
 import signal
 import sys
 import time
@@ -26,13 +28,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from sidecar.aio import cancel, wait_set
-from sidecar.config import Config
+from sidecar.config import Config, configured
 from sidecar.delivery import handoff
 from sidecar.delivery.crashtail import CrashTail, StreamTail, new_tails, take_tail
 from sidecar.delivery.lifecycle import Lifecycle
 from sidecar.delivery.logs import LogShipper
 from sidecar.diagnose import Failure, diagnose
-from sidecar.exits import EXIT_CANNOT_START
+from sidecar.exits import EXIT_CANNOT_START, ConfigError
 from sidecar.log import format_duration, log, one_destination
 from sidecar.masking import mask, secrets
 from sidecar.runtime import TICK_S, Runtime
@@ -621,3 +623,13 @@ def _announce_holders(streams: Sequence[Stream], holders: Sequence[str], waited_
     log.warning("%s", line.removeprefix("[sidecar] "))
     if streams[-1].shipper is not None:
         announce_in(streams, line)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar run -- COMMAND`."""
+    command: list[str] = args.command
+    if not command:
+        raise ConfigError("no command to run: put it after --, as in "
+                          "`sidecar run -- ./train.sh`")
+    cfg = configured(args, "run")
+    return asyncio.run(run_wrapped(cfg, command, os.environ))

@@ -113,11 +113,25 @@ def test_the_receiver_ships_no_test_only_option(monkeypatch: pytest.MonkeyPatch,
     assert "unrecognized arguments: --faults" in capsys.readouterr().err
 
 
-def test_each_command_has_one_parser_row_one_function_and_one_help_tail() -> None:
-    from sidecar.cli import COMMANDS as FUNCTIONS
+def test_each_command_is_one_row_naming_the_module_that_runs_it() -> None:
+    """A command is declared in one row of SUBCOMMANDS: its help, its arguments, its examples
+    and exit statuses, and the module whose `main(args)` runs it; cli.py holds no function of
+    its own for any command."""
+    import importlib
+    import inspect
+
+    import sidecar.cli as cli
+    from sidecar.cli import COMMANDS as ROWS
     from sidecar.cli import HELP_TAILS, SUBCOMMANDS
 
-    assert tuple(command.name for command in SUBCOMMANDS) == COMMANDS == tuple(FUNCTIONS)
+    assert tuple(command.name for command in SUBCOMMANDS) == COMMANDS == tuple(ROWS)
+    for command in SUBCOMMANDS:
+        main = importlib.import_module(command.module).main
+        assert list(inspect.signature(main).parameters) == ["args"], command.module
+    functions = {name for name, value in vars(cli).items() if inspect.isfunction(value)
+                 and value.__module__ == "sidecar.cli"}
+    assert not {f"_{name}" for name in COMMANDS} & functions
+    assert not {f"_{name}_arguments" for name in COMMANDS} & functions
     assert set(HELP_TAILS) == {"sidecar", *COMMANDS}
     for command in SUBCOMMANDS:  # a command's own parser holds it alone
         sub = next(a for a in build_parser(command.name)._actions

@@ -323,3 +323,9 @@ def _checkpoints(cfg: Config, folder: str, report: CheckReport) -> None:
                complete=complete, waiting=waiting, aliases=aliases, posted_as=posted)
 
 
+def main(args: argparse.Namespace) -> int:
+    """`sidecar check`."""
+    from sidecar.log import setup
+
+    setup()  # unknown variables are one of its steps, not a line on stderr
+    return check(args, os.environ)

@@ -164,3 +164,9 @@ _sidecar() {{
 }}
 _sidecar "$@"
 """
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar completion SHELL`: the script for every command of `args.build_parser()`."""
+    print(script(args.build_parser(), args.shell), end="")
+    return 0

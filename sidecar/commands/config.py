@@ -115,3 +115,13 @@ def _toml(value: Any) -> str:
     if isinstance(value, int | float):
         return repr(value)
     return json.dumps(str(value))
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar config`."""
+    import os
+
+    from sidecar.log import setup
+
+    setup()
+    return show_config(args, os.environ)

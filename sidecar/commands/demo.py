@@ -4,6 +4,7 @@ to the receiver's own object folder through signed URLs and registered."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
@@ -57,3 +58,11 @@ def _report(server: IngestServer, status: int) -> None:
     for record in server.records("artifact"):
         print(f"  {record['kind']} step {record.get('step', '?')}, {record['size_bytes']} "
               f"bytes: {record['path']}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar demo`, in a folder of its own that is removed after."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
+        return demo(Path(tmp))

@@ -9,6 +9,7 @@ next start or `sidecar replay`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections.abc import Mapping
@@ -63,3 +64,18 @@ async def post(cfg: Config, event: str, timeout_s: float) -> int:
     finally:
         await lifecycle.close()
         await client.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar lifecycle EVENT`: handed to the wrapper inside a `sidecar run`, else posted."""
+    import os
+
+    from sidecar.config import configured
+    from sidecar.log import setup
+
+    setup()
+    handed = to_wrapper(args.event, os.environ)
+    if handed is not None:
+        return handed
+    cfg = configured(args, "lifecycle")
+    return asyncio.run(post(cfg, args.event, args.timeout))

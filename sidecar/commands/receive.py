@@ -10,6 +10,7 @@ add a layer that acts on each request (`Hooks`): the tests inject faults through
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import hashlib
@@ -598,3 +599,9 @@ def _write_atomically(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar receive`."""
+    return serve(args.dir, host=args.host, port=args.port, token=args.token,
+                 run_id=args.run_id, summary=not args.quiet, ready_file=args.ready_file)

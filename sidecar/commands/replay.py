@@ -12,6 +12,7 @@ names (exit 1).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
@@ -130,3 +131,11 @@ def _last_failure(client: object) -> str:
     stats = getattr(client, "stats", {})
     reasons = [s.last_failure for s in stats.values() if s.last_failure]
     return reasons[-1] if reasons else "none: the ingest has not answered yet"
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar replay`."""
+    from sidecar.config import configured
+
+    cfg = configured(args, "replay")
+    return asyncio.run(replay(cfg, args.timeout))

@@ -115,3 +115,13 @@ def _show(doc: Mapping[str, Any], args: argparse.Namespace, where: str) -> None:
             for frame in thread.get("frames", ()):
                 line = f":{frame['line']}" if frame.get("line") else ""
                 print_out(f"    {frame.get('name')} ({frame.get('short_filename')}{line})")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar stacks`."""
+    from sidecar.config import warn_unknown_variables
+    from sidecar.log import setup
+
+    setup()
+    warn_unknown_variables()
+    return stacks_command(args)

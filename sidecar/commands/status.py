@@ -523,3 +523,13 @@ def _bytes(size: float) -> str:
         if size < 1024:
             return f"{size:.1f} {unit}"
     return f"{size / 1024:.1f} GiB"
+
+
+def main(args: argparse.Namespace) -> int:
+    """`sidecar status`."""
+    from sidecar.config import warn_unknown_variables
+    from sidecar.log import setup
+
+    setup()
+    warn_unknown_variables()
+    return status_command(args)
