@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from sidecar.masking import mask, mask_doc
+from sidecar.process import held
 
 log = logging.getLogger("sidecar")
 
@@ -67,6 +68,11 @@ class Throttle:
         self._held: dict[str, int] = {}
         self._prune_at = THROTTLE_PRUNE_FROM
 
+    def forget(self) -> None:
+        """Every message let through again, as at start."""
+        self._last.clear()
+        self._held.clear()
+
     def admit(self, key: str) -> int | None:
         """None to stay quiet; else how many were held back since the last admitted one."""
         now = time.monotonic()
@@ -108,6 +114,7 @@ class _RepeatFilter(logging.Filter):
 
 
 _state_dir_trouble = Throttle()
+held(_state_dir_trouble.forget)
 
 
 def state_write_failed(path: object, exc: OSError) -> None:
@@ -173,6 +180,7 @@ class _OpenLine:
 
 
 open_line = _OpenLine()
+held(open_line.close)
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]

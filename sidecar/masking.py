@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sidecar.process import held
+
 MASK = "***"
 # A shorter token is refused at start (config.check_token): masking it would blank pieces of
 # ordinary words.
@@ -60,6 +62,17 @@ class Secrets:
         self.longest = 0  # characters of the longest secret
         for secret in secrets:
             self.add(secret)
+
+    def forget(self) -> None:
+        """No secret any more, as at start."""
+        self._secrets.clear()
+        self._pieces_text.clear()
+        self._starts_text.clear()
+        self._starts.clear()
+        self._start_bytes = 0
+        self._bytes.clear()
+        self._longest_raw = 0
+        self.longest = 0
 
     def add(self, secret: str) -> None:
         """Mask `secret` from now on (a shorter one than MIN_SECRET_CHARS is ignored)."""
@@ -273,6 +286,7 @@ def _finders(anchors: list[bytes]) -> list[Any]:
 secrets = Secrets()
 add_secret = secrets.add
 mask = secrets.mask
+held(secrets.forget)
 
 
 def mask_doc(doc: Any) -> Any:

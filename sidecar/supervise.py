@@ -22,6 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from sidecar.log import Throttle, log
+from sidecar.process import held
 
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 10.0
@@ -44,6 +45,13 @@ class Supervisor:
         self._throttle = Throttle()
         self._armed: dict[str, float] = {}  # task name -> loop time to raise
         self._fired: set[str] = set()
+
+    def forget(self) -> None:
+        """No restart counted, no fault armed or fired, no failure said yet."""
+        self.restarts.clear()
+        self._throttle.forget()
+        self._armed.clear()
+        self._fired.clear()
 
     def spawn(self, name: str, work: Work) -> asyncio.Task[None]:
         """Run `work()` as task `name` under supervision."""
@@ -145,3 +153,12 @@ def spawn_once(name: str, work: Callable[[], Coroutine[Any, Any, None]]) -> asyn
 def restarts() -> dict[str, int]:
     """Restarts so far, by task name (for /status and /metrics)."""
     return dict(SUPERVISOR.restarts)
+
+
+def _fresh() -> None:
+    """No restart counted, no fault armed, no task held: as a new process starts."""
+    SUPERVISOR.forget()
+    _RUNNING.clear()
+
+
+held(_fresh)

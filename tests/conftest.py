@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from sidecar import masking
+from sidecar import process
 from tests.ingest_server import RunningIngest, running_ingest
 
 # The suite shares two cores with the sidecars it starts: no timing-based health checks.
@@ -31,14 +31,13 @@ FAST_SAMPLING = (sys.executable, "-c", "import sys; import sidecar.options as c;
 
 
 @pytest.fixture(autouse=True)
-def _secrets_of_this_test_only() -> Iterator[None]:
-    """The process's secrets as they were before the test, after it: a token one test used
-    was masked in a later test's output (its tmp_path `test_wrong_token_…` became
-    `test_***_token_…`), so a test passed or failed by the order the suite ran in."""
-    kept = dict(vars(masking.secrets))
+def _a_fresh_process_for_each_test() -> Iterator[None]:
+    """The process's own state (the secrets, the supervisor's counts, the NVML bindings...) as a
+    new process has it, after every test: a token one test used was masked in a later test's
+    output (its tmp_path `test_wrong_token_…` became `test_***_token_…`), so a test passed or
+    failed by the order the suite ran in."""
     yield
-    vars(masking.secrets).clear()
-    vars(masking.secrets).update(kept)
+    process.fresh()
 
 
 @pytest.fixture

@@ -244,8 +244,8 @@ def test_the_circle_rule_finds_a_circle() -> None:
 # What every part stands on, importing nothing above: the sidecar's own messages, masking, the
 # records sources and delivery share, exit statuses, the supervisor, the state folder's files.
 BASE = frozenset({"sidecar.aio", "sidecar.exits", "sidecar.log", "sidecar.masking",
-                  "sidecar.node", "sidecar.records", "sidecar.stall", "sidecar.statefile",
-                  "sidecar.supervise", "sidecar.threads"})
+                  "sidecar.node", "sidecar.process", "sidecar.records", "sidecar.stall",
+                  "sidecar.statefile", "sidecar.supervise", "sidecar.threads"})
 # What assembles the parts, and so is above every one of them.
 ASSEMBLY = ("sidecar.cli", "sidecar.commands", "sidecar.config", "sidecar.options",
             "sidecar.pipeline", "sidecar.runtime", "sidecar.watch", "sidecar.wrapper")

@@ -9,6 +9,8 @@ import importlib
 import threading
 from typing import Any, NewType
 
+from sidecar.process import held
+
 LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
 NVML_TIMEOUT_S = 5.0  # how long one GPU's read may take before it counts as hung
 
@@ -23,6 +25,13 @@ class _Bindings:
         self._loaded = False
         self._module: Any = None
         self.missing = ""  # why there are none: the library, or the bindings
+
+    def forget(self) -> None:
+        """Not loaded: the next `get` loads the library again."""
+        with self._lock:
+            self._loaded = False
+            self._module = None
+            self.missing = ""
 
     def get(self) -> Any:
         with self._lock:  # the sampler's worker threads may ask at once
@@ -45,6 +54,7 @@ class _Bindings:
 
 
 _BINDINGS = _Bindings()
+held(_BINDINGS.forget)
 
 # NVML return codes (nvml.h, nvmlReturn_t): part of the C ABI, stable across driver versions.
 INVALID_ARGUMENT = 2

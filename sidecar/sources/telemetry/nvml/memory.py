@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
+from sidecar.process import held
 from sidecar.sources.telemetry.nvml.bindings import (
     ARGUMENT_VERSION_MISMATCH,
     FUNCTION_NOT_FOUND,
@@ -58,3 +59,11 @@ class MemoryInfo:
         _GET_MEMORY(*self._v1_args)
         total, used = self._v1_values(self._v1)
         return Memory(total, used, None)
+
+
+def _fresh() -> None:
+    global _memory_v1_only
+    _memory_v1_only = False
+
+
+held(_fresh)
