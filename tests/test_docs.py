@@ -305,3 +305,21 @@ def test_every_link_between_the_docs_lands_on_a_section() -> None:
             wrong.append(f"README.md: {target}#{anchor}")
     assert links > 20
     assert wrong == []
+
+
+TEST_MAP = ROOT / "tests" / "MAP.md"
+MAP_ROW = re.compile(r"^\| `([\w/.]+\.py)` \| (.+) \|$", re.M)
+
+
+def test_the_test_map_names_every_module_and_every_test_file() -> None:
+    """tests/MAP.md: a module's tests found from its name. Every module of the package has its
+    row, every test file is named in it, and nothing it names is gone."""
+    text = TEST_MAP.read_text(encoding="utf-8")
+    rows = {module: re.findall(r"`(test_\w+\.py)`", tests)
+            for module, tests in MAP_ROW.findall(text)}
+    modules = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    tests = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    named = set(re.findall(r"`(test_\w+\.py)`", text))
+    assert set(rows) == modules, (sorted(modules - set(rows)), sorted(set(rows) - modules))
+    assert all(rows.values()), [module for module, found in rows.items() if not found]
+    assert named == tests, (sorted(tests - named), sorted(named - tests))
