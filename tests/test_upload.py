@@ -363,13 +363,17 @@ def test_the_upload_sends_at_the_lowest_cpu_priority_and_nothing_else_does(
         assert s3.read(f"{PREFIX}/step_70.safetensors") == data
 
 
-class SlowDownStore:
-    """An object store's front that throttles as S3 and GCS do: the first `refusals` PUTs are
-    read and answered `503 SlowDown` (the first with `Retry-After`; the second 429, GCS's
-    answer), the rest sent on to `origin` (the ingest's own objects) as they came. Each PUT's
+Scripted = tuple[int, dict[str, str], bytes]  # a status, headers, a body
+SLOW_DOWN = (b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
+             b"</Error>")
+
+
+class ScriptedStore:
+    """An object store's front: the first PUTs are read and answered as `answers` says, one
+    each, the rest sent on to `origin` (the ingest's own objects) as they came. Each PUT's
     arrival time is kept."""
 
-    def __init__(self, origin: str, refusals: int, retry_after_s: int) -> None:
+    def __init__(self, origin: str, answers: list[Scripted]) -> None:
         import http.client
         import threading
         import time
@@ -384,12 +388,11 @@ class SlowDownStore:
             def do_PUT(self) -> None:
                 store.arrivals.append(time.monotonic())
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                if len(store.arrivals) <= refusals:
-                    answer = (b"<Error><Code>SlowDown</Code><Message>Please reduce your "
-                              b"request rate.</Message></Error>")
-                    self.send_response(429 if len(store.arrivals) == 2 else 503)
-                    if len(store.arrivals) == 1:
-                        self.send_header("Retry-After", str(retry_after_s))
+                if len(store.arrivals) <= len(answers):
+                    status, headers, answer = answers[len(store.arrivals) - 1]
+                    self.send_response(status)
+                    for name, value in headers.items():
+                        self.send_header(name, value)
                     self.send_header("Content-Length", str(len(answer)))
                     self.end_headers()
                     self.wfile.write(answer)
@@ -416,21 +419,28 @@ class SlowDownStore:
         self.server.server_close()
 
 
+def fronted(ingest: list[RunningIngest], fronts: list[ScriptedStore], answers: list[Scripted],
+            given: Counter[str]) -> Any:
+    """A signer whose URLs go through one ScriptedStore answering `answers` first."""
+    def signer(run_id: str, name: str, size: int) -> dict[str, Any]:
+        given[name] += 1
+        answer = ingest[0].sign_locally(run_id, name, size)
+        origin = answer["url"].split("/_objects/")[0]
+        if not fronts:
+            fronts.append(ScriptedStore(origin, answers))
+        answer["url"] = answer["url"].replace(origin, fronts[0].origin)
+        return answer
+    return signer
+
+
 def test_a_store_that_slows_down_is_waited_for_as_told_with_the_same_url(
         tmp_path: Path) -> None:
     handle: list[RunningIngest] = []
-    fronts: list[SlowDownStore] = []
+    fronts: list[ScriptedStore] = []
     given: Counter[str] = Counter()
-
-    def signer(run_id: str, name: str, size: int) -> dict[str, Any]:
-        given[name] += 1
-        answer = handle[0].sign_locally(run_id, name, size)
-        origin = answer["url"].split("/_objects/")[0]
-        if not fronts:
-            fronts.append(SlowDownStore(origin, refusals=3, retry_after_s=2))
-        answer["url"] = answer["url"].replace(origin, fronts[0].origin)
-        return answer
-
+    # S3's 503 SlowDown (the first with Retry-After: 2), GCS's 429 between
+    signer = fronted(handle, fronts, [(503, {"Retry-After": "2"}, SLOW_DOWN),
+                                      (429, {}, SLOW_DOWN), (503, {}, SLOW_DOWN)], given)
     try:
         with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
                             signer=signer) as ingest:
@@ -456,6 +466,46 @@ def test_a_store_that_slows_down_is_waited_for_as_told_with_the_same_url(
     # the first answer said Retry-After: 2; a lower bound only, a busy machine is slower
     assert arrivals[1] - arrivals[0] >= 2.0
     assert "SlowDown" in done.stderr.decode()
+
+
+def test_a_403_of_any_body_asks_for_a_new_url_and_a_redirect_refuses_only_its_checkpoint(
+        tmp_path: Path) -> None:
+    """The store's 403 means the URL expired, whatever its body says: a new one is asked for.
+    A redirect can never store the file: that checkpoint is refused and said, and the next
+    is uploaded (it was retried for ever, holding up every later checkpoint)."""
+    handle: list[RunningIngest] = []
+    fronts: list[ScriptedStore] = []
+    given: Counter[str] = Counter()
+    moved = (301, {"Location": "http://elsewhere.invalid/bucket"}, b"")
+    signer = fronted(handle, fronts, [(403, {}, b"<Error><Code>AccessDenied</Code></Error>"),
+                                      moved], given)
+    try:
+        with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
+                            signer=signer) as ingest:
+            handle.append(ingest)
+            folder = tmp_path / "ckpt"
+            folder.mkdir()
+            watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
+            moved_away = safetensors(1000, 3)
+            save_file(folder, "step_1.safetensors", moved_away)
+            wait_until(lambda: "is not uploaded nor registered" in watch.stderr(), 60,
+                       "the redirected one refused", watch.stderr)
+            good = safetensors(2000, 4)
+            save_file(folder, "step_2.safetensors", good)
+            ingest.wait_for(lambda: artifacts(ingest), 60, "the next one registered")
+            done = watch.stop()
+            assert done.status == 0, done.stderr.decode()[-3000:]
+            registered = [a["path"] for a in artifacts(ingest)]
+    finally:
+        for front in fronts:
+            front.stop()
+    # the 403 asked for a second URL, whose PUT was redirected: refused, not retried
+    assert given["checkpoints/step_1.safetensors"] == 2, given
+    assert len(fronts[0].arrivals) == 3  # 403, 301, then step_2's PUT sent on
+    objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints"
+    assert registered == [(objects / "step_2.safetensors").as_uri()]
+    errors = [line for line in done.stderr.decode().splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "HTTP 301" in errors[0] and "redirect" in errors[0], errors
 
 
 class HeldAsks(Faults):

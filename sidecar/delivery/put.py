@@ -82,8 +82,15 @@ class PutAnswer(NamedTuple):
 
     @property
     def expired(self) -> bool:
-        """The URL's time ran out: ask the ingest for another."""
-        return self.status in (400, 401, 403) and bool(_EXPIRED.search(self.reason.encode()))
+        """The URL's time ran out: ask the ingest for another. A 403 says so whatever its body
+        (the stores word it each their own way); a 400 or 401 when its body says it."""
+        return self.status == 403 or (
+            self.status in (400, 401) and bool(_EXPIRED.search(self.reason.encode())))
+
+    @property
+    def redirected(self) -> bool:
+        """A redirect: never followed (the URL is the credential), and it stores nothing."""
+        return 300 <= self.status < 400
 
 
 def store_reason(body: bytes) -> str:

@@ -306,6 +306,11 @@ class Uploads:
             ROUTES[PUT], await attempt(), attempt, retryable=_put_retryable,
             told_s=lambda a: parse_retry_after(a.retry_after) if a.throttled else None,
             sleep=_pause, on_retry=failed)
+        if answer.redirected:
+            raise Refused(f"the object store answered the PUT of {_shown(name)} with HTTP "
+                          f"{answer.status}, a redirect, which is never followed and stores "
+                          "nothing: the signed URL must name the object itself",
+                          answer.status, query)
         if not answer.stored:
             raise Refused(f"the object store refused {_shown(name)}: HTTP {answer.status}: "
                           f"{answer.reason or 'no reason given'}", answer.status, query)
@@ -544,9 +549,10 @@ def _staged_name(job: _Job, rel: str) -> str:
 
 
 def _put_retryable(answer: PutAnswer) -> bool:
-    """A PUT not stored is tried again, but a 4xx that is not the store asking us to slow down:
-    that one the store will refuse again."""
-    return not answer.stored and not (400 <= answer.status < 500 and not answer.throttled)
+    """A PUT not stored is tried again, but a redirect, or a 4xx that is not the store asking
+    us to slow down: those the store will answer again."""
+    return not answer.stored and not answer.redirected and not (
+        400 <= answer.status < 500 and not answer.throttled)
 
 
 async def _pause(seconds: float, told: bool) -> None:
