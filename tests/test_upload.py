@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -419,28 +419,33 @@ class ScriptedStore:
         self.server.server_close()
 
 
-def fronted(ingest: list[RunningIngest], fronts: list[ScriptedStore], answers: list[Scripted],
-            given: Counter[str]) -> Any:
-    """A signer whose URLs go through one ScriptedStore answering `answers` first."""
+class Behind(NamedTuple):
+    """A `sidecar watch` uploading a folder's checkpoints through one ScriptedStore."""
+
+    ingest: RunningIngest
+    watch: Watch
+    folder: Path
+    store: list[ScriptedStore]  # the front, once the first URL was signed
+    given: Counter[str]  # signed URLs asked for, by object name
+
+
+@contextlib.contextmanager
+def behind_a_scripted_store(tmp_path: Path, answers: list[Scripted]) -> Iterator[Behind]:
+    """The checking ingest, whose signed URLs go through a ScriptedStore answering `answers`
+    first, and a `sidecar watch` of tmp_path/ckpt in a container (so it uploads)."""
+    handle: list[RunningIngest] = []
+    fronts: list[ScriptedStore] = []
+    given: Counter[str] = Counter()
+
     def signer(run_id: str, name: str, size: int) -> dict[str, Any]:
         given[name] += 1
-        answer = ingest[0].sign_locally(run_id, name, size)
+        answer = handle[0].sign_locally(run_id, name, size)
         origin = answer["url"].split("/_objects/")[0]
         if not fronts:
             fronts.append(ScriptedStore(origin, answers))
         answer["url"] = answer["url"].replace(origin, fronts[0].origin)
         return answer
-    return signer
 
-
-def test_a_store_that_slows_down_is_waited_for_as_told_with_the_same_url(
-        tmp_path: Path) -> None:
-    handle: list[RunningIngest] = []
-    fronts: list[ScriptedStore] = []
-    given: Counter[str] = Counter()
-    # S3's 503 SlowDown (the first with Retry-After: 2), GCS's 429 between
-    signer = fronted(handle, fronts, [(503, {"Retry-After": "2"}, SLOW_DOWN),
-                                      (429, {}, SLOW_DOWN), (503, {}, SLOW_DOWN)], given)
     try:
         with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
                             signer=signer) as ingest:
@@ -448,21 +453,30 @@ def test_a_store_that_slows_down_is_waited_for_as_told_with_the_same_url(
             folder = tmp_path / "ckpt"
             folder.mkdir()
             watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
-            data = safetensors(300_000, 7)
-            save_file(folder, "step_3.safetensors", data)
-            ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
-            done = watch.stop()
-            assert done.status == 0, done.stderr.decode()[-3000:]
-            assert len(artifacts(ingest)) == 1
+            yield Behind(ingest, watch, folder, fronts, given)
     finally:
         for front in fronts:
             front.stop()
+
+
+def test_a_store_that_slows_down_is_waited_for_as_told_with_the_same_url(
+        tmp_path: Path) -> None:
+    # S3's 503 SlowDown (the first with Retry-After: 2), GCS's 429 between
+    with behind_a_scripted_store(tmp_path, [(503, {"Retry-After": "2"}, SLOW_DOWN),
+                                            (429, {}, SLOW_DOWN),
+                                            (503, {}, SLOW_DOWN)]) as run:
+        data = safetensors(300_000, 7)
+        save_file(run.folder, "step_3.safetensors", data)
+        run.ingest.wait_for(lambda: artifacts(run.ingest), 60, "registered")
+        done = run.watch.stop()
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        assert len(artifacts(run.ingest)) == 1
     objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints"
     assert (objects / "step_3.safetensors").read_bytes() == data
     # throttled three times (a 429 among them, retried too), the signed URL asked for once:
     # the store's 503 is no reason to ask the ingest again
-    arrivals = fronts[0].arrivals
-    assert len(arrivals) == 4 and given["checkpoints/step_3.safetensors"] == 1, given
+    arrivals = run.store[0].arrivals
+    assert len(arrivals) == 4 and run.given["checkpoints/step_3.safetensors"] == 1, run.given
     # the first answer said Retry-After: 2; a lower bound only, a busy machine is slower
     assert arrivals[1] - arrivals[0] >= 2.0
     assert "SlowDown" in done.stderr.decode()
@@ -473,35 +487,20 @@ def test_a_403_of_any_body_asks_for_a_new_url_and_a_redirect_refuses_only_its_ch
     """The store's 403 means the URL expired, whatever its body says: a new one is asked for.
     A redirect can never store the file: that checkpoint is refused and said, and the next
     is uploaded (it was retried for ever, holding up every later checkpoint)."""
-    handle: list[RunningIngest] = []
-    fronts: list[ScriptedStore] = []
-    given: Counter[str] = Counter()
     moved = (301, {"Location": "http://elsewhere.invalid/bucket"}, b"")
-    signer = fronted(handle, fronts, [(403, {}, b"<Error><Code>AccessDenied</Code></Error>"),
-                                      moved], given)
-    try:
-        with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID,
-                            signer=signer) as ingest:
-            handle.append(ingest)
-            folder = tmp_path / "ckpt"
-            folder.mkdir()
-            watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
-            moved_away = safetensors(1000, 3)
-            save_file(folder, "step_1.safetensors", moved_away)
-            wait_until(lambda: "is not uploaded nor registered" in watch.stderr(), 60,
-                       "the redirected one refused", watch.stderr)
-            good = safetensors(2000, 4)
-            save_file(folder, "step_2.safetensors", good)
-            ingest.wait_for(lambda: artifacts(ingest), 60, "the next one registered")
-            done = watch.stop()
-            assert done.status == 0, done.stderr.decode()[-3000:]
-            registered = [a["path"] for a in artifacts(ingest)]
-    finally:
-        for front in fronts:
-            front.stop()
+    with behind_a_scripted_store(
+            tmp_path, [(403, {}, b"<Error><Code>AccessDenied</Code></Error>"), moved]) as run:
+        save_file(run.folder, "step_1.safetensors", safetensors(1000, 3))
+        wait_until(lambda: "is not uploaded nor registered" in run.watch.stderr(), 60,
+                   "the redirected one refused", run.watch.stderr)
+        save_file(run.folder, "step_2.safetensors", safetensors(2000, 4))
+        run.ingest.wait_for(lambda: artifacts(run.ingest), 60, "the next one registered")
+        done = run.watch.stop()
+        assert done.status == 0, done.stderr.decode()[-3000:]
+        registered = [a["path"] for a in artifacts(run.ingest)]
     # the 403 asked for a second URL, whose PUT was redirected: refused, not retried
-    assert given["checkpoints/step_1.safetensors"] == 2, given
-    assert len(fronts[0].arrivals) == 3  # 403, 301, then step_2's PUT sent on
+    assert run.given["checkpoints/step_1.safetensors"] == 2, run.given
+    assert len(run.store[0].arrivals) == 3  # 403, 301, then step_2's PUT sent on
     objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints"
     assert registered == [(objects / "step_2.safetensors").as_uri()]
     errors = [line for line in done.stderr.decode().splitlines() if "ERROR" in line]
