@@ -74,6 +74,23 @@ def refuse_busy_status_addr(addr: str) -> None:
 LOG_PREFIX_FIELDS = ("node", "rank")
 
 
+def check_tree_pattern(kind: str, tree: str) -> Callable[[str, str], None]:
+    """The check of a pattern of the `tree` kind `kind` (a folder searched for files named
+    `tree`): a file there of another name is a mistake waiting cannot mend (--tensorboard
+    given the trainer's log), where an event file is taken as that one file."""
+    def check(pattern: str, source: str) -> None:
+        from pathlib import Path
+
+        from sidecar.sources.files.discover import names_one_file
+
+        path = Path(pattern)
+        if path.exists() and not path.is_dir() and not names_one_file(pattern, kind, tree):
+            raise ConfigError(f"{source} {pattern} is a file not named {tree}: give the "
+                              f"folder the event files are written to (here {path.parent}) "
+                              "or one of them")
+    return check
+
+
 def check_log_prefix(template: str, source: str) -> str:
     """`template` when it formats {node} and {rank} only (docs/commands.md#the-log-prefix)."""
     import string
@@ -176,7 +193,9 @@ class Option(NamedTuple):
 LIST_SEPARATORS = {"artifact-uri": ","}
 
 OPTIONS: tuple[Option, ...] = (
-    *(Option(kind.name, "list", (), kind.help, metavar=kind.metavar) for kind in FILE_KINDS),
+    *(Option(kind.name, "list", (), kind.help, metavar=kind.metavar,
+             check=check_tree_pattern(kind.name, kind.tree) if kind.tree else None)
+      for kind in FILE_KINDS),
     Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams",
            metavar="FILE"),
     Option("checkpoints", "list", (), "folder whose model checkpoints, written anywhere under "

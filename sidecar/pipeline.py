@@ -37,6 +37,7 @@ from sidecar.masking import mask
 from sidecar.node import Node
 from sidecar.records import Ticket
 from sidecar.sources.base import Parsed
+from sidecar.sources.files.discover import tree_root
 from sidecar.sources.files.follow import Follower, Sink
 from sidecar.sources.files.hparams import HparamsFile
 from sidecar.sources.files.kinds import FILE_KINDS, FileKind, Follow
@@ -111,8 +112,8 @@ def source_specs(cfg: Config, node: Node,
             continue
         if kind.tree:
             # a folder's parsers name keys from the path below it: one spec a folder
-            specs += [_spec(kind, (folder,), follow._replace(folder=Path(folder)))
-                      for folder in patterns]
+            specs += [_spec(kind, (pattern,), follow._replace(
+                folder=tree_root(pattern, kind.name, kind.tree))) for pattern in patterns]
         elif patterns:
             specs.append(_spec(kind, patterns, follow))
     return specs
@@ -294,8 +295,9 @@ class Pipeline(Sink):
             from sidecar.sources.telemetry.gpus import choose_gpus
             from sidecar.sources.telemetry.sampler import HardwareSampler
 
-            # a `tree` kind's pattern is the folder its files are written in
-            disk_paths = [cfg.state_dir, *(Path(p) if kind.tree else Path(p).parent
+            # the folders the files are written in
+            disk_paths = [cfg.state_dir, *(tree_root(p, kind.name, kind.tree) if kind.tree
+                                           else Path(p).parent
                                            for kind in FILE_KINDS
                                            for p in cfg.files.get(kind.name, ()))]
             gpus = choose_gpus(cfg.gpus, child_env, environ, watching=trainer_pid is None)

@@ -334,7 +334,7 @@ def test_each_source_says_what_it_matches(ingest: RunningIngest, tmp_path: Path,
     assert "--log /nonexistent/dir/train.log: the folder /nonexistent/dir does not exist" in err
     assert f"--log {folder}/empty/*.log: nothing matches yet" in err
     assert f"--log {folder}/empty: is a folder" in err
-    assert f"--tensorboard {tb_file}: is a file" in err
+    assert f"INFO --tensorboard {tb_file}: 1 file" in err
 
 
 class _Collect(Sink):

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.exits import EXIT_CONFIG
 from sidecar.sources.files import tensorboard as tensorboard_source
 from sidecar.sources.files.tensorboard import (
     MAX_RECORD_BYTES,
@@ -28,7 +29,7 @@ from sidecar.sources.files.tensorboard import (
     ScalarPoint,
     masked_crc32c,
 )
-from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env
+from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child, sidecar
 from tests.ingest_server import running_ingest, wait_until
 
 Point = tuple[str, int, float, float]
@@ -873,3 +874,44 @@ def test_watch_keys_torch_add_hparams_without_its_time_folder_and_keeps_other_la
         said = done.stderr.decode()
         assert f"--tensorboard {logdir}: no such folder yet" in said
         assert "no such file" not in said
+
+
+def test_an_event_file_given_as_tensorboard_is_followed_and_another_file_refused(
+        tmp_path: Path) -> None:
+    """`--tensorboard logs/events.out.tfevents...` (the file a user sees in the folder) is
+    followed as that file, its keys unprefixed; a file of another name there is refused with
+    the configuration's exit status before the command starts."""
+    tensorboard = pytest.importorskip("torch.utils.tensorboard")
+    logdir = tmp_path / "tb"
+    with tensorboard.SummaryWriter(str(logdir)) as writer:
+        writer.add_scalar("loss", 0.5, 1)
+    [event_file] = logdir.glob("events.out.tfevents.*")
+    # the command appends a point to the file given, through tensorboard's own record writer
+    child = python_child(
+        "from tensorboard.compat.proto.event_pb2 import Event\n"
+        "from tensorboard.compat.proto.summary_pb2 import Summary\n"
+        "from tensorboard.summary.writer.record_writer import RecordWriter\n"
+        f"with open({str(event_file)!r}, 'ab') as fh:\n"
+        "    w = RecordWriter(fh)\n"
+        "    v = Summary.Value(tag='loss', simple_value=0.25)\n"
+        "    event = Event(wall_time=1.0, step=2, summary=Summary(value=[v]))\n"
+        "    w.write(event.SerializeToString())\n"
+        "    w.flush()\n")
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID) as ingest:
+        env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0")
+        done = sidecar(["run", "--tensorboard", str(event_file), "--", *child], env,
+                       tmp_path / "run")
+        assert done.status == 0, done.stderr
+        points = sorted((p["key"], p["step"], p["value"]) for r in ingest.records("metrics")
+                        for p in r["points"])
+        assert points == [("loss", 1, 0.5), ("loss", 2, 0.25)]
+        assert b"is a file" not in done.stderr
+
+        log = tmp_path / "train.log"
+        log.write_text("step 1\n")
+        refused = sidecar(["run", "--tensorboard", str(log), "--", "true"],
+                          {**env, "STARFORGE_RUN_ID": RUN_ID}, tmp_path / "refused")
+        assert refused.status == EXIT_CONFIG
+        assert (f"--tensorboard {log} is a file not named events.out.tfevents.*: give the "
+                f"folder the event files are written to (here {tmp_path}) or one of them"
+                ).encode() in refused.stderr

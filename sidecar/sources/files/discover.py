@@ -1,8 +1,9 @@
 """Which files a source's patterns name right now, and, when none, why (issue: file sources).
 
 A pattern is a path, a glob (`*`, `?`, `[...]`; `**` for any depth of folders), or for a
-`tree` kind (TensorBoard) a folder searched at any depth for its files, or, for a kind that takes
-one file too (samples of validation rounds), that file. Folders are searched following
+`tree` kind (TensorBoard) a folder searched at any depth for its files, or one file of the
+tree's name (an event file), or, for a kind that takes one file too (samples of validation
+rounds), any file. Folders are searched following
 symbolic links, each folder once by device and inode: a link back up the tree (`loop/self ->
 ..`) is not followed again, so no file is found twice under a longer name.
 """
@@ -26,11 +27,11 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
         if path.is_dir():
             names = sorted(str(p) for p in files_matching(path, tree))
             return names, "" if names else f"no {tree} file under it yet"
-        if path.exists() and file_too(kind):
-            return [pattern], ""
+        if names_one_file(pattern, kind, tree):
+            return ([pattern], "") if path.exists() else ([], _missing(path))
         if path.exists():
-            return [], (f"is a file; {option} takes the folder the event files are written to "
-                        f"(here {path.parent})")
+            return [], (f"is a file not named {tree}; {option} takes the folder the event "
+                        f"files are written to (here {path.parent}) or one of them")
         return [], _missing(path, "folder")
     if glob.has_magic(pattern):
         names = _glob(pattern)
@@ -44,6 +45,23 @@ def match(pattern: str, option: str, kind: str, tree: str = "") -> tuple[list[st
     if path.exists():
         return [pattern], ""
     return [], _missing(path)
+
+
+def names_one_file(pattern: str, kind: str, tree: str) -> bool:
+    """Whether a pattern of the `tree` kind `kind` names one file rather than a folder to
+    search: a file of the tree's name (an event file given as --tensorboard), there or not yet,
+    or any file for a kind that takes one."""
+    path = Path(pattern)
+    if path.is_dir():
+        return False
+    return fnmatch.fnmatchcase(path.name, tree) or (file_too(kind) and path.exists())
+
+
+def tree_root(pattern: str, kind: str, tree: str) -> Path:
+    """The folder below which a `tree` kind's files are named (TensorBoard's keys carry the
+    path below it): the pattern itself, or the folder of the one file it names."""
+    path = Path(pattern)
+    return path.parent if names_one_file(pattern, kind, tree) else path
 
 
 def _missing(path: Path, what: str = "file") -> str:

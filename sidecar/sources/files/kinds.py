@@ -143,7 +143,8 @@ FILE_KINDS: tuple[FileKind, ...] = (
              _jsonl_parsers, parse_bytes=64 << 10, folder_hint="*.jsonl", metrics=True,
              head=_jsonl_head, silence=_jsonl_silence),
     # TensorBoard's event file names (docs/ingest.md#how-sources-become-payloads)
-    FileKind("tensorboard", "TensorBoard log directory, searched recursively (repeatable)",
+    FileKind("tensorboard", "TensorBoard log directory, searched recursively, or one event "
+             "file (repeatable)",
              _tensorboard_parsers, metavar="DIR", parse_bytes=256 << 10,
              tree="events.out.tfevents.*", metrics=True),
     # verl's validation_data_dir: <global_step>.jsonl (docs/validation.md). Its parser reads
