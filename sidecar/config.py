@@ -477,7 +477,9 @@ def _origin(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapp
         return "--" + opt.name
     if opt.env in environ:
         return opt.env
-    return f"file {config_file}" if opt.name in file_values else "default"
+    if opt.name in file_values:
+        return f"file {config_file}"
+    return next((name for name in opt.platform if name in environ), "default")
 
 
 def _pick(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mapping[str, Any],
@@ -492,6 +494,11 @@ def _pick(opt: Option, cli: Any, environ: Mapping[str, str], file_values: Mappin
             raw = _split_list(opt.name, raw)
     elif opt.name in file_values:
         source, raw = f"--config {config_file or 'file'}: {opt.name}", file_values[opt.name]
+    elif given := {name: environ[name] for name in opt.platform if name in environ}:
+        if len(set(given.values())) > 1:
+            raise ConfigError(" and ".join(f"{k}={v!r}" for k, v in given.items())
+                              + f" disagree; unset one, or give --{opt.name}")
+        source, raw = next(iter(given.items()))
     else:
         return opt.default, "--" + opt.name
     try:

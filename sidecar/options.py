@@ -170,6 +170,9 @@ class Option(NamedTuple):
     # ConfigError when what the value names cannot be had on this machine now (an address in
     # use): run by the commands that will take it, `run` and `watch` (probe_options)
     probe: Callable[[Any], object] | None = None
+    # the platform's variables, one a family, whose value is the default when set: the
+    # platform's own setting, below the sidecar's option, variable and file
+    platform: tuple[str, ...] = ()
 
     @property
     def env(self) -> str:
@@ -183,7 +186,10 @@ class Option(NamedTuple):
     def help_line(self) -> str:
         """The --help text: the row's help, then its default and its variable (clap's style)."""
         separator = LIST_SEPARATORS.get(self.name, ":")
-        return help_line(self.help, self.shown_default or show_default(self.default),
+        default = self.shown_default or show_default(self.default)
+        if self.platform:
+            default = f"{' or '.join(self.platform)}, else {default}"
+        return help_line(self.help, default,
                          self.env + (f", a {separator}-separated list" if self.kind == "list"
                                      else ""))
 
@@ -208,7 +214,8 @@ OPTIONS: tuple[Option, ...] = (
            "(repeatable)", metavar="FIELD=NAME", check=check_validation_map),
     Option("validation-samples", "int", None, "samples of a validation round that keep their "
            "text, spread over its rewards (the rest count in avg_reward and accuracy only); 0: "
-           "scores only", shown_default="all of a round of up to 128, else 32", at_least=0),
+           "scores only", shown_default="all of a round of up to 128, else 32", at_least=0,
+           platform=("STARFORGE_VAL_UPLOAD_SAMPLES", "TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES")),
     Option("checkpoint-upload", "str", "auto", "upload an unmapped checkpoint through the "
            "ingest's signed URLs and register its object-store URI: auto (in a container), "
            "always, never", choices=("auto", "always", "never")),

@@ -651,3 +651,22 @@ def test_sidecar_config_exits_2_on_what_run_would_refuse(tmp_path: Path) -> None
     as_json = config_process(["--json"], env)
     assert as_json.returncode == 2
     assert "does not end in /api/ingest" in json.loads(as_json.stdout)["error"]
+
+
+def test_the_platform_s_cap_on_validation_text_is_below_the_sidecar_s_own_settings(
+        tmp_path: Path) -> None:
+    env = {**clean_environ(), **STARFORGE, "SIDECAR_STATE_DIR": str(tmp_path / "state"),
+           "TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES": "5"}
+    shown = json.loads(config_process(["--json"], env).stdout)["options"]
+    assert shown["validation-samples"] == {"value": 5,
+                                           "from": "TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES"}
+    mine = json.loads(config_process(["--json"], {**env, "SIDECAR_VALIDATION_SAMPLES": "7"})
+                      .stdout)["options"]
+    assert mine["validation-samples"] == {"value": 7, "from": "SIDECAR_VALIDATION_SAMPLES"}
+    disagree = config_process([], {**env, "STARFORGE_VAL_UPLOAD_SAMPLES": "6"})
+    assert disagree.returncode == 2
+    assert ("STARFORGE_VAL_UPLOAD_SAMPLES='6' and TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES='5' "
+            "disagree") in disagree.stderr
+    bad = config_process([], {**env, "TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES": "-1"})
+    assert bad.returncode == 2
+    assert "TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES=-1 must be at least 0" in bad.stderr

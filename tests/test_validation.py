@@ -268,3 +268,24 @@ def test_on_a_multi_node_run_only_rank_0_follows_the_samples(
     assert done.status == 0, done.stderr.decode()[-3000:]
     assert ingest.records("validation") == []
     assert "--validation: not followed on node rank 1" in done.stderr.decode()
+
+
+def test_the_platform_s_cap_on_validation_text_is_the_default_and_zero_scores_only(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES, the platform's cap, read under either family's name
+    through the real `sidecar run`: 5 of a round of 40 keep their text; 0 sends scores only."""
+    folder = tmp_path / "val"
+    done = sidecar(["run", "--validation", str(folder), "--", *_verl_child(folder, [(10, 40, 20)])],
+                   _env(ingest, tmp_path, TUNEPLANE_JOB_VAL_UPLOAD_SAMPLES="5"), tmp_path / "run")
+    assert done.status == 0, done.stderr.decode()[-3000:]
+    [chunk] = _rounds(ingest)[10]
+    assert len(chunk["samples"]) == 5 and chunk["total_chunks"] == 1
+    made = round_of(10, 40, 20)
+    assert chunk["avg_reward"] == math.fsum(made["scores"]) / 40  # every sample counted
+
+    again = sidecar(["run", "--validation", str(folder), "--",
+                     *_verl_child(folder, [(20, 40, 20)])],
+                    _env(ingest, tmp_path, STARFORGE_VAL_UPLOAD_SAMPLES="0"), tmp_path / "again")
+    assert again.status == 0, again.stderr.decode()[-3000:]
+    [scores_only] = _rounds(ingest)[20]
+    assert scores_only["samples"] == [] and scores_only["total_chunks"] == 1
