@@ -165,6 +165,18 @@ def test_wrong_token_from_the_real_ingest(ingest: RunningIngest, tmp_path: Path,
     assert "tok-from-an-older-run-0000" not in result.out
 
 
+def test_a_wrong_token_is_said_by_the_report_alone(ingest: RunningIngest,
+                                                   tmp_path: Path) -> None:
+    """The real `sidecar check`: the probe's client says nothing of its own on stderr (its
+    ERROR came before the report, as if a run had failed), the report says it all."""
+    env = {**platform_env(ingest, tmp_path), "STARFORGE_TOKEN": "tok-from-an-older-run-0000"}
+    done = subprocess.run([*SIDECAR, "check"], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == EXIT_FAILED
+    assert done.stderr == ""
+    assert "HTTP 401" in done.stdout and "rejected the token" in done.stdout
+
+
 def test_base_url_without_api_ingest_is_a_configuration_error(
         ingest: RunningIngest, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An endpoint not ending in /api/ingest is refused before anything is tried

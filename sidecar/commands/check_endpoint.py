@@ -295,19 +295,21 @@ async def _probe(cfg: Config, target: Endpoint, report: CheckReport, timeout_s: 
     client = make_client(cfg)
     assert client is not None  # reporting is on
     body = json.dumps({"run_id": cfg.platform.run_id, "chunks": [], "eof": False}).encode()
-    try:
-        await client.start()
-        with _quiet_client_log():  # the step explains the answer; the daemon's ERROR would not
+    # the step explains the answer; the daemon's ERROR would not, and its client says a
+    # failure as late as its close, before the report is printed
+    with _quiet_client_log():
+        try:
+            await client.start()
             answer = await asyncio.wait_for(client.post("logs", body), timeout_s)
-    except TimeoutError:
-        report.add("probe", "fail", f"POST {target.url}/logs: no answer within {timeout_s:g} s: "
-                   "the ingest took the connection but did not respond")
-        return
-    except (OSError, ssl.SSLError) as exc:
-        report.add("probe", "fail", f"the ingest client could not start ({exc})")
-        return
-    finally:
-        await client.close()
+        except TimeoutError:
+            report.add("probe", "fail", f"POST {target.url}/logs: no answer within "
+                       f"{timeout_s:g} s: the ingest took the connection but did not respond")
+            return
+        except (OSError, ssl.SSLError) as exc:
+            report.add("probe", "fail", f"the ingest client could not start ({exc})")
+            return
+        finally:
+            await client.close()
     status = "ok" if answer.ok else "fail"
     report.add("probe", status, _explain(answer, cfg, target), http_status=answer.status,
                verdict=answer.verdict.value, **({"reason": answer.reason} if answer.reason else {}))
