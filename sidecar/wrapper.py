@@ -472,9 +472,12 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
             await pipeline.stop_reading()
         return
     if client is not None and client.failing:
-        log.warning("waiting up to %s (--drain-timeout) for the ingest to take what is left "
-                    "(failing now: %s)", format_duration(max(deadline - time.monotonic(), 0.0)),
-                    ", ".join(client.failing))
+        # the deadline counts from the command's exit: part of it may be gone already
+        log.warning("waiting up to %s more (--drain-timeout %s from the exit) for the ingest "
+                    "to take what is left (failing now: %s)",
+                    format_duration(max(deadline - time.monotonic(), 0.0)),
+                    format_duration(cfg.drain_timeout), ", ".join(client.failing),
+                    extra={"option": "--drain-timeout"})
     stop = interrupted or asyncio.Event()
     sources = None
     if pipeline is not None:

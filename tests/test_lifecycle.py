@@ -168,7 +168,8 @@ def test_a_short_run_against_an_ingest_that_restarts_posts_its_whole_lifecycle(
     done = run.wait(60)
     assert done.status == 0, done.stderr
     [waits] = [line for line in done.stderr.decode().splitlines() if "waiting up to" in line]
-    assert "(--drain-timeout) for the ingest to take what is left (failing now: " in waits
+    assert "more (--drain-timeout 30s from the exit) for the ingest to take what is left " \
+        "(failing now: " in waits
     assert "no payload of this run was accepted" not in done.stderr.decode()
     assert ingest.events() == ["starting", "running", "succeeded"]
     assert "bye" in "".join(c for body in ingest.records("logs") for c in body["chunks"])

@@ -257,7 +257,8 @@ def test_an_ingest_never_reachable_is_waited_for_and_what_is_kept_said(
     assert done.status == 0, done.stderr
     assert not lines_with(done.stderr, "no payload of this run was accepted")
     [waits] = lines_with(done.stderr, "waiting up to")
-    assert "(--drain-timeout) for the ingest to take what is left (failing now: " in waits
+    assert "more (--drain-timeout 4s from the exit) for the ingest to take what is left " \
+        "(failing now: " in waits
     [kept] = lines_with(done.stderr, "drain deadline reached")
     assert "3 lifecycle event(s) (starting, running, succeeded) not yet delivered" in kept
     assert "`sidecar replay` delivers them" in kept
