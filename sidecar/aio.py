@@ -1,4 +1,5 @@
-"""Two asyncio idioms every long-lived task of the sidecar needs.
+"""The asyncio idioms the sidecar's long-lived tasks need: a wait with a timeout, a cancel that
+waits, a window of requests in flight.
 
 Timeouts are `asyncio.timeout` blocks, never `asyncio.wait_for`: on Python 3.11, wait_for
 returns normally when the awaited thing finishes in the same loop step as the task is cancelled,
@@ -27,3 +28,30 @@ async def cancel(task: asyncio.Task[Any] | None) -> None:
     if task is not None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class Window:
+    """At most `most` at once, starting with one: `widen` lets one more in, `narrow` puts it
+    back to one (additive increase, a cut at the first sign of a struggling server)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.size = 1
+        self.inside = 0
+        self._changed = asyncio.Condition()
+
+    def widen(self) -> None:
+        self.size = min(self.size + 1, self.most)
+
+    def narrow(self) -> None:
+        self.size = 1
+
+    async def __aenter__(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.inside < self.size)
+            self.inside += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        async with self._changed:
+            self.inside -= 1
+            self._changed.notify_all()

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +55,12 @@ class Watch:
         self.tmp_path = tmp_path
         self.runs = 0
         self.proc: Sidecar | None = None
+        self.preexec_fn: Callable[[], object] | None = None  # run in the child before exec
 
     def start(self) -> Watch:
         self.runs += 1
-        self.proc = Sidecar(self.args, self.env, self.tmp_path / f"watch{self.runs}")
+        self.proc = Sidecar(self.args, self.env, self.tmp_path / f"watch{self.runs}",
+                            preexec_fn=self.preexec_fn)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> Finished:

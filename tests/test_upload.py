@@ -14,7 +14,7 @@ import signal
 import struct
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -507,40 +507,39 @@ def test_a_403_of_any_body_asks_for_a_new_url_and_a_redirect_refuses_only_its_ch
     assert len(errors) == 1 and "HTTP 301" in errors[0] and "redirect" in errors[0], errors
 
 
-class HeldAsks(Faults):
-    """The ingest's hooks, holding each `artifact/upload-url` request until the next one arrives
-    or HOLD_S passes, and counting how many were held at once: the signing requests one sidecar
-    has in flight together."""
+class CountedAsks(Faults):
+    """The ingest's hooks, answering each `artifact/upload-url` request LATENCY_S late (an
+    ingest a round trip away) and noting how many were in flight as each one arrived."""
 
-    HOLD_S = 1.0
+    LATENCY_S = 0.05
 
     def __init__(self) -> None:
         super().__init__()
         self.held = 0
-        self.most = 0
-        self._arrival: asyncio.Event | None = None
+        self.seen: list[int] = []
 
     async def arrived(self, route: str, stopping: asyncio.Event) -> None:
         if route == "artifact/upload-url":
-            if self._arrival is not None:
-                self._arrival.set()  # the one held before is let go
-            arrival = self._arrival = asyncio.Event()
             self.held += 1
-            self.most = max(self.most, self.held)
+            self.seen.append(self.held)
             try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(arrival.wait(), self.HOLD_S)
+                await asyncio.sleep(self.LATENCY_S)
             finally:
                 self.held -= 1
         await super().arrived(route, stopping)
 
 
-def test_a_checkpoint_asks_for_its_signed_urls_one_at_a_time(tmp_path: Path) -> None:
+def test_a_checkpoint_s_asks_for_signed_urls_begin_alone_and_widen_while_answered(
+        tmp_path: Path) -> None:
     """A fleet saving at the same step asked for every file's URL at once: 4,000 requests in
-    the signing route's first second for 1,000 nodes of 4 files, 8x what it could answer, and
-    as many coming back a second later (tests/bench/bench_fleet_upload.py). One request in
-    flight a sidecar: a node's asks follow the answers, and a throttled node waits with one."""
-    hooks = HeldAsks()
+    the signing route's first second for 1,000 nodes of 4 files, 8x what it could answer
+    (tests/bench/bench_fleet_upload.py); one request at a time held a checkpoint of 3,001
+    small files to one a round trip. The first ask goes alone, each answered lets one more go
+    beside it, up to ASKS_IN_FLIGHT."""
+    from sidecar.delivery.upload import ASKS_IN_FLIGHT
+
+    hooks = CountedAsks()
+    files = {".metadata": b"meta", **{f"__{i}_0.distcp": bytes([i]) * 100 for i in range(40)}}
     with background_loop("ingest-server") as loop:
         server = IngestServer(tmp_path / "received", token=TOKEN, run_id=RUN_ID, hooks=hooks)
         ingest = RunningIngest(server, hooks, loop)
@@ -549,16 +548,152 @@ def test_a_checkpoint_asks_for_its_signed_urls_one_at_a_time(tmp_path: Path) -> 
             folder = tmp_path / "ckpt"
             folder.mkdir()
             watch = Watch(ingest, tmp_path, folder, mapped=False, **CONTAINER).start()
-            export = hf_export([1000, 2000])  # 4 files
-            save(folder, "export-5", export)
+            save(folder, "step-5", files)
             ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
             done = watch.stop()
             given, registered = asked(ingest), artifacts(ingest)
         finally:
             ingest._run(server.stop())
     assert done.status == 0, done.stderr.decode()[-3000:]
-    assert len(given) == len(export) and all(n == 1 for n in given.values()), given
+    assert len(given) == len(files) and all(n == 1 for n in given.values()), given
     assert len(registered) == 1
-    assert hooks.most == 1, f"{hooks.most} signing requests in flight at once"
-    objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints" / "export-5"
-    assert all((objects / rel).read_bytes() == data for rel, data in export.items())
+    assert hooks.seen[0] == 1, hooks.seen  # the first alone
+    assert 2 <= max(hooks.seen) <= ASKS_IN_FLIGHT, hooks.seen
+    objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints" / "step-5"
+    assert all((objects / rel).read_bytes() == data for rel, data in files.items())
+    # the ledger holds every file's stored answer, however many were written together
+    assert sum(1 for r in ledger(tmp_path) if r["op"] == "stored") == len(files)
+
+
+async def wait_async(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_the_window_of_asks_widens_one_at_a_time_and_a_failure_puts_it_back_to_one(
+) -> None:
+    from sidecar.aio import Window
+
+    window = Window(3)
+    inside: list[int] = []
+    release = asyncio.Event()
+
+    async def one() -> None:
+        async with window:
+            inside.append(window.inside)
+            await release.wait()
+
+    tasks = [asyncio.create_task(one()) for _ in range(5)]
+    await wait_async(lambda: len(inside) == 1)
+    window.widen()
+    window.widen()
+    window.widen()  # at most 3
+    release.set()
+    await asyncio.gather(*tasks)
+    assert window.size == 3 and max(inside) <= 3
+    window.narrow()
+    assert window.size == 1
+    release.clear()
+    tasks = [asyncio.create_task(one()) for _ in range(2)]
+    await wait_async(lambda: window.inside == 1)
+    assert window.inside == 1  # the second waits for the first
+    release.set()
+    await asyncio.gather(*tasks)
+
+
+def test_a_checkpoint_complete_while_another_uploads_is_held_at_once_and_survives_rotation(
+        tmp_path: Path) -> None:
+    """The second checkpoint completes while the first is sent (1 MB at 200 kB/s) and is
+    deleted (save_total_limit) before its turn: held the moment it was judged complete, it is
+    uploaded whole all the same (it was held only at its turn, so the rotation lost it)."""
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, "--upload-rate", "200000", mapped=False,
+                      **CONTAINER).start()
+        first = hf_export([500_000, 500_000], seed=81)
+        save(folder, "export-10", first)
+        ingest.wait_for(lambda: asked(ingest), 60, "the first upload began")
+        second = hf_export([1000], seed=82)
+        saved = save(folder, "export-20", second)
+        ledger_path = tmp_path / "state" / RUN_ID / "uploads.ledger"
+        wait_until(lambda: ledger_path.exists() and sum(
+            1 for r in ledger(tmp_path) if r["op"] == "checkpoint") == 2, 30,
+            "the second checkpoint held")
+        assert not artifacts(ingest)  # the first is still being sent: the second waits
+        for rel in second:
+            (saved / rel).unlink()
+        saved.rmdir()
+        ingest.wait_for(lambda: len(artifacts(ingest)) == 2, 60, "both registered")
+        done = watch.stop()
+    assert done.status == 0, done.stderr.decode()[-3000:]
+    assert "not uploaded" not in done.stderr.decode()
+    objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints"
+    for name, files in (("export-10", first), ("export-20", second)):
+        assert all((objects / name / rel).read_bytes() == data for rel, data in files.items())
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir()
+                    or os.stat("/dev/shm").st_dev == os.stat(Path.cwd()).st_dev,
+                    reason="no second filesystem (/dev/shm) for the state folder")
+def test_a_checkpoint_of_more_files_than_the_open_files_limit_is_uploaded_whole(
+        tmp_path: Path) -> None:
+    """A torch.distributed.checkpoint folder of 401 files, the sidecar under `ulimit -n 300`,
+    its state folder on another filesystem (a pod's emptyDir beside the trainer's volume):
+    no hard link can hold them, so descriptors do as far as the limit allows and the rest are
+    read where they lie, said in a WARNING (every descriptor was asked for, the open failed
+    with EMFILE and the checkpoint was refused for good)."""
+    import resource
+    import shutil
+    import tempfile
+
+    state = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="sidecar-state-"))
+    files = {".metadata": b"meta", **{f"__{i}_0.distcp": bytes([i % 256]) * 64
+                                       for i in range(400)}}
+    try:
+        with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID) as ingest:
+            folder = tmp_path / "ckpt"
+            folder.mkdir()
+            watch = Watch(ingest, tmp_path, folder, mapped=False, SIDECAR_STATE_DIR=str(state),
+                          **CONTAINER)
+            watch.preexec_fn = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+            watch.start()
+            save(folder, "step-100", files)
+            ingest.wait_for(lambda: artifacts(ingest), 60, "registered")
+            done = watch.stop()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    said = done.stderr.decode()
+    assert done.status == 0, said[-3000:]
+    [warning] = [line for line in said.splitlines() if "are not held" in line]
+    assert "ulimit -n 300" in warning and "of the 401 files of" in warning
+    assert "not uploaded" not in said
+    objects = tmp_path / "received" / "objects" / RUN_ID / "checkpoints" / "step-100"
+    assert all((objects / rel).read_bytes() == data for rel, data in files.items())
+
+
+def test_an_upload_that_cannot_end_within_the_drain_is_said_at_the_stop_with_what_it_needs(
+        tmp_path: Path) -> None:
+    """SIGTERM while 1 MB is sent at 200 kB/s with a 1 s drain: the WARNING comes at once,
+    naming about how long the upload needs and what to raise, and the ledger keeps it."""
+    with running_ingest(tmp_path / "received", token=TOKEN, run_id=RUN_ID) as ingest:
+        folder = tmp_path / "ckpt"
+        folder.mkdir()
+        watch = Watch(ingest, tmp_path, folder, "--upload-rate", "200000", "--drain-timeout",
+                      "1", mapped=False, **CONTAINER).start()
+        save(folder, "export-30", hf_export([500_000, 500_000], seed=83))
+        ingest.wait_for(lambda: asked(ingest), 60, "the upload began")
+        done = watch.stop()
+        registered = artifacts(ingest)
+    said = done.stderr.decode()
+    assert done.status == 0, said[-3000:]
+    assert not registered
+    [warning] = [line for line in said.splitlines() if "need about" in line]
+    assert "1 checkpoint upload(s) need about" in warning
+    assert "at 0.2 MB/s), past the " in warning, warning
+    assert " s the drain has left (--drain-timeout)" in warning, warning
+    assert "terminationGracePeriodSeconds" in warning
+    needs = float(warning.split("need about ")[1].split("s more")[0])
+    assert 1 < needs <= 6

@@ -2,12 +2,15 @@
 URI the ingest answered (docs/checkpoints.md#uploads): where a local path outlives nothing (a
 container), a checkpoint nothing else copies to a bucket reaches the platform this way.
 
-One checkpoint at a time, in the order they completed: its files are first staged (hard links
-into the run's folder, so that a rotation deleting the checkpoint takes nothing from the upload;
-open descriptors where the state folder is on another filesystem), then each is sent, at most
-FILES_IN_FLIGHT at once, under one bandwidth cap (delivery/put.py): ask `artifact/upload-url`
-for it, send it to the URL answered, ask again when that URL expired. What each file's send was
-answered is appended to a ledger in the run's folder before anything else happens, so a restart
+A checkpoint's files are held (staged) the moment it is submitted, complete, whatever is
+uploaded before it: hard links into the run's folder, so that a rotation deleting the checkpoint
+takes nothing from the upload; open descriptors where the state folder is on another
+filesystem, as many as the open-files limit leaves. Then one checkpoint at a time, in the order
+they completed, each file is sent, at most FILES_IN_FLIGHT at once, under one bandwidth cap
+(delivery/put.py): ask `artifact/upload-url` for it (the asks in flight widening from one while
+they are answered: aio.py's Window), send it to the URL answered, ask again when that URL
+expired. What each file's send was answered is appended to a ledger in the run's folder
+(delivery/ledger.py) before anything else happens, so a restart
 resumes with the files not yet stored, and the checkpoint's one `/artifact` goes (through the
 strict, journaled sender of delivery/artifacts.py) only once every file is stored. A refusal for
 good (a 4xx of `upload-url`, a signature the store refuses) dead-letters the checkpoint with the
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlencode
 
-from sidecar.aio import cancel, wait_set
+from sidecar.aio import Window, cancel, wait_set
 from sidecar.delivery.client import (
     ROUTES,
     IngestClient,
@@ -39,9 +42,9 @@ from sidecar.delivery.client import (
     retried,
 )
 from sidecar.delivery.deadletter import dead_letter
+from sidecar.delivery.ledger import JsonLedger
 from sidecar.delivery.put import PutAnswer, RateLimit, SignedUrl, Stopped, put_file
-from sidecar.log import Throttle, log, state_write_failed
-from sidecar.statefile import open_checked, read_state
+from sidecar.log import Throttle, format_duration, log
 from sidecar.supervise import supervise
 from sidecar.threads import in_background
 
@@ -51,11 +54,21 @@ ROUTE = "artifact/upload-url"
 PUT = "artifact/put"  # the store's PUT: its retries' policy, a row of the routes' table
 NAME_PREFIX = "checkpoints"  # the object names asked for: checkpoints/<path under the folder>
 FILES_IN_FLIGHT = 4
+# `upload-url` asks in flight at most: a checkpoint's first ask goes alone, and each answered at
+# once lets one more go beside it, while any failed attempt (a 429, a 5xx, a reset) puts it back
+# to one: a sidecar far from the ingest is not held to one file a round trip (3,001 small
+# files took 138 s), and a signer a fleet throttles still sees one request a sidecar
+ASKS_IN_FLIGHT = 8
+# descriptors a checkpoint's held files leave free of the soft RLIMIT_NOFILE, for the rest of
+# the sidecar (its connections, its files, the PUTs' own opens)
+FD_RESERVE = 128
 PUT_IDLE_TIMEOUT_S = 60.0  # a store that takes nothing, nor answers, for this long: retried
 PROGRESS_EVERY_S = 10.0
 # A checkpoint's first ask waits a random part of this: sidecars of a sweep saving at the same
 # step would otherwise all ask in one second (bench_fleet_upload.py); never at the drain.
 START_SPREAD_S = 10.0
+RATE_SEEN_S = 5.0  # an upload's rate is trusted once it went on this long
+HOLD_WAIT_S = 10.0  # at the close, for a checkpoint's files still being held
 MAX_FRESH_URLS = 5  # expired URLs in a row for one file: then it is a refusal (a clock far off)
 # Where hard links cannot be made: another filesystem, one that has none, a link limit.
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -100,6 +113,10 @@ class _Job:
         self.id = ident
         self.cp = cp
         self.files: dict[str, _File] = {}
+        # its files being held (staged) from the moment it is submitted, whatever is uploaded
+        # before it; None once held, or for one an earlier start held
+        self.holding: asyncio.Future[None] | None = None
+        self.unheld: Refused | None = None  # why its files could not be held
         self.state = "uploading"  # uploading, registered, refused
         self.started = time.monotonic()
         self.sent_before = 0  # bytes stored by earlier starts (not this one's rate)
@@ -149,7 +166,9 @@ class Uploads:
         # One upload-url request in flight: the files' asks follow the answers, and a throttled
         # sidecar waits with one request, not one a file (sidecars saving at the same moment
         # asked the ingest for sidecars x files URLs in one instant: bench_fleet_upload.py).
-        self._asking = asyncio.Lock()
+        self._asks = Window(ASKS_IN_FLIGHT)
+        self.ledger = JsonLedger(run_dir / LEDGER)
+        self._fds = threading.Lock()  # one stager at a time counts the descriptors left
         self._draining = asyncio.Event()  # the spread is not waited out once set
         self._throttle = Throttle()
         self._task: asyncio.Task[None] | None = None
@@ -167,11 +186,13 @@ class Uploads:
         return sum(1 for job in self.jobs.values() if job.state == "uploading")
 
     def submit(self, cp: Checkpoint) -> None:
-        """Queue a complete checkpoint; it is staged at once (in the task). Never blocks."""
+        """Queue a complete checkpoint; its files are held (staged) at once, in a thread,
+        whatever is uploaded before it. Never blocks."""
         ident = _ident(cp.local, cp.fingerprint)
         if ident in self.jobs:
             return
         job = self.jobs[ident] = _Job(ident, cp)
+        job.holding = asyncio.ensure_future(self._hold(job))
         self._queue.append(job)
         self.idle.clear()
         self._wake.set()
@@ -186,10 +207,38 @@ class Uploads:
         self.hurry()
         if self._task is None or not self.pending:
             return True
+        self._say_what_will_not_fit(timeout_s)
         return await wait_set(self.idle, timeout_s)
+
+    def _say_what_will_not_fit(self, timeout_s: float) -> None:
+        """At the stop: the uploads left that cannot end within the drain at the rate seen
+        (or the cap), said at once with how long they need, while the operator can still give
+        the next stop a longer grace."""
+        jobs = [job for job in self.jobs.values() if job.state == "uploading"]
+        left = sum(max(job.size - job.sent, 0) for job in jobs)
+        now = time.monotonic()
+        # a rate seen over a few seconds: the first moments of an upload (its spread wait,
+        # its first asks) say nothing of it
+        seen = [(job.sent - job.sent_before) / (now - job.started) for job in jobs
+                if job.sent > job.sent_before and now - job.started >= RATE_SEEN_S]
+        rate = max(seen, default=0.0)
+        if self.limit.bytes_per_s > 0:
+            rate = min(rate, self.limit.bytes_per_s) if rate > 0 else self.limit.bytes_per_s
+        if rate <= 0 or left / rate <= timeout_s:
+            return
+        log.warning("--checkpoints: %d checkpoint upload(s) need about %s more (%d bytes left "
+                    "at %.1f MB/s), past the %.1f s the drain has left (--drain-timeout): what is "
+                    "not sent by then is resumed by the next start with this state folder; "
+                    "to finish it at a stop, give --drain-timeout and the pod's grace period "
+                    "(terminationGracePeriodSeconds) more than that", len(jobs),
+                    format_duration(left / rate), left, rate / 1e6, timeout_s,
+                    extra={"source": "checkpoints", "option": "--drain-timeout"})
 
     async def close(self) -> None:
         await cancel(self._task)
+        holding = [job.holding for job in self.jobs.values() if job.holding is not None]
+        if holding:  # a thread still staging would open descriptors after they are closed
+            await asyncio.wait(holding, timeout=HOLD_WAIT_S)
         for job in self.jobs.values():
             _close_fds(job)
         if self.pending:
@@ -232,9 +281,18 @@ class Uploads:
                 await self._refuse(job, refused)
             self._queue.pop(0)
 
-    async def _upload(self, job: _Job) -> None:
-        if not job.files:  # submitted by this start: stage it before a rotation takes it
+    async def _hold(self, job: _Job) -> None:
+        try:
             await asyncio.to_thread(self._stage, job)
+        except Refused as refused:
+            job.unheld = refused
+
+    async def _upload(self, job: _Job) -> None:
+        if job.holding is not None:  # submitted by this start: held since, or being held now
+            await job.holding
+            job.holding = None
+        if job.unheld is not None:
+            raise job.unheld
         missing = [rel for rel, f in job.files.items() if not f.stored]
         if missing:
             await wait_set(self._draining, start_wait_s())
@@ -249,7 +307,7 @@ class Uploads:
                 progress.cancel()
         uri = _checkpoint_uri(job)
         self._register(job.cp.local, job.cp.fingerprint, {**job.cp.body, "path": uri})
-        await self._append({"op": "registered", "id": job.id})
+        await self.ledger.append({"op": "registered", "id": job.id})
         job.state = "registered"
         log.info("--checkpoints: %s uploaded (%d file(s), %d bytes) to %s; registering it",
                  _shown(job.cp.local), len(job.files), job.size, uri,
@@ -285,7 +343,7 @@ class Uploads:
             nonlocal fresh, signed
             while True:
                 if signed is None:
-                    async with self._asking:
+                    async with self._asks:
                         signed = await self._ask(query)
                 async with self._slots:
                     answer = await self._put(job, rel, file, signed[0])
@@ -318,13 +376,19 @@ class Uploads:
         file.stored = signed[1]
         self.bytes_uploaded += file.size
         self.files_uploaded += 1
-        await self._append({"op": "stored", "id": job.id, "rel": rel, "path": file.stored,
+        await self.ledger.append({"op": "stored", "id": job.id, "rel": rel, "path": file.stored,
                             "etag": answer.etag})
 
     async def _ask(self, query: str) -> tuple[SignedUrl, str]:
         """The signed URL for one file and the object's URI; Refused on a 4xx."""
-        answer = await self.client.deliver(ROUTE, b"", query=query)
-        if not answer.ok:  # the route retries what may pass: this is final
+        def failed_attempt() -> bool:
+            self._asks.narrow()
+            return False  # the route's policy goes on retrying
+
+        answer = await self.client.deliver(ROUTE, b"", give_up=failed_attempt, query=query)
+        if answer.ok:
+            self._asks.widen()
+        else:  # the route retries what may pass: this is final
             raise Refused(f"the ingest refused {ROUTES[ROUTE].path}: HTTP {answer.status}: "
                           f"{answer.reason or 'no reason given'}", answer.status, query)
         try:
@@ -386,7 +450,7 @@ class Uploads:
         letter = json_body({"run_id": self.run_id, "path": job.cp.local, "asked": refused.asked,
                             "reason": refused.reason})
         kept = await asyncio.to_thread(dead_letter, self.run_dir, ROUTE, refused.status, letter)
-        await self._append({"op": "refused", "id": job.id, "why": refused.reason})
+        await self.ledger.append({"op": "refused", "id": job.id, "why": refused.reason})
         log.error("--checkpoints: %s is not uploaded nor registered: %s; %s",
                   _shown(job.cp.local), refused.reason,
                   f"kept in {kept}" if kept else "not kept",
@@ -399,12 +463,22 @@ class Uploads:
         return self.run_dir / STAGED / job.id
 
     def _stage(self, job: _Job) -> None:
-        """Blocking: hold every file of the checkpoint (a hard link, else a descriptor), then
-        write its ledger record. Refused when a file is gone already or is not a regular
-        file; only regular files are ever opened."""
+        """Blocking: hold every file of the checkpoint (a hard link, else a descriptor while
+        the open-files limit leaves one, else its path alone), then write its ledger record.
+        Refused when a file is gone already or is not a regular file; only regular files are
+        ever opened. One checkpoint at a time: the descriptors left are counted for it."""
+        with self._fds:
+            self._stage_files(job)
+        self.ledger.append_blocking({
+            "op": "checkpoint", "id": job.id, "local": job.cp.local,
+            "fingerprint": job.cp.fingerprint, "name": job.cp.name, "body": job.cp.body,
+            "files": {rel: [f.size, f.mode] for rel, f in job.files.items()}})
+
+    def _stage_files(self, job: _Job) -> None:
         cp = job.cp
         folder = self._staged(job)
         can_link = True
+        fds_left = 0  # descriptors this checkpoint may still hold, once links cannot be made
         try:
             for rel in cp.files or ("",):
                 source = os.path.join(cp.local, rel) if rel else cp.local
@@ -431,16 +505,25 @@ class Uploads:
                         if exc.errno not in _NO_LINK:
                             raise
                         can_link = False
+                        fds_left = descriptors_left()
                         log.info("--checkpoints: the state folder cannot hold hard links to %s "
                                  "(%s): its files are held open until uploaded, which a "
                                  "restart of the sidecar does not keep", _shown(cp.local),
                                  exc.strerror, extra={"source": "checkpoints"})
                 file = job.files[rel] = _File(st.st_size, "fd")
-                try:
-                    file.fd = os.open(source, _OPEN_FLAGS)
-                except FileNotFoundError:
-                    raise Refused(f"{_shown(source)} was deleted before it could be held for the "
-                                  "upload") from None
+                if fds_left > 0:
+                    try:
+                        file.fd = os.open(source, _OPEN_FLAGS)
+                        fds_left -= 1
+                        continue
+                    except FileNotFoundError:
+                        raise Refused(f"{_shown(source)} was deleted before it could be held "
+                                      "for the upload") from None
+                    except OSError as exc:
+                        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                            raise
+                        fds_left = 0  # another part of the process took what was left
+                file.mode = "path"  # read where it lies when it is sent
         except OSError as exc:
             _close_fds(job)
             raise Refused(f"{_shown(cp.local)} cannot be held for the upload "
@@ -448,10 +531,18 @@ class Uploads:
         except Refused:
             _close_fds(job)
             raise
-        self._append_blocking({
-            "op": "checkpoint", "id": job.id, "local": cp.local, "fingerprint": cp.fingerprint,
-            "name": cp.name, "body": cp.body,
-            "files": {rel: [f.size, f.mode] for rel, f in job.files.items()}})
+        unheld = sum(1 for f in job.files.values() if f.mode == "path")
+        if unheld:
+            import resource
+
+            log.warning("--checkpoints: %d of the %d files of %s are not held (the open-files "
+                        "limit, ulimit -n %d, leaves no more descriptors): they are read where "
+                        "they lie when sent, so a rotation that deletes the checkpoint before "
+                        "then refuses it; raise the limit, or put the state folder on the "
+                        "checkpoints' filesystem, where files are held as hard links",
+                        unheld, len(job.files), _shown(cp.local),
+                        resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                        extra={"source": "checkpoints", "path": _shown(cp.local)})
 
     def _unstage(self, job: _Job) -> None:
         import shutil  # not at start-up: it costs more than it answers (test_footprint)
@@ -459,33 +550,11 @@ class Uploads:
         _close_fds(job)
         shutil.rmtree(self._staged(job), ignore_errors=True)
 
-    # -- the ledger ---------------------------------------------------------------------------
-
-    async def _append(self, record: dict[str, Any]) -> None:
-        await asyncio.to_thread(self._append_blocking, record)
-
-    def _append_blocking(self, record: dict[str, Any]) -> None:
-        path = self.run_dir / LEDGER
-        line = json.dumps(record, ensure_ascii=True).encode() + b"\n"
-        try:
-            fd = open_checked(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:  # a full disk: the upload goes on, a restart may repeat it
-            state_write_failed(path, exc)
-
     def _open(self) -> list[_Job]:
         """Blocking: the ledger read back; returns the uploads to resume, in their order."""
-        try:
-            data = read_state(self.run_dir / LEDGER) or b""
-        except OSError:
-            data = b""
-        for line in data.splitlines():
+        for record in self.ledger.read():
             try:
-                self._replay(json.loads(line))
+                self._replay(record)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a line torn by a crash, or not ours
         resumed = []
@@ -522,6 +591,21 @@ class Uploads:
             job.state = "registered"
         elif op == "refused":
             job.state = "refused"
+
+
+def descriptors_left() -> int:
+    """Descriptors the soft RLIMIT_NOFILE leaves for held files, FD_RESERVE kept back for the
+    rest of the sidecar."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = soft // 2  # no /proc: assume half is taken
+    return max(soft - in_use - FD_RESERVE, 0)
 
 
 def start_wait_s() -> float:
