@@ -636,6 +636,26 @@ def test_two_daemons_and_no_run_id_asks_which(tmp_path: Path, nowhere: str) -> N
     assert "no daemon of run run-none answers" in unknown.stderr and other in unknown.stderr
 
 
+@pytest.mark.parametrize("variables", [
+    {"STARFORGE_RUN_ID": "run-second"},  # a node's shell: the run id alone
+    {"TUNEPLANE_JOB_RUN_ID": "run-second", "TUNEPLANE_JOB_ENABLED": "0"},  # offline
+])
+def test_two_daemons_and_the_platform_s_run_id_pick_its_own(
+        tmp_path: Path, nowhere: str, variables: dict[str, str]) -> None:
+    """With two daemons on a node, the run the platform's variable names is the one shown,
+    `sidecar status` and `sidecar stacks` alike, with no --run-id (they asked for one)."""
+    state = tmp_path / "state"
+    env = {**wide(SIDECAR_STATE_DIR=str(state), SIDECAR_STATUS_ADDR=nowhere), **variables}
+    with serving(Counters().snapshot, state / RUN_ID), \
+            serving(lambda: sample(run_id="run-second", mode="watch"), state / "run-second"):
+        shown = status_process(["--once"], env, cli=True)
+        stacks = subprocess.run([*SIDECAR, "stacks"], env=env, capture_output=True, text=True,
+                                timeout=60, check=False)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("sidecar watch  run run-second  ")
+    assert "daemons answer on this node" not in stacks.stderr, stacks.stderr
+
+
 def test_a_stale_address_file_is_not_a_second_daemon(tmp_path: Path, nowhere: str) -> None:
     state = tmp_path / "state"
     with socket.socket() as closed:

@@ -461,12 +461,15 @@ def _configured(args: argparse.Namespace,
                 environ: Mapping[str, str]) -> tuple[str, Path, str, str]:
     """The run meant (--run-id, else the platform's run id, else ""), the state dir, the
     configured --status-addr, resolved as `run` resolves them, and where the state dir came
-    from (`--state-dir`, its variable, `file PATH`, `default`)."""
+    from (`--state-dir`, its variable, `file PATH`, `default`). The platform's run id is its
+    variable's whenever one is set, the rest of the platform's variables there or not (a
+    node's shell with STARFORGE_RUN_ID alone, an offline run's ENABLED=0)."""
+    named = args.run_id or next(
+        (environ[f.run_id].strip() for f in FAMILIES if environ.get(f.run_id, "").strip()), "")
     origins: dict[str, str] = {}
     try:
         cfg = resolve(args, "status", environ, origins)
-        return (args.run_id or cfg.platform.run_id, cfg.state_dir, cfg.status_addr,
-                origins.get("state-dir", "default"))
+        return (named, cfg.state_dir, cfg.status_addr, origins.get("state-dir", "default"))
     except ConfigError:
         pass
     # A shell without the platform's variables (a node's login shell): resolve the options only.
@@ -474,7 +477,7 @@ def _configured(args: argparse.Namespace,
     offline = {k: v for k, v in environ.items() if k not in platform}
     offline[FAMILIES[0].enabled] = "0"
     cfg = resolve(args, "status", offline, origins)  # a mistake in the options themselves is said
-    return args.run_id or "", cfg.state_dir, cfg.status_addr, origins.get("state-dir", "default")
+    return named, cfg.state_dir, cfg.status_addr, origins.get("state-dir", "default")
 
 
 def _read_addr(path: Path) -> str:
