@@ -233,11 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(parser, args.cmd, unknown)
-    if args.cmd == "run":
+    if args.cmd in ("run", "check"):
         try:
             args.command = command_of(args.command, argv)
         except ValueError as exc:
-            subparser(parser, "run").error(str(exc))
+            subparser(parser, args.cmd).error(str(exc))
     args.build_parser = build_parser  # what `completion` describes: every command
     try:
         code = _main_of(COMMANDS[args.cmd])(args)
@@ -349,10 +349,12 @@ SUBCOMMANDS = (
         (_flag("--json", "print one JSON document"),
          _value("--timeout", CHECK_TIMEOUT_S, "how long each step may take, in seconds",
                 type=_seconds, metavar="SECONDS"),
-         _options("check")),
+         _options("check"),
+         _positional("command", "the command `run` would wrap, after --: which Python the "
+                     "environment snapshot would describe", nargs=argparse.REMAINDER)),
         "sidecar.commands.check",
         ("sidecar check",
-         "sidecar check --log '/shared/*.log' --jsonl /shared/metrics.jsonl",
+         "sidecar check --jsonl /shared/m.jsonl -- torchrun --nproc-per-node 8 train.py",
          "sidecar check --json | jq .steps"),
         ("0  the ingest accepted the probe (or reporting is off)",
          "1  a step failed: its line names the likely cause and the fix",

@@ -627,3 +627,20 @@ def test_an_unwritable_default_state_folder_is_a_warning_not_a_failure(
     assert result.code == EXIT_OK, result.out
     assert result.line("state").startswith("warn")
     assert "a private folder under the temporary directory" in result.line("state")
+
+
+@pytest.mark.skipif(not os.access("/usr/bin/python3", os.X_OK), reason="no /usr/bin/python3")
+def test_check_says_which_python_the_snapshot_of_a_command_would_describe(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """`sidecar check -- ./train.py`, a script whose #! line names another interpreter, with
+    the sidecar's own virtualenv active: the step names that interpreter and how."""
+    script = tmp_path / "train.py"
+    script.write_text("#!/usr/bin/python3\nprint('hi')\n")
+    script.chmod(0o755)
+    env = {**platform_env(ingest, tmp_path), "VIRTUAL_ENV": sys.prefix,
+           "PATH": f"{Path(sys.prefix) / 'bin'}:{os.defpath}"}
+    done = subprocess.run([*SIDECAR, "check", "--", str(script)], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == EXIT_OK, done.stdout + done.stderr
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("ok    python")]
+    assert f"describes /usr/bin/python3 (the #! line of {script}) for {script}" in line

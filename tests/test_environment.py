@@ -24,8 +24,11 @@ from sidecar.sources.telemetry.environment import (
     post_environment,
     python_info,
     read_packages,
+    which_python,
 )
 from sidecar.sources.telemetry.nvml import bindings
+from tests.conftest import platform_env, sidecar
+from tests.ingest_server import RunningIngest
 
 
 def dist_info(site: Path, name: str, version: str, metadata: bool = True) -> None:
@@ -235,3 +238,55 @@ async def test_who_posts_the_environment(node: Node, routes: list[str], tmp_path
             (entry,) = payload["nodes"]
             assert (entry["node"], entry["rank"]) == (node.name, node.rank)
             assert "run_id" not in entry and "packages" in entry
+
+
+def _script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("how", ["shebang", "env-shebang", "program", "path"])
+def test_the_snapshot_describes_the_trainers_python_with_the_sidecars_venv_active(
+        ingest: RunningIngest, tmp_path: Path, venv: Path, how: str) -> None:
+    """The real `sidecar run`, its own virtualenv active as the README's set-up leaves it
+    (VIRTUAL_ENV and PATH name it, the child inherits both): the trainer's interpreter is
+    the one the command runs, never the sidecar's (its packages were listed)."""
+    trainer = venv / "bin" / "python"
+    own_bin = Path(sys.prefix) / "bin"
+    path = f"{own_bin}:{venv / 'bin'}:{os.defpath}"
+    commands = {
+        "shebang": [str(_script(tmp_path / "train.py", f"#!{trainer}\nprint('hi')\n"))],
+        "env-shebang": [str(_script(tmp_path / "env_train.py", "#!/usr/bin/env python3\n"
+                                    "print('hi')\n"))],
+        "program": [str(trainer), "-c", "print('hi')"],
+        "path": [str(_script(tmp_path / "train.sh", "#!/bin/sh\necho hi\n"))],
+    }
+    # `#!/usr/bin/env python3` finds the sidecar's own first on this PATH: the trainer's is
+    # first where the command's own PATH puts it
+    env_path = f"{venv / 'bin'}:{own_bin}:{os.defpath}" if how == "env-shebang" else path
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0",
+                       VIRTUAL_ENV=sys.prefix, PATH=env_path)
+    done = sidecar(["run", "--", *commands[how]], env, tmp_path / "run")
+    assert done.status == 0, done.stderr.decode()[-3000:]
+    [snapshot] = ingest.records("environment")
+    assert Path(snapshot["python"]["executable"]).parent == venv / "bin", snapshot["python"]
+    assert snapshot["packages"] == {"flash-attn": "2.5.8", "trainer-lib": "4.2.0"}
+
+
+def test_which_python_never_guesses_the_sidecars_own_environment(tmp_path: Path) -> None:
+    own = tmp_path / "sidecar-venv"
+    (own / "bin").mkdir(parents=True)
+    _script(own / "bin" / "python", "#!/bin/sh\n")
+    other = tmp_path / "usr" / "bin"
+    other.mkdir(parents=True)
+    _script(other / "python3", "#!/bin/sh\n")
+    env = {"VIRTUAL_ENV": str(own), "PATH": f"{own / 'bin'}:{other}"}
+    assert which_python(None, ["./train.sh"], env, own=[str(own)]) == (
+        other / "python3", "python3 on the child's PATH")
+    launcher = _script(tmp_path / "torchrun", f"#!/bin/sh\n'''exec' {other / 'python3'} "
+                       '"$0" "$@"\n' "' '''\n")
+    assert which_python(None, [str(launcher)], env, own=[str(own)]) == (
+        other / "python3", f"the #! line of {launcher}")
+    assert which_python(None, ["env", "A=1", str(own / "bin" / "python"), "x.py"], env,
+                        own=[str(own)])[0] == own / "bin" / "python"  # the command's own wins

@@ -42,6 +42,8 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     # Past a mistake, what can still be looked at is: the sources, and the endpoint when its
     # variable is good (a missing token still lets DNS, TCP and TLS be tried).
     _sources(cfg, report)
+    if args.command or cfg.python is not None:
+        _python(cfg, args.command, environ, report)
     if cfg.platform.enabled:  # with reporting off nothing is said of a stall
         _stacks(report)
     code = EXIT_OK
@@ -54,6 +56,22 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         code = EXIT_FAILED
     report.finish(code, None if mistaken else cfg)
     return code
+
+
+def _python(cfg: Config, command: list[str], environ: Mapping[str, str],
+            report: CheckReport) -> None:
+    """Which Python `run`'s environment snapshot would describe, and how it was found."""
+    from sidecar.sources.telemetry.environment import which_python
+
+    python, how = which_python(cfg.python, command, environ)
+    if python is None:
+        report.add("python", "warn", "the trainer's Python is not found (no Python program, "
+                   "#! line or PATH entry outside the sidecar's own environment): the "
+                   "environment snapshot lists no packages; --python names it")
+        return
+    shown = f" for {' '.join(command)}" if command else ""
+    report.add("python", "ok", f"the environment snapshot describes {python} ({how}){shown}",
+               python=str(python), found_by=how)
 
 
 def _configuration(args: argparse.Namespace, environ: Mapping[str, str],

@@ -7,10 +7,11 @@ memory, the Kubernetes pod (downward API) and Slurm job when there is one, and t
 Python with its installed packages.
 
 The trainer's packages are read, never imported: the interpreter the child would run (--python,
-else the first found from the child's VIRTUAL_ENV, CONDA_PREFIX, the command itself and its
-PATH) is asked for its sys.path once, in a subprocess with the child's environment and a
-timeout, and each `*.dist-info/METADATA` (or `*.egg-info`) found there gives a Name and a
-Version. If that interpreter cannot be run, its prefix's lib/python3*/site-packages is read.
+else the command's program or its #! line, else the child's VIRTUAL_ENV, CONDA_PREFIX and PATH,
+never the sidecar's own environment: which_python) is asked for its sys.path once, in a
+subprocess with the child's environment and a timeout, and each `*.dist-info/METADATA` (or
+`*.egg-info`) found there gives a Name and a Version. If that interpreter cannot be run, its
+prefix's lib/python3*/site-packages is read.
 
 Kubernetes: POD_NAME, POD_NAMESPACE, POD_UID and NODE_NAME, as a pod spec maps them from the
 downward API (`fieldRef: metadata.name`, `metadata.namespace`, `metadata.uid`,
@@ -150,26 +151,95 @@ def _noted(what: str) -> Iterator[None]:
 
 def find_python(explicit: Path | None, command: Sequence[str],
                 child_env: Mapping[str, str]) -> Path | None:
-    """The interpreter the child runs: --python, the venv or conda env it activates, a python
-    it is started with, else python3/python on its PATH."""
+    """The interpreter the child runs (see which_python)."""
+    return which_python(explicit, command, child_env)[0]
+
+
+def which_python(explicit: Path | None, command: Sequence[str], child_env: Mapping[str, str],
+                 own: Sequence[str] | None = None) -> tuple[Path | None, str]:
+    """The interpreter the child runs, and how it was found: --python; the command's program
+    when it is a Python; the interpreter its `#!` line names (a script, torchrun's,
+    accelerate's, deepspeed's); the venv or conda env the child's variables activate; python3
+    or python on the child's PATH. The guesses (the last two) never take the sidecar's own
+    environment, `own` (its sys.prefix and the VIRTUAL_ENV it was started with), which the
+    child inherits when the sidecar's virtualenv is active."""
     if explicit is not None:
-        return explicit
-    for var in ("VIRTUAL_ENV", "CONDA_PREFIX"):
-        if child_env.get(var):
-            candidate = Path(child_env[var]) / "bin" / "python"
-            if os.access(candidate, os.X_OK):
-                return candidate
+        return explicit, "--python"
     import shutil  # here: shutil (with bz2 and lzma) is 3 % of a start-up `watch` never needs
 
+    own = _own_prefixes() if own is None else own
     path = child_env.get("PATH", os.defpath)
-    if command and _PYTHON_NAME.match(Path(command[0]).name):
-        found = shutil.which(command[0], path=path)
-        if found:
-            return Path(found)
-    for name in ("python3", "python"):
-        found = shutil.which(name, path=path)
-        if found:
-            return Path(found)
+    program = _program(command)
+    found = shutil.which(program, path=path) if program else None
+    if found and _PYTHON_NAME.match(Path(program).name):
+        return Path(found), f"the command's program, {program}"
+    interpreter = _shebang_python(Path(found), path) if found else None
+    if interpreter is not None:
+        return interpreter, f"the #! line of {found}"
+    for var in ("VIRTUAL_ENV", "CONDA_PREFIX"):
+        prefix = child_env.get(var)
+        if prefix and not _inside(Path(prefix), own):
+            candidate = Path(prefix) / "bin" / "python"
+            if os.access(candidate, os.X_OK):
+                return candidate, f"the child's {var}"
+    for folder in path.split(os.pathsep):
+        if not folder or _inside(Path(folder), own):
+            continue
+        for name in ("python3", "python"):
+            found = shutil.which(name, path=folder)
+            if found:
+                return Path(found), f"{name} on the child's PATH"
+    return None, "none found"
+
+
+def _own_prefixes() -> list[str]:
+    import sys
+
+    return [p for p in (sys.prefix, os.environ.get("VIRTUAL_ENV", "")) if p]
+
+
+def _inside(path: Path, prefixes: Sequence[str]) -> bool:
+    return any(path == Path(p) or Path(p) in path.parents for p in prefixes)
+
+
+def _program(command: Sequence[str]) -> str:
+    """The program `command` runs, through `env [-i] [NAME=VALUE]...` when it starts so."""
+    args = list(command)
+    if args and Path(args[0]).name == "env":
+        args = args[1:]
+        while args and (args[0].startswith("-") or "=" in args[0]):
+            args = args[1:]
+    return args[0] if args else ""
+
+
+_PIP_LAUNCHER = "'''exec' "  # pip's second line where a #! line would be too long
+
+
+def _shebang_python(program: Path, path: str) -> Path | None:
+    """The Python the `#!` line of `program` names: `#!/venv/bin/python3`, `#!/usr/bin/env
+    python3` (found on `path`), or pip's launcher for a long path (`#!/bin/sh`, then
+    _PIP_LAUNCHER and the interpreter); None for a binary or another interpreter."""
+    import shlex
+    import shutil
+
+    try:
+        with open(program, "rb") as fh:
+            head = fh.read(1024)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    lines = head.decode("utf-8", "replace").splitlines()
+    words = lines[0][2:].split()
+    if len(lines) > 1 and lines[1].startswith(_PIP_LAUNCHER):
+        with contextlib.suppress(ValueError):
+            words = shlex.split(lines[1].removeprefix(_PIP_LAUNCHER))[:1]
+    if words and Path(words[0]).name == "env":
+        words = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+        found = shutil.which(words[0], path=path) if words else None
+        words = [found] if found else []
+    if words and _PYTHON_NAME.match(Path(words[0]).name) and os.access(words[0], os.X_OK):
+        return Path(words[0])
     return None
 
 
