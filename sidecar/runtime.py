@@ -162,10 +162,14 @@ class Runtime:
         if taker is None:
             return
         async def look() -> None:  # without py-spy, one line in our log says so
+            from sidecar.stacks import say
+
             stacks = await taker.take("stall")
             # said while the stall lasts: after its resume line it would say a past moment
             if stacks is not None and self.stall.stalled and self._still_stalled():
-                for line in taker.block(stacks, "at the stall", list(self._stall_lines())):
+                block = taker.block(stacks, "at the stall", list(self._stall_lines()))
+                say(block)
+                for line in block:
                     self._announce(line)
 
         spawn_once("stacks-at-stall", look)

@@ -502,6 +502,13 @@ class StackTaker:
         return [head, *(f"[sidecar]   {line}" for line in [*stacks.summary(), *extra] if line)]
 
 
+def say(block: Sequence[str]) -> None:
+    """A block of stacks in the sidecar's own log too, a record a line: where a terminal or
+    `kubectl logs` shows it, beside the stall's WARNING (only /logs had it)."""
+    for line in block:
+        log.warning("%s", line.removeprefix("[sidecar] "))
+
+
 def _keep(run_dir: Path, stacks: Stacks) -> Path | None:
     """The full dump to the state folder, the oldest beyond KEPT_DUMPS removed."""
     folder = run_dir / STACKS_FOLDER

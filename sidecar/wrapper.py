@@ -56,6 +56,7 @@ from sidecar.stacks import (
     RankClock,
     StackTaker,
     processes_of,
+    say,
     take_with_budget,
 )
 from sidecar.stall import StallWatch
@@ -276,6 +277,7 @@ class _Run:
             if self.stall.stalled:
                 where_said += f", stalled for {format_duration(self.stall.stalled_s)}"
             block = taker.block(stacks, where_said, [self.ranks.line()])
+            say(block)
             for line in block:
                 announce_in(self.streams, line)
             if block and stacks.processes:

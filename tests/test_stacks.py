@@ -132,6 +132,15 @@ def test_at_a_stall_one_block_names_each_rank_where_it_is_and_the_run_goes_on(
     release.touch()
     done = proc.wait(60)
     assert done.status == 0, done.stderr.decode()
+    # the block in the sidecar's own stderr too, where a terminal or `kubectl logs` shows it,
+    # naming the dump file, after the stall's WARNING
+    said = [line.split(" WARNING ", 1)[1] for line in done.stderr.decode().splitlines()
+            if " WARNING " in line]
+    [heading] = [i for i, line in enumerate(said) if line.startswith("stacks of 3 processes")]
+    assert str(dumps[0]) in said[heading]
+    assert any(RANK0.match("[sidecar] " + line) for line in said[heading:]), said
+    assert any(RANK1.match("[sidecar] " + line) for line in said[heading:]), said
+    assert heading > next(i for i, line in enumerate(said) if "no output and no new" in line)
     # both ranks' last lines, wherever a chunk put them (two processes write the one pipe)
     wait_until(lambda: all(done_line in "\n".join(ingest.log_lines())
                            for done_line in ("[rank0]: done 2", "[rank1]: done 2")),
