@@ -510,14 +510,18 @@ def say(block: Sequence[str]) -> None:
 
 
 def _keep(run_dir: Path, stacks: Stacks) -> Path | None:
-    """The full dump to the state folder, the oldest beyond KEPT_DUMPS removed."""
+    """The full dump to the state folder, the oldest beyond KEPT_DUMPS removed; masked, as
+    everything the sidecar writes is (a script's path, a function's or a thread's name, a
+    local's value may hold the token)."""
+    from sidecar.masking import mask_doc
+
     folder = run_dir / STACKS_FOLDER
     try:
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(stacks.taken_at))
         path = folder / f"{stamp}-{stacks.reason}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(stacks.to_json(), indent=1))
+        tmp.write_text(json.dumps(mask_doc(stacks.to_json()), indent=1))
         tmp.replace(path)
         for old in sorted(folder.glob("*.json"))[:-KEPT_DUMPS]:
             old.unlink(missing_ok=True)

@@ -3,6 +3,7 @@ a function of its own while rank 0 waits for it in all_reduce (docs/stalls.md)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -375,3 +376,29 @@ async def test_a_dump_that_takes_too_long_is_abandoned_and_a_refusal_is_said_onc
     second = await refusing.take("stall", timeout_s=5)
     assert second is not None and refusing.block(second, "at the stall") == []  # once
     assert second.to_json()["refused"].startswith("[sidecar] stacks cannot be taken")
+
+
+def test_a_dump_kept_in_the_state_folder_holds_no_secret(tmp_path: Path) -> None:
+    """A trainer whose function is named after the token (or whose script's path holds it):
+    the real py-spy's dump, kept in the run's folder, shows it masked."""
+    from sidecar.masking import secrets
+    from sidecar.stacks import Process, StackTaker
+
+    token = "tokSecretValue0123456789"
+    secrets.add(token)
+    script = tmp_path / f"train_{token}.py"
+    script.write_text(f"import time\ndef step_{token}():\n    time.sleep(60)\n"
+                      "print('ready', flush=True)\nstep_" + token + "()\n")
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        taker = StackTaker(lambda: [Process(child.pid, os.getpid(), "python", {"RANK": "0"})],
+                           tmp_path / "run")
+        taken = asyncio.run(taker.take("stall", timeout_s=20))
+    finally:
+        child.kill()
+        child.wait()
+    assert taken is not None and taken.file is not None, taken
+    kept = taken.file.read_text()
+    assert "step_***" in kept and "train_***" in kept
+    assert token not in kept
