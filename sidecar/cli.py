@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from sidecar import __version__
-from sidecar.config import closest, command_of, log_context
+from sidecar.config import closest, command_of, learn_secrets, log_context
 from sidecar.delivery.lifecycle import EVENTS
 from sidecar.exits import EXIT_CONFIG, ConfigError
 from sidecar.log import log, setup
-from sidecar.options import add_option, add_options, help_line, option, show_default
+from sidecar.options import OPTIONS, add_option, add_options, help_line, option, show_default
 
 CHECK_TIMEOUT_S = 10.0  # how long each step of `sidecar check` may take
 
@@ -215,15 +215,30 @@ class _Parser(argparse.ArgumentParser):
         self._given = {}
         return super().parse_known_args(args, namespace)
 
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """An option of the table's choices is checked when the configuration is resolved,
+        with every other mistake of it (argparse stopped at the first, quoting the value)."""
+        if action.option_strings and _TABLE_CHOICES.get(action.dest) == action.choices:
+            return
+        super()._check_value(action, value)
+
     def error(self, message: str) -> NoReturn:
+        from sidecar.masking import mask  # a value pasted in the wrong place may be the token
+
+        message = mask(message)
         if not self.json_errors:
             super().error(message)
         _json_error(self.prog.removeprefix("sidecar").strip() or "sidecar", message)
         sys.exit(EXIT_CONFIG)
 
 
+# the options of the table with choices, by dest: checked by the configuration (_check_value)
+_TABLE_CHOICES = {opt.attr: opt.choices for opt in OPTIONS if opt.choices}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _reserve_standard_descriptors()
+    learn_secrets(os.environ)  # before anything is parsed: a message may quote a value
     argv = sys.argv[1:] if argv is None else list(argv)
     _Parser.json_errors = _wants_json(argv)
     parser = build_parser(argv[0] if argv else None)

@@ -342,12 +342,18 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
+def learn_secrets(environ: Mapping[str, str]) -> None:
+    """Register the tokens the platform's variables hold: before the command line is parsed,
+    whose messages quote what was given."""
+    for family in FAMILIES:
+        add_secrets(environ.get(family.token, ""))
+
+
 def _learn_secrets(args: argparse.Namespace, environ: Mapping[str, str],
                    file_values: Mapping[str, Any]) -> None:
     """Register every token this configuration may hold before anything is checked, so that a
     message quoting a value never shows one, even one pasted into the wrong variable."""
-    for family in FAMILIES:
-        add_secrets(environ.get(family.token, ""))
+    learn_secrets(environ)
     token_file = (getattr(args, "token_file", None) or environ.get(option("token-file").env)
                   or file_values.get("token-file"))
     if isinstance(token_file, str):

@@ -404,10 +404,12 @@ def test_bad_choice_in_the_file_is_an_error(toml: Path) -> None:
     assert "log-format" in config_error("--config", str(toml), environ=OFFLINE)
 
 
-def test_bad_choice_on_the_command_line_is_refused_by_the_parser() -> None:
-    with pytest.raises(SystemExit) as info:
-        parse("--log-format", "xml")
-    assert info.value.code == 2
+def test_bad_choice_on_the_command_line_is_refused_with_the_configuration() -> None:
+    """Checked with every other mistake of the configuration, not by argparse alone."""
+    with pytest.raises(ConfigError) as info:
+        cfg("--log-format", "xml", "--log-ansi", "no")
+    assert sorted(info.value.problems) == ["--log-ansi='no' must be one of strip, keep",
+                                           "--log-format='xml' must be one of plain, cri, auto"]
 
 
 def test_choices_are_accepted() -> None:

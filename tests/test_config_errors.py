@@ -98,3 +98,18 @@ def test_config_json_lists_each_mistake(tmp_path: Path) -> None:
     assert doc["ok"] is False and len(doc["errors"]) == 2, doc
     assert doc["errors"][0].startswith("STARFORGE_ENDPOINT, STARFORGE_RUN_ID and STARFORGE_TOKEN")
     assert doc["errors"][1].startswith("SIDECAR_NODES=0 must be at least 1")
+
+
+def test_a_token_given_for_an_option_with_choices_is_masked_and_every_mistake_named(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """The token pasted as a value: argparse quoted it whole and stopped at its first error;
+    the configuration names both mistakes, masked."""
+    env = platform_env(ingest, tmp_path / "state")
+    line = refused(tmp_path, env, "run", "--checkpoint-upload", TOKEN, "--log-ansi", TOKEN)
+    assert line == ("sidecar run: 2 configuration errors, all found at once: (1) "
+                    "--checkpoint-upload='***' must be one of auto, always, never; (2) "
+                    "--log-ansi='***' must be one of strip, keep"), line
+    event = sidecar(["lifecycle", TOKEN], env, tmp_path / "event", timeout=30)
+    assert event.status == 2
+    assert TOKEN not in event.stderr.decode() and "invalid choice: '***'" in \
+        event.stderr.decode()
