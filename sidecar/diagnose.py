@@ -70,8 +70,15 @@ class Failure(NamedTuple):
 
 def diagnose(exit_status: int, duration_s: float, scanner: Scanner, node: Node,
              oom_kills: Sequence[OomKill] = (), xids: Sequence[XidEvent] = (),
-             stall: str = "") -> Failure:
-    """The likeliest cause of a failed run, from the evidence at hand."""
+             stall: str = "", forwarded: int = 0) -> Failure:
+    """The likeliest cause of a failed run, from the evidence at hand. `forwarded`: the
+    signal the wrapper forwarded to the command while it ran (the platform stopping the run),
+    which is the cause whatever a launcher prints on its way out (torchrun's SignalException
+    traceback)."""
+    if forwarded and exit_status != 0 and not (
+            exit_status == EXIT_SIGNAL_BASE + signal.SIGKILL and oom_kills):
+        return Failure(exit_status, duration_s, f"killed by {_signal_name(forwarded)}",
+                       "signal", "", "", node.name, node.rank, node.multi_node, stall)
     cause, signature, stream, quote = _cause(exit_status, scanner, oom_kills, xids)
     return Failure(exit_status, duration_s, cause, signature, stream, quote, node.name,
                    node.rank, node.multi_node, stall)

@@ -40,6 +40,7 @@ class StallWatch:
         self._last = clock()
         self._active = False  # an activity was seen: the gap before it is no cadence
         self.longest_gap_s: float | None = None
+        self._stopped_at: float | None = None  # the run was stopped (a signal we forwarded)
 
     @property
     def threshold_s(self) -> float:
@@ -60,8 +61,16 @@ class StallWatch:
                 f"{format_duration(self.longest_gap_s)}, at least "
                 f"{format_duration(CADENCE_FLOOR_S)}")
 
+    def stop(self) -> None:
+        """The run is being stopped (a signal forwarded to it): what it writes on the way out
+        is no resumed training, and a stall ended here, not later."""
+        if self._stopped_at is None:
+            self._stopped_at = self.clock()
+
     def activity(self) -> None:
         """Output or a new metric step, now."""
+        if self._stopped_at is not None:
+            return
         now = self.clock()
         if self._active:
             gap_s = now - self._last
@@ -77,7 +86,7 @@ class StallWatch:
 
     def check(self) -> None:
         """From a periodic tick: say a stall once it has lasted --stall-after."""
-        if self.stalled or self.after_s == 0:
+        if self.stalled or self.after_s == 0 or self._stopped_at is not None:
             return
         quiet_s = self.clock() - self._last
         if quiet_s < self.threshold_s:
@@ -100,7 +109,8 @@ class StallWatch:
     @property
     def stalled_s(self) -> float:
         """How long the current stall has lasted; 0 when there is none."""
-        return self.clock() - self._last if self.stalled else 0.0
+        end = self.clock() if self._stopped_at is None else self._stopped_at
+        return end - self._last if self.stalled else 0.0
 
     @property
     def quiet_s(self) -> float:

@@ -190,6 +190,7 @@ class _Run:
             stream.others = [other for other in self.streams if other is not stream]
             stream.ranks = self.ranks
         self.stacks_at_signal = ""  # where the ranks were when the platform stopped the run
+        self.forwarded = 0  # the first signal forwarded to the command, while it ran
         self.signal_stacks: asyncio.Task[None] | None = None
 
     def spawn(self) -> tuple[int, ...]:
@@ -255,6 +256,14 @@ class _Run:
         self.pipeline, self.stacks = self.runtime.pipeline, self.runtime.stacks
         self.ticker = supervise("ticker", lambda: _tick(self.streams, self.stall))
 
+    def _forward(self, signum: int) -> None:
+        """The signal to the command (or, once it exited, the drain cut short); the first one
+        forwarded is what stopped the run, whatever the command prints on its way out."""
+        if self.child.running and not self.interrupted.is_set() and not self.forwarded:
+            self.forwarded = signum
+            self.stall.stop()
+        _on_signal(self.child, signum, self.interrupted)
+
     def _on_signal(self, signum: int) -> None:
         """A SIGTERM to a quiet or stalled run: the stacks first (within SIGNAL_BUDGET_S), then
         the signal; any other, or a second one, is forwarded at once."""
@@ -263,14 +272,14 @@ class _Run:
                 or not self.child.running or self.interrupted.is_set()
                 or self.signal_stacks is not None
                 or not (self.stall.stalled or self.stall.quiet_s >= QUIET_FOR_STACKS_S)):
-            _on_signal(self.child, signum, self.interrupted)
+            self._forward(signum)
             return
 
         async def look_then_forward() -> None:
             try:
                 stacks = await take_with_budget(taker, "sigterm", SIGNAL_BUDGET_S)
             finally:
-                _on_signal(self.child, signum, self.interrupted)
+                self._forward(signum)
             if stacks is None:
                 return
             where_said = "at SIGTERM"
@@ -337,7 +346,7 @@ class _Run:
                 exit_status, duration_s, self.scanner, self.node,
                 await asyncio.to_thread(oom_kills_since, self.oom_before, self.cgroups),
                 tuple(pipeline.sampler.xids) if pipeline and pipeline.sampler else (),
-                stall=self._stall_note())
+                stall=self._stall_note(), forwarded=self.forwarded)
             log.error("%s", mask(self.report.failure.line().removeprefix("[sidecar] ")))
             # The crash tail's last line.
             announce_in(streams, self.report.failure.line())

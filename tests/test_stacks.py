@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -402,3 +403,38 @@ def test_a_dump_kept_in_the_state_folder_holds_no_secret(tmp_path: Path) -> None
     kept = taken.file.read_text()
     assert "step_***" in kept and "train_***" in kept
     assert token not in kept
+
+
+def test_a_sigterm_under_torchrun_is_named_as_sigterm_whatever_torchrun_prints(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """Real gloo ranks under the real torchrun, stalled, then SIGTERM to `sidecar run`:
+    torchrun turns the signal into its own SignalException traceback on the way out. The
+    summary says `killed by SIGTERM` and the stall before it (it said `Python exception
+    ...SignalException`), and the shutdown's output is not taken for the run resuming."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed")
+    (tmp_path / "hang.py").write_text(HANG)
+    env = platform_env(ingest, tmp_path / "state", SIDECAR_HARDWARE_INTERVAL="0",
+                       PATH=f"{torchrun.parent}:{os.defpath}")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    proc = Sidecar(["run", "--stall-after", "3", "--", str(torchrun), "--nproc-per-node", "2",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port),
+                    str(tmp_path / "hang.py"),
+                    str(tmp_path / "never")], env, tmp_path / "sc")
+    try:
+        wait_until(lambda: any("no output and no new metric step" in line
+                               for line in ingest.log_lines()), 90, "the stall")
+        proc.proc.send_signal(signal.SIGTERM)
+        done = proc.wait(90)
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+    assert done.status != 0
+    lines = ingest.log_lines()
+    summary = next(line for line in lines if line.startswith("[sidecar] run failed"))
+    assert "likely cause: killed by SIGTERM; stalled for " in summary, summary
+    assert not any("output resumed" in line for line in lines), lines
+    assert b"output resumed" not in done.stderr
