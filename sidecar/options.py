@@ -74,6 +74,17 @@ def refuse_busy_status_addr(addr: str) -> None:
 LOG_PREFIX_FIELDS = ("node", "rank")
 
 
+def check_checkpoints_folder(folder: str, source: str) -> None:
+    """A --checkpoints folder that is a file is a mistake waiting cannot mend (it was said to
+    be awaited, as a folder not there yet is)."""
+    from pathlib import Path
+
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{source} {folder} is a file: give the folder the checkpoints are "
+                          f"saved under (here {path.parent}, or the trainer's output_dir)")
+
+
 def check_tree_pattern(kind: str, tree: str) -> Callable[[str, str], None]:
     """The check of a pattern of the `tree` kind `kind` (a folder searched for files named
     `tree`): a file there of another name is a mistake waiting cannot mend (--tensorboard
@@ -205,7 +216,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("hparams", "path", None, "JSON, YAML or TOML config file sent to /hparams",
            metavar="FILE"),
     Option("checkpoints", "list", (), "folder whose model checkpoints, written anywhere under "
-           "it, are each registered once complete (repeatable)", metavar="DIR"),
+           "it, are each registered once complete (repeatable)", metavar="DIR",
+           check=check_checkpoints_folder),
     Option("artifact-uri", "list", (), "the object-store URI a local prefix mirrors, posted "
            "instead of the local path (repeatable)", metavar="LOCAL=URI",
            check=check_artifact_uri),

@@ -113,3 +113,15 @@ def test_a_token_given_for_an_option_with_choices_is_masked_and_every_mistake_na
     assert event.status == 2
     assert TOKEN not in event.stderr.decode() and "invalid choice: '***'" in \
         event.stderr.decode()
+
+
+def test_a_file_given_as_the_checkpoints_folder_is_refused(ingest: RunningIngest,
+                                                           tmp_path: Path) -> None:
+    """It was said to be awaited ('does not exist yet; watching ... for it'), for ever."""
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"x")
+    line = refused(tmp_path, platform_env(ingest, tmp_path / "state"), "run", "--checkpoints",
+                   str(file))
+    assert line == (f"sidecar run: configuration error: --checkpoints {file} is a file: give "
+                    f"the folder the checkpoints are saved under (here {tmp_path}, or the "
+                    "trainer's output_dir)"), line
