@@ -810,3 +810,20 @@ def test_a_gpus_value_that_names_no_gpu_is_a_configuration_error(tmp_path: Path)
                    tmp_path / "run")
     assert done.status == 2
     assert b"--gpus='0,first': 'first' is neither a GPU index nor a UUID" in done.stderr
+
+
+def test_an_xid_of_a_gpu_the_pod_may_yet_use_is_held_until_the_gpu_is_its_own() -> None:
+    """A pod's sidecar samples the GPUs its pod's processes run on: an XID of a GPU that fails
+    as the trainer first touches it came before NVML listed the trainer there, and was
+    dropped for good when drained. It is held (XID_HELD_S) and posted once the GPU is the
+    pod's; another pod's GPU's XID is not."""
+    from sidecar.sources.telemetry.nvml.xid import XidEvent
+    from sidecar.sources.telemetry.sampler import XID_HELD_S, ours
+
+    early, other = XidEvent(2, 79, 1000.0), XidEvent(3, 48, 1000.0)
+    posted, held = ours([early, other], sampled={1}, maybe={2}, now=1001.0)
+    assert posted == [] and held == [early]
+    posted, held = ours(held, sampled={1, 2}, maybe=set(), now=1002.0)
+    assert posted == [early] and held == []
+    _, held = ours([early], sampled={1}, maybe={2}, now=1000.0 + XID_HELD_S + 1)
+    assert held == []  # not held for ever: the GPU never became the pod's

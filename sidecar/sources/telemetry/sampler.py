@@ -49,6 +49,9 @@ Emit = Callable[[str, dict[str, Any]], None]
 
 HOST_TIMEOUT_S = 5.0  # the same for the psutil/sysfs read and for disk usage
 MAX_XIDS_KEPT = 64  # the run's XID events kept for the failure summary
+# an XID of a GPU the pod may still come to use is held this long for it: the XID of a GPU
+# that fails as the trainer first touches it comes before NVML lists the trainer there
+XID_HELD_S = 60.0
 
 
 class SamplerStats:
@@ -149,6 +152,7 @@ class HardwareSampler:
         self._stalled: set[str] = set()  # parts said to hang, until they answer again
         self._xid: XidWatcher | None = None
         self.xids: collections.deque[XidEvent] = collections.deque(maxlen=MAX_XIDS_KEPT)
+        self._xids_held: list[XidEvent] = []  # of GPUs the pod may come to use
         self._gpu_readings: list[Readings] = []  # the last sample's, for gpu_gauges
         self._stats = SamplerStats()
         self._started = False
@@ -354,8 +358,10 @@ class HardwareSampler:
                 if rate is not None and math.isfinite(rate):
                     points.append({"key": f"{key}_per_second", "value": rate, "ts": ts})
         if self._xid is not None:
-            sampled = {d.index for d in self._devices}  # another pod's GPU's XIDs are not ours
-            xids = [e for e in self._xid.drain() if e.index in sampled]
+            maybe = {d.index for d in self._pod.candidates} if self._pod is not None else set()
+            xids, self._xids_held = ours(
+                [*self._xids_held, *self._xid.drain()], {d.index for d in self._devices},
+                maybe, time.time())
             self.xids.extend(xids)
             points += [{"key": f"gpu/{e.index}/xid_code", "value": e.xid, "ts": iso_ts(e.at_s)}
                        for e in xids]
@@ -365,6 +371,17 @@ class HardwareSampler:
         for start in range(0, len(points), MAX_POINTS_PER_REQUEST):
             self.emit("hardware", {"run_id": self.run_id, "node": self.node,
                                    "points": points[start:start + MAX_POINTS_PER_REQUEST]})
+
+
+def ours(events: Sequence[XidEvent], sampled: set[int], maybe: set[int],
+         now: float) -> tuple[list[XidEvent], list[XidEvent]]:
+    """The XIDs to post now (of a GPU sampled), and those to hold (of a GPU the pod may yet
+    use, for XID_HELD_S): another pod's GPU's XIDs are not ours, and one drained before its GPU
+    was known to be the pod's was dropped for good."""
+    posted = [e for e in events if e.index in sampled]
+    held = [e for e in events
+            if e.index not in sampled and e.index in maybe and now - e.at_s < XID_HELD_S]
+    return posted, held[-MAX_XIDS_KEPT:]
 
 
 class _ReadHung(Exception):
