@@ -286,6 +286,9 @@ class Uploads:
             await asyncio.to_thread(self._stage, job)
         except Refused as refused:
             job.unheld = refused
+        except Exception as exc:  # a fault of ours refuses this checkpoint, not every later one
+            job.unheld = Refused(f"its files could not be held ({exc.__class__.__name__}: "
+                                 f"{exc})")  # said in the refusal's one ERROR line
 
     async def _upload(self, job: _Job) -> None:
         if job.holding is not None:  # submitted by this start: held since, or being held now
