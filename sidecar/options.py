@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from sidecar.exits import ConfigError
@@ -77,8 +78,6 @@ LOG_PREFIX_FIELDS = ("node", "rank")
 def check_checkpoints_folder(folder: str, source: str) -> None:
     """A --checkpoints folder that is a file is a mistake waiting cannot mend (it was said to
     be awaited, as a folder not there yet is)."""
-    from pathlib import Path
-
     path = Path(folder)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{source} {folder} is a file: give the folder the checkpoints are "
@@ -90,8 +89,6 @@ def check_tree_pattern(kind: str, tree: str) -> Callable[[str, str], None]:
     `tree`): a file there of another name is a mistake waiting cannot mend (--tensorboard
     given the trainer's log), where an event file is taken as that one file."""
     def check(pattern: str, source: str) -> None:
-        from pathlib import Path
-
         from sidecar.sources.files.discover import names_one_file
 
         path = Path(pattern)

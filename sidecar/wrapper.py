@@ -259,10 +259,9 @@ class _Run:
     def _forward(self, signum: int) -> None:
         """The signal to the command (or, once it exited, the drain cut short); the first one
         forwarded is what stopped the run, whatever the command prints on its way out."""
-        if self.child.running and not self.interrupted.is_set() and not self.forwarded:
+        if _on_signal(self.child, signum, self.interrupted) and not self.forwarded:
             self.forwarded = signum
             self.stall.stop()
-        _on_signal(self.child, signum, self.interrupted)
 
     def _on_signal(self, signum: int) -> None:
         """A SIGTERM to a quiet or stalled run: the stacks first (within SIGNAL_BUDGET_S), then
@@ -444,14 +443,16 @@ def _say_pipes(one_pipe: bool, tty: bool) -> None:
                   "another order (docs/running.md#the-commands-output)")
 
 
-def _on_signal(child: Child, signum: int, interrupted: asyncio.Event) -> None:
-    """Forward to the child's group while it runs; once it has exited, cut the drain short."""
+def _on_signal(child: Child, signum: int, interrupted: asyncio.Event) -> bool:
+    """Forward to the child's group while it runs (True); once it has exited, cut the drain
+    short."""
     if child.running and not interrupted.is_set():
         log.info("forwarding %s to the command", signal.Signals(signum).name)
         child.signal(signum)
-    else:
-        log.warning("%s during shutdown: stopping the drain now", signal.Signals(signum).name)
-        interrupted.set()
+        return True
+    log.warning("%s during shutdown: stopping the drain now", signal.Signals(signum).name)
+    interrupted.set()
+    return False
 
 
 async def _tick(streams: Sequence[Stream], stall: StallWatch) -> None:

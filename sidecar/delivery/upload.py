@@ -125,6 +125,10 @@ class _Job:
     def size(self) -> int:
         return sum(f.size for f in self.files.values())
 
+    def rate(self, now: float) -> float:
+        """Bytes a second this start has sent of it."""
+        return max(self.sent - self.sent_before, 0) / max(now - self.started, 1e-3)
+
     @property
     def sent(self) -> int:
         return sum(f.size if f.stored else f.sent[0] for f in self.files.values())
@@ -163,9 +167,9 @@ class Uploads:
         self._queue: list[_Job] = []
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(FILES_IN_FLIGHT)
-        # One upload-url request in flight: the files' asks follow the answers, and a throttled
-        # sidecar waits with one request, not one a file (sidecars saving at the same moment
-        # asked the ingest for sidecars x files URLs in one instant: bench_fleet_upload.py).
+        # upload-url requests in flight, from one (ASKS_IN_FLIGHT): sidecars saving at the same
+        # moment asked the ingest for sidecars x files URLs in one instant
+        # (bench_fleet_upload.py), and a throttled sidecar waits with one request
         self._asks = Window(ASKS_IN_FLIGHT)
         self.ledger = JsonLedger(run_dir / LEDGER)
         self._fds = threading.Lock()  # one stager at a time counts the descriptors left
@@ -219,8 +223,7 @@ class Uploads:
         now = time.monotonic()
         # a rate seen over a few seconds: the first moments of an upload (its spread wait,
         # its first asks) say nothing of it
-        seen = [(job.sent - job.sent_before) / (now - job.started) for job in jobs
-                if job.sent > job.sent_before and now - job.started >= RATE_SEEN_S]
+        seen = [job.rate(now) for job in jobs if now - job.started >= RATE_SEEN_S]
         rate = max(seen, default=0.0)
         if self.limit.bytes_per_s > 0:
             rate = min(rate, self.limit.bytes_per_s) if rate > 0 else self.limit.bytes_per_s
@@ -254,7 +257,7 @@ class Uploads:
             if job.state != "uploading":
                 continue
             sent, size = job.sent, job.size
-            rate = max(sent - job.sent_before, 0) / max(now - job.started, 1e-3)
+            rate = job.rate(now)
             shown.append({"path": job.cp.local, "bytes_sent": sent, "bytes": size,
                           "files_stored": sum(1 for f in job.files.values() if f.stored),
                           "files": len(job.files), "rate_bytes_per_s": round(rate),

@@ -204,12 +204,18 @@ def _inside(path: Path, prefixes: Sequence[str]) -> bool:
 
 def _program(command: Sequence[str]) -> str:
     """The program `command` runs, through `env [-i] [NAME=VALUE]...` when it starts so."""
-    args = list(command)
+    args = _past_env(command)
+    return args[0] if args else ""
+
+
+def _past_env(words: Sequence[str]) -> list[str]:
+    """`words` without a leading `env` and its options and assignments."""
+    args = list(words)
     if args and Path(args[0]).name == "env":
         args = args[1:]
         while args and (args[0].startswith("-") or "=" in args[0]):
             args = args[1:]
-    return args[0] if args else ""
+    return args
 
 
 _PIP_LAUNCHER = "'''exec' "  # pip's second line where a #! line would be too long
@@ -234,8 +240,8 @@ def _shebang_python(program: Path, path: str) -> Path | None:
     if len(lines) > 1 and lines[1].startswith(_PIP_LAUNCHER):
         with contextlib.suppress(ValueError):
             words = shlex.split(lines[1].removeprefix(_PIP_LAUNCHER))[:1]
-    if words and Path(words[0]).name == "env":
-        words = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+    if words and Path(words[0]).name == "env":  # `#!/usr/bin/env [-S] python3`: on `path`
+        words = _past_env(words)
         found = shutil.which(words[0], path=path) if words else None
         words = [found] if found else []
     if words and _PYTHON_NAME.match(Path(words[0]).name) and os.access(words[0], os.X_OK):
