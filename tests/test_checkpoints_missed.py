@@ -117,7 +117,9 @@ def test_a_rewritten_last_pt_is_registered_again_only_when_something_tells_them_
     torch_save(root / "last.pt")
     ingest.wait_for(lambda: artifacts(ingest), 30, "registered")
     for _ in range(2):  # saved over again, the same size: nothing tells the two apart
-        time.sleep(0.01)  # a later modification time
+        saved_at = (root / "last.pt").stat().st_mtime_ns
+        wait_until(lambda t=saved_at: time.time_ns() > t + 10_000_000, 5,
+                   "the clock past the last save's modification time")
         torch_save(root / "last.pt")
         wait_until(lambda n=_: watch.stderr().count("rewritten with the same step") > n, 30,
                    "the rewrite judged", watch.stderr)
