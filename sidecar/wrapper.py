@@ -140,6 +140,8 @@ class _Run:
         self.stacks: StackTaker | None = None
         self.interrupted = asyncio.Event()
         self.behind: BehindTail | None = None
+        # a failed exit with older output still queued for /logs: the crash tail goes first
+        self.tail_first = False
 
     async def open_journals(self) -> None:
         """The crash tail's and the lifecycle's journals: what an earlier start left goes
@@ -352,8 +354,10 @@ class _Run:
         if pipeline is not None and self.crash_tail is not None:
             held = not all(stream.closed.is_set() for stream in streams)
             self.behind = BehindTail() if held else None
-            await _journal_tail(pipeline.shipper, self.crash_tail, streams, self.tails,
-                                self.behind, _logs_by(self.cfg, self.deadline))
+            self.tail_first = await _journal_tail(
+                pipeline.shipper, self.crash_tail, streams, self.tails, self.behind,
+                _logs_by(self.cfg, self.deadline),
+                failed_by=self.deadline - _reserve_s(self.cfg) if exit_status != 0 else None)
 
     def _stall_note(self) -> str:
         """What the failure summary says of a stall: how long, and where the ranks were."""
@@ -367,9 +371,12 @@ class _Run:
     async def drain(self) -> None:
         """Deliver what is left by the deadline, beside the output of a writer the command
         left behind; our signals are ours again after."""
+        failure = self.report.failure
+        closing = (mask(self.prefix + failure.line() + "\n")
+                   if self.tail_first and failure is not None else "")
         await asyncio.gather(
             _drain(self.cfg, self.lifecycle, self.pipeline, self.interrupted, self.crash_tail,
-                   deadline=self.deadline, after_tail=self._after_tail),
+                   deadline=self.deadline, after_tail=self._after_tail, closing=closing),
             self._forward_held())
         for signum in FORWARDED_SIGNALS:
             self.loop.remove_signal_handler(signum)
@@ -466,12 +473,14 @@ async def _tick(streams: Sequence[Stream], stall: StallWatch) -> None:
 
 async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                  interrupted: asyncio.Event | None = None, crash_tail: CrashTail | None = None,
-                 *, deadline: float, after_tail: Callable[[], None] = lambda: None) -> None:
+                 *, deadline: float, after_tail: Callable[[], None] = lambda: None,
+                 closing: str = "") -> None:
     """Deliver what is left by `deadline`, in order, each part with what the parts before it
     left of the budget (docs/lifecycle.md#the-drain): the output (what was queued before the
-    crash tail, then the crash tail), then the end event; the files, metrics, hparams,
-    artifacts and documents beside them, until the deadline too. `after_tail` is called once
-    the crash tail went, or was given up."""
+    crash tail, then the crash tail; at a failed exit, `closing` given, the crash tail first,
+    see `_tail_first`), then the end event; the files, metrics, hparams, artifacts and
+    documents beside them, until the deadline too. `after_tail` is called once the crash tail
+    went, or was given up."""
     client = (pipeline.client if pipeline is not None
               else crash_tail.client if crash_tail is not None else lifecycle.client)
     if client is not None and not client.answered.is_set():  # a command that exits at once:
@@ -492,20 +501,22 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                     extra={"option": "--drain-timeout"})
     stop = interrupted or asyncio.Event()
     sources = None
+    tail_by = deadline - _reserve_s(cfg)
     if pipeline is not None:
         pipeline.client.hurry()
         sources = asyncio.ensure_future(pipeline.drain(deadline))
-        logs_by = _logs_by(cfg, deadline)
-        await _until(_logs_sent(pipeline, logs_by), logs_by, stop)
-    tail_by = deadline - _reserve_s(cfg)
-    if pipeline is not None and crash_tail is not None and crash_tail.pending:
-        # nothing older may follow the crash tail: what is left is given up, and marked
-        crash_tail.lead(await pipeline.shipper.yield_to_tail(
-            max(tail_by - time.monotonic(), 0.0) / 2))
-    if crash_tail is not None and not await _until(crash_tail.deliver(tail_by), tail_by, stop):
-        # journaled before the end event goes: the next start or replay sends it
-        log.warning("the command's last output is not yet delivered to /logs; kept in %s for "
-                    "the next start or `sidecar replay`", cfg.run_dir)
+    if pipeline is not None and crash_tail is not None and closing:
+        await _tail_first(cfg, pipeline, crash_tail, closing, tail_by, stop)
+    else:
+        if pipeline is not None:
+            logs_by = _logs_by(cfg, deadline)
+            await _until(_logs_sent(pipeline, logs_by), logs_by, stop)
+        if pipeline is not None and crash_tail is not None and crash_tail.pending:
+            # nothing older may follow the crash tail: what is left is given up, and marked
+            crash_tail.lead(await pipeline.shipper.yield_to_tail(
+                max(tail_by - time.monotonic(), 0.0) / 2))
+        if crash_tail is not None:
+            await _deliver_tail(cfg, crash_tail, tail_by, stop)
     after_tail()
     delivered = await _until(lifecycle.drain(max(deadline - time.monotonic(), 0.0)), deadline,
                              stop)
@@ -515,6 +526,47 @@ async def _drain(cfg: Config, lifecycle: Lifecycle, pipeline: Pipeline | None,
                     len(lifecycle.pending), ", ".join(lifecycle.pending), cfg.run_dir)
     if sources is not None:
         await _until(_done(sources), deadline, stop)
+
+
+async def _deliver_tail(cfg: Config, crash_tail: CrashTail, tail_by: float,
+                        stop: asyncio.Event) -> bool:
+    """The crash tail's bodies by `tail_by`; when not, they stay journaled, and one line says
+    so."""
+    if await _until(crash_tail.deliver(tail_by), tail_by, stop):
+        return True
+    # journaled before the end event goes: the next start or replay sends it
+    log.warning("the command's last output is not yet delivered to /logs; kept in %s for "
+                "the next start or `sidecar replay`", cfg.run_dir)
+    return False
+
+
+async def _tail_first(cfg: Config, pipeline: Pipeline, crash_tail: CrashTail, closing: str,
+                      tail_by: float, stop: asyncio.Event) -> None:
+    """A failed exit while older output still waits for a slow /logs: the platform reads the
+    log's end when a run fails, so the crash tail goes first, marked by a line of ours; the
+    older output follows as the budget allows, so that one more of its requests and the
+    closing lines fit before `tail_by` at the pace the crash tail went; then a line says
+    where it ends and what of it was dropped, and `closing` (the failure summary) ends the log
+    again before the end event. The closing lines are journaled as the crash tail is."""
+    shipper = pipeline.shipper
+    prefix = shipper.prefix
+    crash_tail.lead(f"{prefix}[sidecar] the command's last output goes first: the "
+                    f"{shipper.queued_chars} characters written before it that /logs has not "
+                    "taken yet follow it, as the drain allows\n")
+    started = time.monotonic()
+    if not await _deliver_tail(cfg, crash_tail, tail_by, stop):
+        return
+    step = max(time.monotonic() - started, _reserve_s(cfg))
+    older_by = tail_by - 2 * step
+    sent = shipper.sent_chars
+    shipper.resume()
+    await _until(_logs_sent(pipeline, older_by), older_by, stop)
+    dropped = await shipper.give_up_rest(max(tail_by - time.monotonic(), 0.0) / 2)
+    gone = f"; {dropped} dropped: {shipper.stop_reason}" if dropped else ""
+    await crash_tail.add([
+        f"{prefix}[sidecar] end of the output written before the command's last output "
+        f"above: {shipper.sent_chars - sent} characters sent after it{gone}\n", closing])
+    await _deliver_tail(cfg, crash_tail, tail_by, stop)
 
 
 def _reserve_s(cfg: Config) -> float:
@@ -556,13 +608,16 @@ def _warn_kept(cfg: Config, lifecycle: Lifecycle, crash_tail: CrashTail | None,
 
 async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Sequence[Stream],
                         tails: Sequence[StreamTail], behind: BehindTail | None,
-                        deadline: float) -> None:
+                        deadline: float, failed_by: float | None) -> bool:
     """Once the request in flight was answered (or `deadline` passed with no answer), take
     what the ingest did not acknowledge of the streams' last 64 KiB (the failure summary last)
     out of the best-effort queue into the crash tail's journal; the queue's older text is then
     sent on, best-effort, before it: a slow answer is waited for until `deadline`, so that no
     request of it is still in flight (and stored later, or cut) meanwhile; what the streams
-    put from then on waits in `behind` (None: no stream is still open)."""
+    put from then on waits in `behind` (None: no stream is still open). At a failed exit
+    whose crash tail is due by `failed_by`, when the older text still queued would keep it
+    past that at the pace /logs goes, the crash tail goes first instead: the queue waits
+    (True)."""
     await shipper.settle(deadline - time.monotonic())
     tail = take_tail(tails)
     # a writer left behind goes on: what it writes from now on is not in this tail
@@ -572,7 +627,11 @@ async def _journal_tail(shipper: LogShipper, crash_tail: CrashTail, streams: Seq
     gap = shipper.take_gap_line() if tail.texts else ""  # what was dropped before it
     await crash_tail.add([gap, *tail.texts] if gap else tail.texts)
     shipper.flush_stall_s = math.inf
+    if (failed_by is not None and crash_tail.pending and shipper.queued
+            and not shipper.sent_by(failed_by, then=1)):
+        return True
     shipper.start()
+    return False
 
 
 def _send_earlier_tail(crash_tail: CrashTail | None,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.delivery.client import IngestClient
-from sidecar.delivery.crashtail import JOURNAL_NAME, CrashTail
+from sidecar.delivery.crashtail import JOURNAL_NAME, TAIL_BYTES, CrashTail, new_tails
 from sidecar.delivery.journal import Journal
 from tests.conftest import RUN_ID, TOKEN, Sidecar, platform_env, python_child, sidecar
 from tests.faulty_ingest import Fault
@@ -231,3 +231,61 @@ def test_with_logs_down_for_good_the_tail_is_journaled_before_the_end_and_replay
     everything = log_lines(ingest.records("logs"))
     for line in TRACEBACK.splitlines():
         assert everything.count(line) == 1, line
+
+
+# 4 s of output, much faster than a slow /logs takes it, then a last line and an exception.
+FLOOD_THEN_CRASH = """
+import time
+end = time.monotonic() + 4.0
+i = 0
+while time.monotonic() < end:
+    for _ in range(100):
+        print(f"flood {i:07d} " + "x" * 60)
+        i += 1
+    time.sleep(0.005)
+print("the last line before the crash", flush=True)
+raise RuntimeError("the crash at the end")
+"""
+
+
+def test_at_a_failed_exit_the_crash_tail_goes_before_the_older_output_a_slow_logs_holds(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """/logs answers 3 s late while the command floods for 4 s and dies of an exception: the
+    last line and the traceback arrive first in the drain, before the older output still queued
+    then; that follows as the budget allows, between two lines of ours that say so, and the
+    failure summary still ends the log before `failed`."""
+    ingest.add_fault(Fault(route="logs", latency_s=3.0))
+    done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "20", "--",
+                    *python_child(FLOOD_THEN_CRASH)],
+                   platform_env(ingest, tmp_path / "state"), tmp_path / "sc")
+    assert done.status == 1, done.stderr
+    assert [r["event"] for r in ingest.records("lifecycle")] == ["starting", "running", "failed"]
+    bodies = ["".join(body["chunks"]) for body in logs_before_end_event(ingest)]
+    tail_at = next(i for i, text in enumerate(bodies) if "RuntimeError: the crash" in text)
+    tail = bodies[tail_at].splitlines()
+    assert tail[0].startswith("[sidecar] the command's last output goes first: "), tail[0]
+    assert "the last line before the crash" in tail
+    assert tail[-1].startswith("[sidecar] run failed: exit status 1 after ")
+    assert "RuntimeError" in tail[-1]
+    # what followed it: older lines only, then ours that close it and the summary again
+    after = "".join(bodies[tail_at + 1:]).splitlines()
+    assert after[-2].startswith("[sidecar] end of the output written before the command's "
+                                "last output above: "), after[-2:]
+    assert after[-1] == tail[-1]
+    first_in_tail = min(int(line.split()[1]) for line in tail if line.startswith("flood "))
+    older = [int(line.split()[1]) for line in after if line.startswith("flood ")]
+    assert older, "some of the older output followed the tail within the 20 s drain"
+    assert max(older) < first_in_tail
+    floods = [line for line in "".join(bodies).splitlines() if line.startswith("flood ")]
+    assert len(floods) == len(set(floods))  # none of them twice
+
+
+def test_the_crash_tail_starts_at_a_line_where_the_window_cuts_one() -> None:
+    """Older text may be sent after the crash tail, with a line of ours between them: a line
+    the 64 KiB window's edge cut would arrive in two parts around it."""
+    tail = new_tails(1)[0]
+    lines = "".join(f"line {i:05d} " + "x" * 201 + "\n" for i in range(1000))
+    tail.add(lines)
+    ((_, start),) = tail.window()
+    assert start > 0 and lines[start - 1] == "\n"
+    assert len(lines) - start > TAIL_BYTES - 213  # no more than one line short of it

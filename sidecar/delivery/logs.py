@@ -89,6 +89,9 @@ class LogShipper:
         self._warned_at = float("-inf")
         self._halved_at = float("-inf")
         self._active_at = 0.0  # when a request was last sent or answered, or work came to an idle
+        # how long the last request took to its answer (retries included), or has been in
+        # flight when `settle` gave up waiting: the pace the queue goes at
+        self.latency_s = 0.0
 
     def start(self) -> None:
         """Start shipping, and what was put before."""
@@ -165,16 +168,37 @@ class LogShipper:
         if span is not None:
             span.ack(len(oldest))  # given up: the crash tail does not carry it later
 
+    @property
+    def queued_chars(self) -> int:
+        """Characters of text waiting to be sent."""
+        return self._buffered
+
+    def sent_by(self, deadline: float, then: int = 0) -> bool:
+        """Whether what is queued, and `then` requests after it, would be answered by
+        `deadline` at the pace the last request went (`latency_s`)."""
+        requests = -(-self._buffered // self.max_request_chars) + then
+        return time.monotonic() + requests * self.latency_s <= deadline
+
     async def yield_to_tail(self, timeout_s: float) -> str:
         """The crash tail goes next, and nothing of this queue may follow it: settle (the
         request in flight answered, or `timeout_s` passed), give up what is still queued, and
         return the gap marker owed for all that was given up since the last text sent, for the
         crash tail to carry first ("" when none is owed)."""
+        await self._give_up_queued(timeout_s)
+        line, self._gap = self._gap_line(), 0
+        return line
+
+    async def give_up_rest(self, timeout_s: float) -> int:
+        """As `yield_to_tail`, but return how many characters were given up since the last
+        text sent, for a line of the caller's to say: no marker is owed for them here."""
+        await self._give_up_queued(timeout_s)
+        gap, self._gap = self._gap, 0
+        return gap
+
+    async def _give_up_queued(self, timeout_s: float) -> None:
         await self.settle(timeout_s)
         while self._chunks:
             self._drop_head(self.stop_reason)
-        line, self._gap = self._gap_line(), 0
-        return line
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was sent or dropped; False if `timeout_s` ran out or
@@ -205,6 +229,7 @@ class LogShipper:
         await cancel(self._task)
         self._task = None
         if self._inflight is not None:
+            self.latency_s = max(self.latency_s, time.monotonic() - self._active_at)
             self._chunks.extendleft(reversed(self._inflight))
             self._buffered += sum(len(entry[0]) for entry in self._inflight)
             self._inflight = None
@@ -268,6 +293,7 @@ class LogShipper:
             self.pace.sent(size >= self.linger_below_chars)
             self._answered.clear()
             answer = await self.client.deliver("logs", body, lambda: self._overtaken)
+            self.latency_s = time.monotonic() - self._active_at
             self._active_at = time.monotonic()
             self._answered.set()
             if answer.verdict is Verdict.TOO_LARGE and self._halve(size):
