@@ -189,16 +189,42 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
         return "\n" + text if open_line.close() else text
 
 
+# `extra` of the few INFO messages that are said at a terminal too (`--log-level auto`): the one
+# that says what the sidecar does before the command's output, and the one at its end
+BRIEF = {"brief": True}
+
+
+class _Brief(logging.Filter):
+    """At a terminal, by default: warnings and errors, and the messages marked BRIEF."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or getattr(record, "brief", False)
+
+
+class _Say:
+    """Whether this process says only the brief messages (a terminal, `--log-level auto`)."""
+
+    brief = False
+
+
+said = _Say()
+
+
 def setup(level: str = "info", message_format: str = "text",
           context: Mapping[str, str] | None = None) -> None:
     """Send the sidecar's messages to stderr at `level`, as text lines or JSON objects; each
-    JSON one carries `context` (the run id and the node) as fields."""
+    JSON one carries `context` (the run id and the node) as fields. `auto`: info, but at a
+    terminal only warnings, errors and the BRIEF messages: a person watching the command's
+    output reads it, not ours (docs/commands.md#its-own-messages)."""
     handler = _Handler(sys.stderr)
     handler.addFilter(_RepeatFilter())
+    said.brief = level == "auto" and sys.stderr.isatty()
+    if said.brief:
+        handler.addFilter(_Brief())
     handler.setFormatter(_JsonFormatter(context) if message_format == "json"
                          else _TextFormatter())
     log.handlers[:] = [handler]
-    log.setLevel(level.upper())
+    log.setLevel("INFO" if level == "auto" else level.upper())
     log.propagate = False
 
 

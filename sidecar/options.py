@@ -181,6 +181,8 @@ class Option(NamedTuple):
     # the platform's variables, one a family, whose value is the default when set: the
     # platform's own setting, below the sidecar's option, variable and file
     platform: tuple[str, ...] = ()
+    # a short flag that gives the option one value: ("-v", "info")
+    short: tuple[str, ...] = ()
 
     @property
     def env(self) -> str:
@@ -273,8 +275,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("python", "path", None, "the trainer's interpreter, for the environment snapshot",
            shown_default="found from the command's PATH and VIRTUAL_ENV"),
     Option("ca-file", "path", None, "extra CA bundle for the ingest endpoint"),
-    Option("log-level", "str", "info", "level of the sidecar's own messages",
-           choices=("debug", "info", "warning", "error")),
+    Option("log-level", "str", "auto", "level of the sidecar's own messages; auto: info, but "
+           "at a terminal only warnings, errors, a line at the start and one at the end",
+           choices=("auto", "debug", "info", "warning", "error"), short=("-v", "info")),
     Option("message-format", "str", "text", "format of the sidecar's own messages",
            choices=("text", "json")),
 )
@@ -333,3 +336,7 @@ def add_option(parser: argparse.ArgumentParser, opt: Option | str) -> None:
         "--" + opt.name, default=None, action="append" if opt.kind == "list" else "store",
         choices=opt.choices or None, help=help_text,
         metavar=None if opt.choices else opt.metavar or _METAVARS.get(opt.kind, "VALUE"))
+    if opt.short:
+        flag, value = opt.short
+        parser.add_argument(flag, dest=opt.attr, action="store_const", const=value,
+                            help=f"--{opt.name} {value}")

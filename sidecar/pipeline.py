@@ -439,9 +439,9 @@ class Pipeline(Sink):
         await cancel(self._hparams_task)
         await cancel(self._follow_task)
 
-    async def close(self) -> None:
+    async def close(self) -> list[str]:
         """Stop; what is undelivered is spooled (documents) or left to the files, and said in
-        one line."""
+        one line; returned too, a phrase a route, for the run's last line."""
         self.key_budget.report_refused()
         await self.shipper.stop()
         await cancel(self._checkpoints_task)
@@ -462,7 +462,10 @@ class Pipeline(Sink):
                 "files' last acknowledged offsets at the next start; spooled payloads are in "
                 "%s, for the next start or `sidecar replay`",
                 ", ".join(f"{route} {n}" for route, n in left.items()), self.cfg.run_dir / "spool")
+        said = [f"{route} {n}" for route, n in left.items()]
         if self.shipper.dropped_chars:
             log.warning("log output dropped in this run, not to be delivered: %d characters in "
                         "all (/logs is best-effort while the command runs)",
                         self.shipper.dropped_chars)
+            said.append(f"{self.shipper.dropped_chars} characters of output dropped for /logs")
+        return said

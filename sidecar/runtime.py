@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sidecar.config import Config
 from sidecar.delivery.client import IngestClient
 from sidecar.exits import ConfigError
+from sidecar.log import BRIEF, log, said
 from sidecar.node import Node, resolve_node
 from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
@@ -35,6 +36,18 @@ if TYPE_CHECKING:  # imported once there is something to report on: `run` spawns
     from sidecar.stacks import Process, StackTaker
 
 TICK_S = 0.25  # how often quiet partial lines, progress bars and the stall clock are looked at
+
+
+def end_line(outcome: str, client: IngestClient, left: Sequence[str]) -> str:
+    """The last line: `outcome`, what the ingest took by route, and what was `left`
+    undelivered (each said in a WARNING before)."""
+    took = {route: stats.accepted for route, stats in sorted(client.stats.items())
+            if stats.accepted}
+    line = (f"{outcome}; the ingest took {sum(took.values())} payload(s)"
+            + (f" ({', '.join(f'{route} {n}' for route, n in took.items())})" if took else ""))
+    if left:
+        return line + "; not delivered (said above): " + "; ".join(left)
+    return line + "; nothing is left to deliver"
 
 
 def make_client(cfg: Config) -> IngestClient | None:
@@ -112,6 +125,22 @@ class Runtime:
         self.stall = StallWatch(cfg.stall_after, self._announce, self._gpus,
                                 on_stall=self._stacks_at_stall)
         self.report = Report(scanner, self.stall)
+        self.lifecycle: Lifecycle | None = None
+        self._say_start()
+
+    def _say_start(self) -> None:
+        """The one line before the command's output: what is reported, and where to."""
+        node = self.node
+        where = f"node {node.name}" + (f", rank {node.rank}" if node.multi_node else "")
+        more = " (-v: all of the sidecar's messages)" if said.brief else ""
+        if self.client is None:
+            log.info("reporting is off (ENABLED=0): %s%s",
+                     "the command's output is passed through, nothing is posted"
+                     if self.mode == "run" else "nothing is followed; waiting for SIGTERM",
+                     more, extra=BRIEF)
+            return
+        log.info("reporting run %s to %s from %s%s", self.cfg.platform.run_id,
+                 self.cfg.platform.endpoint, where, more, extra=BRIEF)
 
     async def start(self, *, lifecycle: Lifecycle | None = None,
                     shipper: LogShipper | None = None, child_env: Mapping[str, str],
@@ -121,6 +150,7 @@ class Runtime:
         `run` calls it once the command runs. `shipper`: `run` made it first, for the command's
         output before the pipeline exists."""
         cfg, client = self.cfg, self.client
+        self.lifecycle = lifecycle
         if client is not None:
             from sidecar.pipeline import Pipeline
 
@@ -137,14 +167,20 @@ class Runtime:
         self.status = await serve_status(cfg, self.node, self.mode, client, self.pipeline,
                                          lifecycle, self.report, self.stacks)
 
-    async def close(self) -> None:
-        """The status endpoint, the pipeline, the client, in that order; then the claim."""
+    async def close(self, outcome: str, kept: Sequence[str] = ()) -> None:
+        """The status endpoint, the pipeline, the client, in that order; then the claim. One
+        line ends it: the run's `outcome`, what the ingest took, and what was not delivered
+        (`kept`: what the caller holds beyond the pipeline's)."""
         if self.status is not None:
             await self.status.close()
-        if self.pipeline is not None:
-            await self.pipeline.close()
+        left = await self.pipeline.close() if self.pipeline is not None else []
         if self.client is not None:
             await self.client.close()
+            lifecycle = self.lifecycle
+            pending = lifecycle.pending if lifecycle is not None else []
+            if pending:
+                left.insert(0, f"lifecycle {', '.join(pending)}")
+            log.info("%s", end_line(outcome, self.client, [*left, *kept]), extra=BRIEF)
         release(self.held)
 
     def _through_pipeline(self, line: str) -> None:

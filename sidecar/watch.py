@@ -22,7 +22,7 @@ from typing import Any
 from sidecar.aio import cancel
 from sidecar.config import Config, configured
 from sidecar.exits import ConfigError
-from sidecar.log import log
+from sidecar.log import format_duration, log
 from sidecar.runtime import TICK_S, Runtime
 from sidecar.sources.files.kinds import FILE_KINDS
 from sidecar.stall import StallWatch
@@ -37,16 +37,16 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
 
     # watch has no command: the processes here that a launcher gave a rank
     runtime = Runtime(cfg, environ, "watch", processes=ranked_processes)
+    started = time.monotonic()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     client = runtime.client
     if client is None:
-        log.info("reporting is off (ENABLED=0): nothing is followed; waiting for SIGTERM")
         await runtime.start(child_env=environ, environ=environ)
         await stop.wait()
-        await runtime.close()
+        await runtime.close("stopped")
         return 0
     await runtime.start(child_env=environ, environ=environ)
     pipeline = runtime.pipeline
@@ -72,7 +72,7 @@ async def run_watch(cfg: Config, environ: Mapping[str, str]) -> int:
         client.hurry()
         with contextlib.suppress(asyncio.CancelledError):
             await pipeline.drain(time.monotonic() + cfg.drain_timeout)
-    await runtime.close()
+    await runtime.close(f"stopped after {format_duration(time.monotonic() - started)}")
     return 0
 
 

@@ -105,7 +105,7 @@ async def run_wrapped(cfg: Config, argv: Sequence[str], environ: Mapping[str, st
     await run.record_end(exit_status)
     await run.finish_output(exit_status)
     await run.drain()
-    await run.close()
+    await run.close(run.outcome(exit_status))
     return exit_status
 
 
@@ -128,9 +128,6 @@ class _Run:
                                stall_lines=lambda: [self.ranks.line()])
         self.node, self.client = self.runtime.node, self.runtime.client
         self.stall, self.report = self.runtime.stall, self.runtime.report
-        if self.client is None:
-            log.info("reporting is off (ENABLED=0): the command's output is passed through, "
-                     "nothing is posted")
         self.lifecycle = Lifecycle(cfg.run_dir, cfg.platform.run_id,
                                    self.client if self.node.reports_lifecycle else None)
         self.crash_tail = (CrashTail(cfg.run_dir, cfg.platform.run_id, self.client)
@@ -235,7 +232,7 @@ class _Run:
             await self.crash_tail.add([mask(self.prefix + failure.line() + "\n")])
         await _drain(self.cfg, self.lifecycle, None, crash_tail=self.crash_tail,
                      deadline=time.monotonic() + self.cfg.drain_timeout)
-        await self.close()
+        await self.close("the command could not start")
         return EXIT_CANNOT_START
 
     async def pump(self, fds: Sequence[int]) -> None:
@@ -408,12 +405,22 @@ class _Run:
             await _until(self.pipeline.shipper.flush(self.deadline - time.monotonic()),
                          self.deadline, self.interrupted)
 
-    async def close(self) -> None:
-        """Close what the run opened and release the claim on its state folder."""
+    async def close(self, outcome: str) -> None:
+        """Close what the run opened and release the claim on its state folder; `outcome`
+        begins the last line."""
         self.marker.close()
+        kept = (["the command's last output (kept for the next start)"]
+                if self.crash_tail is not None and self.crash_tail.pending else [])
         await self.lifecycle.close()
-        await self.runtime.close()
+        await self.runtime.close(outcome, kept)
         sys.stdout.flush()
+
+    def outcome(self, exit_status: int) -> str:
+        """How the command ended, for the last line."""
+        took = format_duration(max(self.exited_at - self.spawned_at, 0.0))
+        if exit_status == 0:
+            return f"the command succeeded after {took}"
+        return f"the command failed: exit status {exit_status} after {took}"
 
 
 def _marker_acceptor(lifecycle: Lifecycle, running_when: str,

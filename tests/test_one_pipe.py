@@ -164,5 +164,5 @@ def test_at_a_terminal_the_last_output_comes_before_the_end_is_said(
     child.close()
     assert child.exitstatus == 0
     shown = child.logfile_read.getvalue()
-    assert "succeeded recorded" in shown, shown
-    assert shown.index("the last line") < shown.index("succeeded recorded"), shown
+    assert "the command succeeded after" in shown, shown
+    assert shown.index("the last line") < shown.index("the command succeeded after"), shown

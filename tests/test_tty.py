@@ -13,7 +13,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from tests.conftest import SIDECAR, Sidecar, platform_env, python_child, sidecar
+from tests.conftest import RUN_ID, SIDECAR, Sidecar, platform_env, python_child, sidecar
 from tests.faulty_ingest import Fault
 from tests.ingest_server import RunningIngest
 from tests.test_terminal import arrived, assert_in_order, screen_lines
@@ -144,3 +144,78 @@ def test_our_message_starts_a_line_of_its_own_while_a_bar_is_mid_line(
     shown = child.logfile_read.getvalue()
     assert re.search(r"4/60\r\n[0-9T:.-]+Z sidecar [A-Z]+ ", shown), shown
     assert not re.search(r"[^\n][0-9]{4}-[0-9T:.-]+Z sidecar ", shown), shown
+
+
+# --- the sidecar's own lines at a terminal ------------------------------------------------------
+
+HEALTHY_3S = """
+import time
+for step in range(3):
+    print(f"step {step} loss 0.{step}", flush=True)
+    time.sleep(1)
+"""
+OWN_LINE = re.compile(r"^\d{4}-\d\d-\d\dT[0-9:.]+Z sidecar ")
+
+
+def own_lines_around(shown: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """The sidecar's lines before the command's first, between, and after its last."""
+    first = next(i for i, line in enumerate(shown) if line.startswith("step "))
+    last = max(i for i, line in enumerate(shown) if line.startswith("step "))
+    ours = [i for i, line in enumerate(shown) if OWN_LINE.match(line)]
+    return ([shown[i] for i in ours if i < first], [shown[i] for i in ours if first < i < last],
+            [shown[i] for i in ours if i > last])
+
+
+@pytest.mark.parametrize("verbose", [[], ["-v"]], ids=["default", "-v"])
+def test_at_a_terminal_a_healthy_run_says_one_line_before_the_output_and_one_at_the_end(
+        ingest: RunningIngest, tmp_path: Path, verbose: list[str]) -> None:
+    """A healthy 3-s run printed 7 of the sidecar's lines at a terminal, two of them before the
+    command's first line; now one says where the run is reported and one what was delivered,
+    and `-v` gives the rest back."""
+    env = platform_env(ingest, tmp_path / "state")
+    (tmp_path / "sc").mkdir()
+    child = pexpect.spawn(SIDECAR[0], [*SIDECAR[1:], "run", *verbose, "--hardware-interval",
+                                       "0", "--", sys.executable, "-c", HEALTHY_3S],
+                          env=env, cwd=str(tmp_path / "sc"), timeout=30, encoding="utf-8")
+    child.logfile_read = io.StringIO()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    before, between, after = own_lines_around(screen_lines(
+        child.logfile_read.getvalue().replace("\r\n", "\n").encode()))
+    assert before[0].endswith(f"sidecar INFO reporting run {RUN_ID} to {ingest.base_url} "
+                              "from node " + before[0].rsplit("from node ", 1)[1])
+    assert after[-1].split(" sidecar INFO ")[1].startswith("the command succeeded after 3s; "
+                                                           "the ingest took ")
+    assert after[-1].endswith("; nothing is left to deliver")
+    if verbose:
+        assert len(before + between + after) > 4
+        assert "(-v: all of the sidecar's messages)" not in before[0]
+        return
+    assert len(before) == 1 and before[0].endswith("(-v: all of the sidecar's messages)")
+    assert between == [] and len(after) == 1, (between, after)
+
+
+def test_in_a_pod_the_sidecar_s_messages_stay_as_operators_read_them(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """stderr to a file, as in a pod: the lifecycle's lines are there, and the end's."""
+    done = sidecar(["run", "--hardware-interval", "0", "--", *python_child(HEALTHY_3S)],
+                   platform_env(ingest, tmp_path / "state"), tmp_path / "sc")
+    assert done.status == 0
+    said = done.stderr.decode()
+    assert "lifecycle: succeeded accepted by the ingest" in said
+    assert said.rstrip().splitlines()[-1].endswith("; nothing is left to deliver")
+    assert "-v: all" not in said
+
+
+def test_at_a_terminal_a_warning_is_said_as_it_happens(ingest: RunningIngest,
+                                                       tmp_path: Path) -> None:
+    """What is wrong is not held back: a token the ingest refuses is said at once, and the end
+    line says what was not delivered."""
+    ingest.add_fault(Fault(status=401))
+    child = at_terminal(ingest, tmp_path, HEALTHY_3S)
+    child.expect(pexpect.EOF)
+    child.close()
+    shown = child.logfile_read.getvalue()
+    assert " sidecar ERROR " in shown or " sidecar WARNING " in shown, shown
+    assert "not delivered (said above): lifecycle starting, running, succeeded" in shown, shown
