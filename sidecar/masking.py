@@ -289,6 +289,11 @@ mask = secrets.mask
 held(secrets.forget)
 
 
+def holds_secret(text: str) -> bool:
+    """Whether `text` holds a run of a secret that `mask` would hide."""
+    return mask(text) != text
+
+
 def mask_doc(doc: Any) -> Any:
     """A JSON document with every string in it masked, keys too (a followed file's path), and
     its numbers as they are: masking its text instead would turn a number that holds 8 digits of

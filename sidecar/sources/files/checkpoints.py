@@ -27,6 +27,7 @@ from urllib.parse import quote
 
 from sidecar.aio import wait_set
 from sidecar.log import Throttle, log
+from sidecar.masking import holds_secret
 from sidecar.sources.files.checkpoint_formats import (
     Assessment,
     Shape,
@@ -508,6 +509,15 @@ class CheckpointWatcher:
                         extra={"source": "checkpoints", "path": shown(entry.path)})
             return
         uri = self.paths.resolve(entry.path)
+        if holds_secret(entry.path) or (uri is not None and holds_secret(uri)):
+            # masked, the registration would name no object; whole, the token would be in the
+            # store's keys, the console and every file of the state folder that names it
+            entry.state, entry.why = "skipped", "its path holds the ingest's token"
+            log.error("--checkpoints: %s is neither uploaded nor registered: its path holds the "
+                      "ingest's token, which its object key, the console and the state folder "
+                      "would keep; rename it (or the folder above it)", shown(entry.path),
+                      extra={"source": "checkpoints", "path": shown(entry.path)})
+            return
         if uri is None and not self.paths.upload:
             entry.state = "skipped"
             entry.why = (f"a local path in a container ({self.paths.container}) is useless to "
