@@ -6,7 +6,8 @@ A file is known by device and inode, and by its content: a fingerprint of its fi
 (copytruncate, or by hand) keeps them too, but no longer begins with the bytes it began with.
 A file that holds the same content as one followed in the same folder under a related name
 (copytruncate's rotated copy, a move across filesystems) is the same content: the same first
-bytes, and the same bytes just before where the shorter of the two was read to.
+bytes, and the same bytes just before where the shorter of the two ends (a followed file as far
+as it was read, or while it is open as far as it holds).
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ def copy_holding(tail: Tail) -> Path | None:
 def original_of(tails: Iterable[Tail], name: str, head: bytes, fd: int, size: int) -> Tail | None:
     """The one of `tails` (those followed in its folder) whose content the file at `name` (open
     as `fd`, `size` bytes long, beginning `head`) holds: the same start, and the same bytes just
-    before where the shorter of the two was read to. When that cannot be checked it is not a
-    copy: better a repeat than a loss."""
+    before where the shorter of the two ends. A tail open for reading holds what its file holds,
+    read yet or not: it reads the rest from there. One found in the same look as its copy
+    (copytruncate's, taken of a file first seen then) has read nothing yet, and only its file
+    can say whether the copy holds its content. When that cannot be checked it is not a copy:
+    better a repeat than a loss."""
     for tail in tails:
         if not _same_content(tail, name, head):
             continue
-        upto = min(size, tail.read_offset)
+        held = max(tail.read_offset, tail.size) if tail.fd >= 0 else tail.read_offset
+        upto = min(size, held)
         expected = tail.end if upto == tail.read_offset else \
             _pread(tail.fd, END_CHECK_BYTES, upto - END_CHECK_BYTES) if tail.fd >= 0 else b""
         if expected and _pread(fd, len(expected), upto - len(expected)) == expected:
