@@ -541,6 +541,42 @@ async def test_a_file_closed_while_idle_and_renamed_away_is_read_to_its_end(
     follower.close()
 
 
+async def test_a_copy_found_in_the_same_look_as_its_original_is_read_once(
+        tmp_path: Path) -> None:
+    """A writer quicker than the looks: logrotate's create made app.log after the last look,
+    and copytruncate copied it to app.log.1 before the next, which found both new. app.log
+    had read nothing yet to check the copy against, so the copy was read from its start too:
+    a generation repeated (and again after a restart, the copy having no offset)."""
+    log = tmp_path / "app.log"
+    spec = SourceSpec("log", (str(tmp_path / "app.log*"),), lambda path, state: (
+        LogFileParser.resume(state, log_format="plain")))
+    first = [f"g09-{n:04d}" for n in range(200)]
+    log.write_text("".join(f"{line}\n" for line in first))
+    shutil.copyfile(log, tmp_path / "app.log.1")  # copytruncate's copy, not truncated yet
+    sink = _Collect()
+    offsets = Offsets(tmp_path / "offsets.json")
+    follower = Follower([spec], sink, offsets, mode="poll")
+    await follower.step()  # both files new in one look
+    with log.open("r+") as fh:  # the truncation, and the writer's next generation
+        fh.truncate(0)
+        fh.write("".join(f"g10-{n:04d}\n" for n in range(200)))
+    second = [f"g10-{n:04d}" for n in range(200)]
+    await follower.step()
+    await follower.drain()
+    follower.close()
+    await offsets.save()
+    received = "".join(p.text for p in sink.parsed).splitlines()
+    assert repeats_and_losses(first + second, received) == (0, 0)
+    restarted = Offsets(tmp_path / "offsets.json")
+    restarted.load()
+    sink = _Collect()
+    follower = Follower([spec], sink, restarted, mode="poll")
+    await follower.step()
+    await follower.drain()
+    follower.close()
+    assert "".join(p.text for p in sink.parsed) == ""
+
+
 HAS_LOGROTATE = os.path.exists(LOGROTATE)
 ROTATIONS = ("W0", "Rc", "W1", "Rt", "W2", "Rc", "W3", "Rt", "W4")  # write, create, copytruncate
 
