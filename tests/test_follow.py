@@ -541,14 +541,18 @@ async def test_a_file_closed_while_idle_and_renamed_away_is_read_to_its_end(
     follower.close()
 
 
+@pytest.mark.parametrize("patterns", [("app.log*",), ("app.log.1", "app.log")],
+                         ids=["one-glob", "the-copy-named-first"])
 async def test_a_copy_found_in_the_same_look_as_its_original_is_read_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, patterns: tuple[str, ...]) -> None:
     """A writer quicker than the looks: logrotate's create made app.log after the last look,
     and copytruncate copied it to app.log.1 before the next, which found both new. app.log
     had read nothing yet to check the copy against, so the copy was read from its start too:
-    a generation repeated (and again after a restart, the copy having no offset)."""
+    a generation repeated (and again after a restart, the copy having no offset). Whatever
+    order the patterns name them in, the live file is not the one taken as the copy (its
+    next generation would be lost)."""
     log = tmp_path / "app.log"
-    spec = SourceSpec("log", (str(tmp_path / "app.log*"),), lambda path, state: (
+    spec = SourceSpec("log", tuple(str(tmp_path / p) for p in patterns), lambda path, state: (
         LogFileParser.resume(state, log_format="plain")))
     first = [f"g09-{n:04d}" for n in range(200)]
     log.write_text("".join(f"{line}\n" for line in first))

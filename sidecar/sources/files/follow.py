@@ -315,9 +315,12 @@ class Follower:
             self._by_folder.setdefault(os.path.dirname(tail.path), []).append(tail)
         detached = [self._tails.pop(name) for name in list(self._tails) if name not in found]
         # Files followed already are placed first: a copy is known for one only once its
-        # original is in place.
-        for name, (spec, st) in sorted(found.items(),
-                                       key=lambda item: file_id(item[1][1]) not in self._ids):
+        # original is in place. Then by name: a file's rotated copies are named after it
+        # (app.log.1, app.log-20261207), so of two new ones holding the same content the live
+        # one is placed first and the other known as its copy, whatever order the patterns
+        # name them in (the live one taken as the copy would not be read on).
+        for name, (spec, st) in sorted(found.items(), key=lambda item: (
+                file_id(item[1][1]) not in self._ids, item[0])):
             detached += self._place(spec, name, st)
         for key in [key for key in self._copies if key not in ids]:
             self.offsets.forget(*key)
