@@ -445,6 +445,22 @@ SUBCOMMANDS = (
          "sidecar receive --port 0 --ready-file /tmp/url --token tok --run-id run-1"),
         ("0  stopped by SIGTERM or Ctrl-C", "1  cannot listen on HOST:PORT")),
     Subcommand(
+        "inject", "the Kubernetes admission webhook that adds the sidecar to training pods "
+        "(docs/webhook.md)",
+        (_value("--listen", "0.0.0.0:8443", "the address to serve HTTPS on; port 0: any free "
+                "one", metavar="HOST:PORT"),
+         _value("--tls-cert", None, "the serving certificate (PEM), read again when it "
+                "changes", type=Path, metavar="FILE", shown="required"),
+         _value("--tls-key", None, "its private key (PEM)", type=Path, metavar="FILE",
+                shown="required"),
+         _value("--image", "sidecar", "the image the injected container runs", metavar="IMAGE"),
+         _value("--ready-file", None, "write the base URL here once listening", type=Path,
+                metavar="PATH")),
+        "sidecar.commands.inject",
+        ("sidecar inject --tls-cert tls.crt --tls-key tls.key --image sidecar:1.4",),
+        ("0  stopped by SIGTERM or Ctrl-C",
+         "2  the certificate cannot be loaded, or the address cannot be had")),
+    Subcommand(
         "demo", "run a bundled example trainer against a local receiver", (),
         "sidecar.commands.demo",
         ("sidecar demo",),

@@ -14,9 +14,10 @@ from sidecar.options import OPTIONS, options_of
 from tests.conftest import SIDECAR, clean_environ
 
 COMMANDS = ("run", "watch", "check", "config", "status", "stacks", "lifecycle", "replay",
-            "receive", "demo", "completion")
+            "receive", "inject", "demo", "completion")
 # The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
-METAVARS = {"PATH", "DIR", "FILE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT", "TEMPLATE",
+METAVARS = {"PATH", "DIR", "FILE", "IMAGE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT",
+            "TEMPLATE",
             "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI", "FIELD=NAME",
             "BYTES/S"}
 
