@@ -51,10 +51,18 @@ def ingest(tmp_path: Path) -> Iterator[RunningIngest]:
         yield srv
 
 
+# The variables by which the job's environment chooses its GPUs (gpus.py). A sidecar a test
+# starts passes its environment on as the command's: the runner's own (CUDA_VISIBLE_DEVICES=""
+# keeping a CPU job off the GPUs, a GPU runner's indexes or UUIDs) would choose among the
+# stand-in NVML's GPUs.
+GPU_CHOICE = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+
+
 def clean_environ() -> dict[str, str]:
-    """This process's environment without any platform or sidecar variable."""
+    """This process's environment without any platform or sidecar variable, nor one that
+    chooses the job's GPUs (GPU_CHOICE): a test that wants one sets it."""
     return {k: v for k, v in os.environ.items()
-            if not k.startswith(("STARFORGE_", "TUNEPLANE_", "SIDECAR_"))}
+            if not k.startswith(("STARFORGE_", "TUNEPLANE_", "SIDECAR_")) and k not in GPU_CHOICE}
 
 
 def platform_env(ingest: RunningIngest | str, state_dir: Path, **extra: str) -> dict[str, str]:

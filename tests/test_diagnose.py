@@ -14,6 +14,7 @@ from sidecar.diagnose import diagnose
 from sidecar.node import Node
 from sidecar.sources.console.signatures import Scanner
 from sidecar.sources.telemetry.cgroup import OomKill, own_memory_cgroups
+from sidecar.sources.telemetry.gpus import choose_gpus
 from sidecar.sources.telemetry.nvml.xid import XidEvent
 from tests.conftest import RUN_ID, Sidecar, platform_env, python_child, sidecar
 from tests.faulty_ingest import Fault
@@ -271,6 +272,17 @@ def test_an_xid_the_sampler_saw_is_named_before_the_cuda_error_it_caused(
     assert proc.wait(60).status == 1
     assert ('likely cause: GPU XID 79 on GPU 0 (nvml: "GPU 0 reported XID 79")'
             in summary(ingest))
+
+
+@pytest.mark.parametrize("variable", ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"])
+def test_the_runners_gpu_choice_never_reaches_the_sidecar_a_test_starts(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str) -> None:
+    """With CUDA_VISIBLE_DEVICES="" on the runner the XID test's sidecar chose none of the
+    stand-in's GPUs ("selects none of this node's 2 GPUs") and its XID never came: a test's
+    sidecar sees every GPU the stand-in shows unless the test names the job's."""
+    monkeypatch.setenv(variable, "")
+    env = platform_env("http://127.0.0.1:9/api/ingest", tmp_path / "state")
+    assert choose_gpus("", env, env, watching=False).filter is None
 
 
 def scanned(*lines: bytes) -> Scanner:
