@@ -35,12 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "kubernetes" / "overlays").iterdir() if p.is_dir())
 # Overlays where the sidecar is its own container (the wrapper runs it inside the trainer's).
-POD_SIDECAR_OVERLAYS = ["native-sidecar", "cri-logs", "multi-node"]
+POD_SIDECAR_OVERLAYS = ["native-sidecar", "cri-logs", "multi-node", "checkpoint-upload"]
 KUBECTL = shutil.which("kubectl")
 DRAIN_TIMEOUT_S = next(float(o.default) for o in OPTIONS if o.name == "drain-timeout")
 # What SIGKILL-free shutdown needs beyond the drain itself: the process's own exit, the kubelet.
 SHUTDOWN_MARGIN_S = 5
 SOURCE_OPTIONS = ("--log", "--jsonl", "--tensorboard")
+# A checkpoint of a 7B model with its optimizer state: fp32 weights and Adam's two moments.
+SEVEN_B_CHECKPOINT_GB = 85
 RUN = "run-4f2a91"
 
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
@@ -53,10 +55,14 @@ def render(overlay: str) -> list[Manifest]:
     return copy.deepcopy(_rendered(overlay))
 
 
-@functools.cache
 def _rendered(overlay: str) -> list[Manifest]:
+    return _kustomize(DEPLOY / "kubernetes" / "overlays" / overlay)
+
+
+@functools.cache
+def _kustomize(kustomization: Path) -> list[Manifest]:
     assert KUBECTL is not None
-    out = subprocess.run([KUBECTL, "kustomize", str(DEPLOY / "kubernetes" / "overlays" / overlay)],
+    out = subprocess.run([KUBECTL, "kustomize", str(kustomization)],
                          check=True, capture_output=True, text=True, timeout=60).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
@@ -279,6 +285,63 @@ def test_the_stacks_overlay_may_trace_the_trainer_and_nothing_more() -> None:
     base = pod_spec("native-sidecar")  # the rest as the base has it
     for key in ("args", "env", "volumeMounts", "resources"):
         assert container(spec, "sidecar")[key] == container(base, "sidecar")[key], key
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", POD_SIDECAR_OVERLAYS)
+def test_every_option_the_sidecar_is_given_is_one_of_watch(overlay: str) -> None:
+    """A misspelt option or value would stop the sidecar at start (exit 2), and only there."""
+    options = {o.name: o for o in OPTIONS if o.only != "run"}
+    for argument in container(pod_spec(overlay), "sidecar")["args"][1:]:
+        name, _, value = argument.removeprefix("--").partition("=")
+        assert name in options, argument
+        assert not options[name].choices or value in options[name].choices, argument
+
+
+@needs_kubectl
+def test_checkpoints_hparams_and_validation_are_read_where_the_trainer_writes_them() -> None:
+    spec = pod_spec("checkpoint-upload")
+    sidecar, trainer = container(spec, "sidecar"), container(spec, "trainer")
+    written = [a.split("=", 1)[1] for a in trainer["args"] if "=" in a]
+    for option in ("--checkpoints", "--hparams", "--validation"):
+        [path] = option_values(sidecar, option)
+        mount = mount_for(sidecar, path)
+        assert mount.get("readOnly") is True, "the sidecar only reads the trainer's files"
+        assert "emptyDir" in volume(spec, mount["name"])
+        assert in_trainer(spec, path) in written, option
+    # Uploaded wherever the sidecar runs: a local path is gone with the pod.
+    assert option_values(sidecar, "--checkpoint-upload") == ["always"]
+    # The base's sources, as they were.
+    base = container(pod_spec("native-sidecar"), "sidecar")["args"]
+    assert sidecar["args"][:len(base)] == base
+
+
+@needs_kubectl
+def test_the_checkpoint_folder_is_sized_by_the_trainers_ephemeral_storage() -> None:
+    """Not a fixed sizeLimit (the base's 10Gi is less than one checkpoint of a 7B model with its
+    optimizer state): the trainer's ephemeral-storage limit bounds the pod, the emptyDir
+    included, and its request places the pod on a node with that much disk."""
+    spec = pod_spec("checkpoint-upload")
+    [path] = option_values(container(spec, "sidecar"), "--checkpoints")
+    folder = volume(spec, mount_for(container(spec, "sidecar"), path)["name"])
+    assert "sizeLimit" not in folder["emptyDir"] and "medium" not in folder["emptyDir"]
+    resources = container(spec, "trainer")["resources"]
+    storage = resources["limits"]["ephemeral-storage"]
+    assert resources["requests"]["ephemeral-storage"] == storage
+    assert storage.endswith("Gi") and int(storage[:-2]) >= 2 * SEVEN_B_CHECKPOINT_GB
+    assert resources["limits"]["nvidia.com/gpu"] == 8
+
+
+@needs_kubectl
+def test_the_drain_leaves_time_to_upload_the_last_checkpoint() -> None:
+    """The trainer's last checkpoint is uploaded after it exits: the drain (and the grace period
+    above it) lets one of a 7B model with its optimizer state go at --upload-rate."""
+    spec = pod_spec("checkpoint-upload")
+    sidecar = container(spec, "sidecar")
+    rate = next(int(o.default) for o in OPTIONS if o.name == "upload-rate")
+    assert not option_values(sidecar, "--upload-rate")
+    assert drain_timeout_s(sidecar) * rate >= SEVEN_B_CHECKPOINT_GB * 1e9
+    assert spec["terminationGracePeriodSeconds"] >= drain_timeout_s(sidecar) + SHUTDOWN_MARGIN_S
 
 
 @needs_kubectl
