@@ -1,25 +1,30 @@
 """The deployment files say what a reviewer checks (issue 7).
 
-The Kubernetes tests render the kustomize overlays with `kubectl kustomize` (offline) and are
-skipped where kubectl is absent. Schema validation, hadolint and systemd-analyze run in
-deploy/validate.sh; the bundle is built and run by deploy/bundle/build.sh.
+The Kubernetes tests render the kustomize overlays and the injector's webhook with `kubectl
+kustomize` (offline) and are skipped where kubectl is absent; make-certs.sh's are skipped where
+openssl is. Schema validation, hadolint and systemd-analyze run in deploy/validate.sh; the
+bundle is built and run by deploy/bundle/build.sh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import fnmatch
 import functools
 import glob
 import importlib.util
 import json
+import os
 import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -510,6 +515,307 @@ def test_names_check_catches_a_rename_that_leaves_the_subdomain_behind(tmp_path:
     found = check_names().problems(render_run(tmp_path, kustomization))
     assert any("subdomain 'train' names no Service" in p for p in found), found
     assert any("--master-addr" in p for p in found), found
+
+
+# -- the injector's webhook (deploy/webhook) ----------------------------------------------------
+
+WEBHOOK = DEPLOY / "webhook"
+# The webhook's kustomizations: with cert-manager (the default) and without.
+WEBHOOKS = {"cert-manager": WEBHOOK, "without-cert-manager":
+            WEBHOOK / "overlays" / "without-cert-manager"}
+OPENSSL = shutil.which("openssl")
+SERVICE_DNS_NAME = "sidecar-injector.sidecar-system.svc"  # what the API server calls and verifies
+
+
+def render_webhook(which: str) -> list[Manifest]:
+    return copy.deepcopy(_kustomize(WEBHOOKS[which]))
+
+
+def the_webhook(objects: list[Manifest]) -> Manifest:
+    webhooks: list[Manifest] = the(objects, "MutatingWebhookConfiguration")["webhooks"]
+    assert len(webhooks) == 1
+    return webhooks[0]
+
+
+def injector(objects: list[Manifest]) -> Manifest:
+    return container(the(objects, "Deployment")["spec"]["template"]["spec"], "injector")
+
+
+@functools.cache
+def check_webhook() -> ModuleType:
+    """deploy/webhook/check_webhook.py, which deploy/validate.sh runs on every rendering."""
+    spec = importlib.util.spec_from_file_location("check_webhook", WEBHOOK / "check_webhook.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_kubectl
+@pytest.mark.parametrize("which", WEBHOOKS)
+def test_the_webhook_never_holds_a_pod_back(which: str) -> None:
+    """An injector that is down, errs or is slow costs a pod its sidecar, never its start, and
+    not for long: Ignore, and a timeout well under the API server's default of 10 s."""
+    webhook = the_webhook(render_webhook(which))
+    assert webhook["failurePolicy"] == "Ignore"
+    assert webhook["timeoutSeconds"] <= 5
+    assert webhook["sideEffects"] == "None" and webhook["admissionReviewVersions"] == ["v1"]
+    assert webhook["reinvocationPolicy"] == "IfNeeded"
+    assert webhook["matchPolicy"] == "Equivalent"
+    assert webhook["rules"] == [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                                 "resources": ["pods"], "scope": "Namespaced"}]
+    assert webhook["name"].count(".") >= 2, "a webhook's name is fully qualified"
+    assert webhook["clientConfig"]["service"]["path"] == "/mutate"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("which", WEBHOOKS)
+def test_the_webhook_takes_labelled_namespaces_but_its_own(which: str) -> None:
+    objects = render_webhook(which)
+    selector = the_webhook(objects)["namespaceSelector"]
+    own = the(objects, "Namespace")
+    assert selector["matchLabels"] == {"sidecar-injection": "enabled"}
+    assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
+            "values": [own["metadata"]["name"]]} in selector["matchExpressions"]
+    assert "sidecar-injection" not in own["metadata"].get("labels", {})
+    assert own["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert {o["metadata"].get("namespace") for o in objects if o["kind"] not in (
+        "Namespace", "MutatingWebhookConfiguration")} == {own["metadata"]["name"]}
+
+
+@needs_kubectl
+def test_two_injectors_on_two_nodes_and_one_always_up() -> None:
+    objects = render_webhook("cert-manager")
+    deployment, budget = the(objects, "Deployment"), the(objects, "PodDisruptionBudget")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    [spread] = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["labelSelector"]["matchLabels"].items() <= labels.items()
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+@needs_kubectl
+def test_the_injector_is_locked_down_and_needs_no_api_access() -> None:
+    objects = render_webhook("cert-manager")
+    pod = the(objects, "Deployment")["spec"]["template"]["spec"]
+    assert_locked_down(injector(objects))
+    assert injector(objects)["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    account = the(objects, "ServiceAccount")
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert account["automountServiceAccountToken"] is False
+    assert not [o for o in objects if o["kind"].endswith(("Role", "RoleBinding"))]
+
+
+@needs_kubectl
+def test_the_injector_is_probed_and_called_on_its_https_port() -> None:
+    objects = render_webhook("cert-manager")
+    c, service = injector(objects), the(objects, "Service")
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert (get["scheme"], get["path"], ports.get(get["port"], get["port"])) == (
+            "HTTPS", "/healthz", 8443)
+    [port] = service["spec"]["ports"]
+    assert port["port"] == the_webhook(objects)["clientConfig"]["service"]["port"] == 443
+    assert ports.get(port["targetPort"], port["targetPort"]) == 8443
+    assert option_values(c, "--listen") in ([], ["0.0.0.0:8443"])
+
+
+@needs_kubectl
+@pytest.mark.parametrize("which", WEBHOOKS)
+def test_the_injector_reads_its_certificate_from_its_secret(which: str) -> None:
+    objects = render_webhook(which)
+    c = injector(objects)
+    pod = the(objects, "Deployment")["spec"]["template"]["spec"]
+    assert c["args"][0] == "inject"
+    for option, key in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")):
+        [path] = option_values(c, option)
+        assert path == f"/etc/sidecar-injector/tls/{key}"
+        mount = mount_for(c, path)
+        assert mount["readOnly"] is True and "subPath" not in mount, "a subPath is never updated"
+        assert volume(pod, mount["name"])["secret"]["secretName"] == "sidecar-injector-tls"
+    assert check_webhook().problems(objects) == []
+
+
+@needs_kubectl
+def test_cert_manager_issues_the_serving_certificate_from_a_ca_of_its_own() -> None:
+    objects = render_webhook("cert-manager")
+    annotations = the(objects, "MutatingWebhookConfiguration")["metadata"]["annotations"]
+    namespace, _, name = annotations["cert-manager.io/inject-ca-from"].partition("/")
+    certificates = {o["metadata"]["name"]: o["spec"] for o in objects
+                    if o["kind"] == "Certificate"}
+    issuers = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Issuer"}
+    serving = certificates[name]
+    assert SERVICE_DNS_NAME in serving["dnsNames"] and namespace == "sidecar-system"
+    assert serving["secretName"] == "sidecar-injector-tls"
+    ca_issuer = issuers[serving["issuerRef"]["name"]]
+    [ca] = [c for c in certificates.values() if c["secretName"] == ca_issuer["ca"]["secretName"]]
+    assert ca["isCA"] is True and "selfSigned" in issuers[ca["issuerRef"]["name"]]
+    # A renewed CA keeps its key: what it signed before still verifies against the new caBundle.
+    assert ca["privateKey"]["rotationPolicy"] == "Never"
+
+
+@needs_kubectl
+def test_without_cert_manager_nothing_of_cert_manager_is_left() -> None:
+    objects = render_webhook("without-cert-manager")
+    assert not [o for o in objects if o["apiVersion"].startswith("cert-manager.io/")]
+    configuration = the(objects, "MutatingWebhookConfiguration")
+    assert "cert-manager.io/inject-ca-from" not in configuration["metadata"].get("annotations", {})
+    kept = [o for o in render_webhook("cert-manager")
+            if not o["apiVersion"].startswith("cert-manager.io/")
+            and o["kind"] != "MutatingWebhookConfiguration"]
+    assert [o for o in objects if o["kind"] != "MutatingWebhookConfiguration"] == kept
+
+
+@needs_kubectl
+def test_the_injected_image_is_the_injectors_own_wherever_images_sets_it(tmp_path: Path) -> None:
+    """`images:` sets the container's image, not the --image argument: names/ copies it there,
+    and the namespace into the names kustomize's namespace leaves alone."""
+    (tmp_path / "deploy").symlink_to(DEPLOY)
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources: [deploy/webhook]\nnamespace: ml-platform\n"
+        "images: [{name: registry.example.com/sidecar, newName: registry.mycorp.io/ml/sidecar,"
+        " newTag: 0.2.0}]\ntransformers: [deploy/webhook/names]\n")
+    objects = _kustomize(tmp_path)
+    c = injector(objects)
+    environ = {k: v for k, v in env(c).items() if isinstance(v, str)}
+    [image] = option_values(c, "--image")
+    assert check_names()._expand(image, environ) == c["image"] == \
+        "registry.mycorp.io/ml/sidecar:0.2.0"
+    assert "sidecar-system" not in yaml.safe_dump_all(objects)
+    assert check_webhook().problems(objects) == []
+
+
+@needs_kubectl
+def test_the_webhook_check_catches_what_would_break_a_call() -> None:
+    """The check validate.sh runs says so when the webhook would select its own namespace, call
+    a port the injector does not listen on, or trust a certificate for another name."""
+    objects = render_webhook("cert-manager")
+    the_webhook(objects)["namespaceSelector"].pop("matchExpressions")
+    injector(objects)["args"] = [a.replace(":8443", ":9443") for a in injector(objects)["args"]]
+    next(o for o in objects if o["kind"] == "Certificate" and o["metadata"]["name"] ==
+         "sidecar-injector")["spec"]["dnsNames"] = ["sidecar-injector.default.svc"]
+    found = check_webhook().problems(objects)
+    assert any("include the injector's own, sidecar-system" in p for p in found), found
+    assert any("listens on 0.0.0.0:9443" in p for p in found), found
+    assert any(f"lack {SERVICE_DNS_NAME}" in p for p in found), found
+
+
+def test_the_webhook_check_knows_cert_manager_objects_field_by_field() -> None:
+    issuer = {"apiVersion": "cert-manager.io/v1", "kind": "Issuer", "metadata": {"name": "i"},
+              "spec": {"ca": {"secretName": "ca"}}}
+    certificate = {"apiVersion": "cert-manager.io/v1", "kind": "Certificate",
+                   "metadata": {"name": "c"},
+                   "spec": {"isCa": True, "issuerRef": {}, "duration": "90d",
+                            "privateKey": {"algorithm": "ecdsa"}}}
+    other = {"apiVersion": "cert-manager.io/v1alpha2", "kind": "Certificate",
+             "metadata": {"name": "old"}}
+    found = check_webhook().problems([issuer, certificate, other])
+    assert found == [
+        "Certificate c: spec has no field 'isCa' in cert-manager.io/v1",
+        "Certificate c: spec needs 'secretName'",
+        "Certificate c: spec.issuerRef needs 'name'",
+        "Certificate c: spec.privateKey.algorithm is 'ecdsa', cert-manager takes ECDSA, Ed25519, "
+        "RSA",
+        "Certificate c: spec.duration '90d' is not a duration (2160h, 30m)",
+        "Certificate old: cert-manager.io/v1alpha2 Certificate is neither a Kubernetes kind nor "
+        "one this check knows (cert-manager.io/v1 Issuer, Certificate): nothing would validate it",
+    ]
+
+
+needs_openssl = pytest.mark.skipif(OPENSSL is None, reason="openssl is not installed")
+
+
+def make_certs(folder: Path, *options: str, path: str | None = None) -> str:
+    """deploy/webhook/make-certs.sh OPTIONS FOLDER; what it printed on stdout."""
+    environ = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    if path is not None:
+        environ["PATH"] = f"{path}{os.pathsep}{environ['PATH']}"
+    return subprocess.run([str(WEBHOOK / "make-certs.sh"), *options, str(folder)], env=environ,
+                          check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def handshake(folder: Path, server_name: str) -> None:
+    """A TLS handshake with a server on folder's tls.crt and tls.key, by a client that trusts
+    folder's ca.crt alone and verifies `server_name`, as the API server does."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(folder / "tls.crt", folder / "tls.key")
+    client = ssl.create_default_context(cafile=str(folder / "ca.crt"))
+    left, right = socket.socketpair()
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            with server.wrap_socket(left, server_side=True):
+                pass
+        except (ssl.SSLError, OSError) as e:
+            errors.append(e)
+        finally:
+            left.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with client.wrap_socket(right, server_hostname=server_name):
+            pass
+    finally:
+        right.close()
+        thread.join(timeout=30)
+    assert not errors, errors
+
+
+@needs_openssl
+def test_make_certs_makes_a_certificate_the_api_server_trusts_for_the_service(
+        tmp_path: Path) -> None:
+    folder = tmp_path / "certs"
+    make_certs(folder)
+    assert OPENSSL is not None
+    verified = subprocess.run([OPENSSL, "verify", "-CAfile", str(folder / "ca.crt"),
+                               str(folder / "tls.crt")], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stderr
+    handshake(folder, SERVICE_DNS_NAME)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake(folder, "sidecar-injector.default.svc")
+    assert sorted(p.name for p in folder.iterdir()) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
+    assert all(p.stat().st_mode & 0o077 == 0 for p in folder.iterdir())
+
+
+@needs_openssl
+@needs_kubectl
+def test_make_certs_applies_the_secret_the_injector_mounts_and_the_ca_bundle(
+        tmp_path: Path) -> None:
+    """--apply runs the two commands it prints otherwise, with kubectl (here one that records
+    what it is given); run again, it keeps the CA: caBundle stays valid for the new certificate."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {tmp_path}/kubectl.log\n'
+                                     f'cat >> {tmp_path}/kubectl.stdin\n')
+    (bin_dir / "kubectl").chmod(0o755)
+    folder = tmp_path / "certs"
+    make_certs(folder, "--apply", path=str(bin_dir))
+    first_ca, first_cert = (folder / "ca.crt").read_bytes(), (folder / "tls.crt").read_bytes()
+    create, apply, patch = (tmp_path / "kubectl.log").read_text().splitlines()
+    mounted = volume(the(render_webhook("without-cert-manager"), "Deployment")["spec"]["template"]
+                     ["spec"], "tls")["secret"]["secretName"]
+    assert create.startswith(f"--namespace sidecar-system create secret tls {mounted} ")
+    assert "--dry-run=client --output=yaml" in create and apply == "apply --filename=-"
+    name = the(render_webhook("without-cert-manager"),
+               "MutatingWebhookConfiguration")["metadata"]["name"]
+    prefix = f"patch mutatingwebhookconfiguration {name} --type=json --patch="
+    assert patch.startswith(prefix)
+    [operation] = json.loads(patch.removeprefix(prefix))
+    assert operation["path"] == "/webhooks/0/clientConfig/caBundle"
+    assert base64.b64decode(operation["value"]) == first_ca
+
+    printed = make_certs(folder)
+    assert (folder / "ca.crt").read_bytes() == first_ca
+    assert (folder / "tls.crt").read_bytes() != first_cert
+    handshake(folder, SERVICE_DNS_NAME)
+    assert base64.b64encode(first_ca).decode() in printed
 
 
 def test_dockerfile_runs_sidecar_unprivileged_with_a_healthcheck() -> None:
