@@ -671,23 +671,56 @@ def test_without_cert_manager_nothing_of_cert_manager_is_left() -> None:
     assert [o for o in objects if o["kind"] != "MutatingWebhookConfiguration"] == kept
 
 
+def documented_yaml(page: str, first_line: str) -> str:
+    """The ```yaml block of docs/PAGE that starts with `first_line`, as a user copies it."""
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    [block] = [b for b in re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S)
+               if b.startswith(first_line)]
+    return block
+
+
 @needs_kubectl
-def test_the_injected_image_is_the_injectors_own_wherever_images_sets_it(tmp_path: Path) -> None:
-    """`images:` sets the container's image, not the --image argument: names/ copies it there,
-    and the namespace into the names kustomize's namespace leaves alone."""
+def test_the_documented_install_elsewhere_carries_namespace_and_image_everywhere(
+        tmp_path: Path) -> None:
+    """docs/webhook.md's kustomization: `images:` sets the container's image, not the --image
+    argument, and `namespace:` leaves the webhook's names alone; names/ carries both there."""
+    kustomization = documented_yaml("webhook.md", "# ops/sidecar-injector/kustomization.yaml")
+    folder = tmp_path / "ops" / "sidecar-injector"
+    folder.mkdir(parents=True)
     (tmp_path / "deploy").symlink_to(DEPLOY)
-    (tmp_path / "kustomization.yaml").write_text(
-        "resources: [deploy/webhook]\nnamespace: ml-platform\n"
-        "images: [{name: registry.example.com/sidecar, newName: registry.mycorp.io/ml/sidecar,"
-        " newTag: 0.2.0}]\ntransformers: [deploy/webhook/names]\n")
-    objects = _kustomize(tmp_path)
+    (folder / "kustomization.yaml").write_text(kustomization)
+    objects = _kustomize(folder)
     c = injector(objects)
     environ = {k: v for k, v in env(c).items() if isinstance(v, str)}
     [image] = option_values(c, "--image")
     assert check_names()._expand(image, environ) == c["image"] == \
-        "registry.mycorp.io/ml/sidecar:0.2.0"
-    assert "sidecar-system" not in yaml.safe_dump_all(objects)
+        "registry.mycorp.io/ml/sidecar:0.1.0"
+    rendered = yaml.safe_dump_all(objects)
+    assert "sidecar-system" not in rendered and "registry.example.com" not in rendered
+    assert the(objects, "Namespace")["metadata"]["name"] == "ml-platform"
     assert check_webhook().problems(objects) == []
+
+
+def test_the_documented_pod_template_names_paths_the_sidecar_can_mount() -> None:
+    """docs/webhook.md's pod template: every path an annotation names lies on a volume of the
+    trainer's container (the sidecar mounts it read-only at the same path), the platform's
+    variables are there to copy, the token a reference; wrapped in a Job, it validates."""
+    import kubernetes_validate
+
+    template = yaml.safe_load(documented_yaml("webhook.md", "# the pod template"))
+    annotations = template["metadata"]["annotations"]
+    spec = template["spec"]
+    trainer = container(spec, annotations.get("sidecar/container", spec["containers"][0]["name"]))
+    named = [path for key in ("jsonl", "tensorboard", "checkpoints", "validation", "hparams")
+             for path in annotations[f"sidecar/{key}"].split(",")]
+    for path in named:
+        assert "emptyDir" in volume(spec, mount_for(trainer, path)["name"]), path
+    assert {"STARFORGE_ENABLED", "STARFORGE_ENDPOINT", "STARFORGE_RUN_ID"} <= set(env(trainer))
+    assert "secretKeyRef" in env(trainer)["STARFORGE_TOKEN"]
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train"},
+           "spec": {"template": {**template, "spec": {**spec, "restartPolicy": "Never"}}}}
+    for version in ("1.29.0", "1.33.0"):
+        kubernetes_validate.validate(job, version, strict=True)
 
 
 @needs_kubectl
