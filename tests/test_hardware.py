@@ -827,3 +827,27 @@ def test_an_xid_of_a_gpu_the_pod_may_yet_use_is_held_until_the_gpu_is_its_own() 
     assert posted == [early] and held == []
     _, held = ours([early], sampled={1}, maybe={2}, now=1000.0 + XID_HELD_S + 1)
     assert held == []  # not held for ever: the GPU never became the pod's
+
+
+def test_an_xid_watch_that_ends_on_a_failed_wait_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the driver's events gone (a GPU lost, a reset), XIDs are no longer watched and the
+    failure summary can no longer name one: said at WARNING, where it was a DEBUG line."""
+    import sidecar.sources.telemetry.nvml.xid as xid
+    from sidecar.sources.telemetry.nvml.bindings import NvmlError
+
+    def failing(name: str, *args: Any) -> Any:
+        raise NvmlError(15, f"{name}: GPU is lost")  # NVML_ERROR_GPU_IS_LOST
+
+    monkeypatch.setattr(xid, "call", failing)
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        xid.XidWatcher([])._wait_loop(object())
+    finally:
+        log.removeHandler(handler)
+    [record] = said
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("XID events are no longer watched: waiting for them "
+                                          "failed (nvmlEventSetWait_v2: GPU is lost)")

@@ -91,12 +91,16 @@ class XidWatcher:
             except NvmlError as exc:
                 if exc.code == TIMEOUT:
                     continue
-                log.debug("XID event wait failed, no more XID events: %s", exc)
+                # the events registered are gone (a GPU lost, the driver reset): the failure
+                # summary can no longer name an XID, which the operator must know
+                log.warning("XID events are no longer watched: waiting for them failed (%s); "
+                            "the GPUs are still sampled", exc)
                 return
             device = self._by_address.get(handle_address(Handle(data.device)))
             if device is None or not int(data.eventType) & _XID_CRITICAL_ERROR:
                 continue
             xid = int(data.eventData)
+            # kept before it is said: a failure of the saying does not lose it
+            self._events.append(XidEvent(device.index, xid, time.time()))
             log.warning("%s reported XID %d (a critical error; see NVIDIA's XID catalogue)",
                         device.describe(), xid)
-            self._events.append(XidEvent(device.index, xid, time.time()))
