@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import math
 import posixpath
 from typing import Any, NamedTuple
 
@@ -33,6 +34,9 @@ INJECT = PREFIX + "inject"  # "true": inject; "false": never, whatever the label
 TRAINER = PREFIX + "container"  # the trainer's container, when it is not the first
 STACKS = PREFIX + "stacks"  # "true": the trainer's stacks at a stall (docs/stalls.md)
 CONSOLE = PREFIX + "console"  # "cri" (the default) or "off"
+DRAIN = PREFIX + "drain-timeout"  # seconds: the sidecar's --drain-timeout, and the pod's grace
+GRACE_OVER_DRAIN_S = 10  # the pod's grace period past the drain: the sidecar's exit after it
+DEFAULT_GRACE_S = 30  # Kubernetes' terminationGracePeriodSeconds when a pod gives none
 # annotation -> the `watch` option its paths (comma-separated) are given to: each kind of file
 # the sidecar follows, the checkpoints' folders and the hyperparameters' file
 PATH_OPTIONS = {PREFIX + name: "--" + name for name in (
@@ -86,9 +90,12 @@ class Admission(NamedTuple):
                 "response": response}
 
 
-def answer(body: bytes, image: str) -> Admission:
+def answer(body: bytes, image: str, restricted: bool = False) -> Admission:
     """The answer to one review's `body`; never raises: a review it cannot read is allowed
-    unchanged, with a warning."""
+    unchanged, with a warning. `restricted`: the pod's namespace enforces Pod Security's
+    baseline or restricted level, which would refuse the pod a hostPath volume or an added
+    capability: the sidecar then has neither (a pod refused is what the webhook must never
+    cause)."""
     if len(body) > MAX_REVIEW_BYTES:
         return Admission("", [], [f"sidecar: a review of {len(body)} bytes was not read; the "
                                "pod is admitted without the sidecar"])
@@ -101,7 +108,7 @@ def answer(body: bytes, image: str) -> Admission:
         return Admission("", [], ["sidecar: the review has no request uid; admitted unchanged"])
     uid = request["uid"]
     try:
-        patch, warnings = mutate(request, image)
+        patch, warnings = mutate(request, image, restricted)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         # a pod shaped as no API server sends it: never refused for it
         return Admission(uid, [], [f"sidecar: the pod could not be read ({exc.__class__.__name__}"
@@ -109,7 +116,8 @@ def answer(body: bytes, image: str) -> Admission:
     return Admission(uid, patch, warnings)
 
 
-def mutate(request: dict[str, Any], image: str) -> tuple[list[dict[str, Any]], list[str]]:
+def mutate(request: dict[str, Any], image: str,
+           restricted: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
     """The patch for the pod of an admission `request`, and its warnings."""
     kind = request.get("kind") or {}
     pod = request.get("object")
@@ -136,9 +144,34 @@ def mutate(request: dict[str, Any], image: str) -> tuple[list[dict[str, Any]], l
                     "admitted without the sidecar"]
     warnings: list[str] = []
     console = _console(annotations, warnings)
-    sidecar = _container(image, trainer, annotations, console, warnings)
-    return _patch(spec, sidecar, stacks=annotations.get(STACKS) == "true",
-                  console=console), warnings
+    stacks = annotations.get(STACKS) == "true"
+    if restricted and (console or stacks):
+        warnings.append(
+            "sidecar: the namespace enforces Pod Security baseline or restricted, which refuses "
+            + " and ".join(what for what, asked in (
+                ("the node's log folder (a hostPath volume): the console is not read", console),
+                ("CAP_SYS_PTRACE: no stacks at a stall", stacks)) if asked)
+            + "; run the trainer under `sidecar run` for both (docs/webhook.md#pod-security)")
+        console = stacks = False
+    drain = _drain_s(annotations, warnings)
+    sidecar = _container(image, trainer, annotations, console, stacks, drain, warnings)
+    return _patch(spec, sidecar, stacks=stacks, console=console, drain=drain), warnings
+
+
+def _drain_s(annotations: dict[str, Any], warnings: list[str]) -> int | None:
+    """The drain the pod asks for, in whole seconds; None: the sidecar's default."""
+    asked = annotations.get(DRAIN)
+    if asked is None:
+        return None
+    try:
+        seconds = float(asked)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 < seconds < 86400:
+        warnings.append(f"sidecar: {DRAIN}={asked!r} is not a number of seconds between 0 and "
+                        "a day; the sidecar's default drain is used")
+        return None
+    return math.ceil(seconds)
 
 
 def _restored(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -161,7 +194,8 @@ def _console(annotations: dict[str, Any], warnings: list[str]) -> bool:
 
 
 def _container(image: str, trainer: dict[str, Any], annotations: dict[str, Any],
-               console: bool, warnings: list[str]) -> dict[str, Any]:
+               console: bool, stacks: bool, drain: int | None,
+               warnings: list[str]) -> dict[str, Any]:
     """The native sidecar for the pod whose trainer's container is `trainer`."""
     trainer_name = trainer["name"]
     args = ["watch"]
@@ -181,10 +215,13 @@ def _container(image: str, trainer: dict[str, Any], annotations: dict[str, Any],
     if console:
         args += [f"--log={POD_LOGS}/$(POD_NAMESPACE)_$(POD_NAME)_$(POD_UID)/{trainer_name}/*.log",
                  "--log-format=cri"]
-    stacks = annotations.get(STACKS) == "true"
+    env = _env(trainer)
+    if drain is not None:
+        env = [var for var in env if var["name"] != "SIDECAR_DRAIN_TIMEOUT"]
+        env.append({"name": "SIDECAR_DRAIN_TIMEOUT", "value": str(drain)})
     container: dict[str, Any] = {
         "name": CONTAINER, "image": image, "restartPolicy": "Always", "args": args,
-        "env": _env(trainer), "volumeMounts": [
+        "env": env, "volumeMounts": [
             *mounts.values(), {"name": "sidecar-state", "mountPath": STATE_DIR}],
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
                       "limits": {"cpu": "500m", "memory": "256Mi"}},
@@ -245,10 +282,11 @@ def _security(stacks: bool) -> dict[str, Any]:
     return context
 
 
-def _patch(spec: dict[str, Any], sidecar: dict[str, Any], *, stacks: bool,
-           console: bool) -> list[dict[str, Any]]:
+def _patch(spec: dict[str, Any], sidecar: dict[str, Any], *, stacks: bool, console: bool,
+           drain: int | None) -> list[dict[str, Any]]:
     """The JSON Patch that adds `sidecar` first among the init containers (it sees the others'
-    output too), its volumes, and the shared process namespace for stacks."""
+    output too), its volumes, the shared process namespace for stacks, and a grace period the
+    drain fits in: the kubelet kills the sidecar when the pod's runs out."""
     patch: list[dict[str, Any]] = []
     if spec.get("initContainers"):
         patch.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
@@ -264,4 +302,9 @@ def _patch(spec: dict[str, Any], sidecar: dict[str, Any], *, stacks: bool,
         patch.append({"op": "add", "path": "/spec/volumes", "value": volumes})
     if stacks:
         patch.append({"op": "add", "path": "/spec/shareProcessNamespace", "value": True})
+    grace = spec.get("terminationGracePeriodSeconds")
+    if drain is not None and (grace if isinstance(grace, int) else DEFAULT_GRACE_S) < (
+            drain + GRACE_OVER_DRAIN_S):
+        patch.append({"op": "add", "path": "/spec/terminationGracePeriodSeconds",
+                      "value": drain + GRACE_OVER_DRAIN_S})
     return patch

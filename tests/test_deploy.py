@@ -531,10 +531,17 @@ def render_webhook(which: str) -> list[Manifest]:
     return copy.deepcopy(_kustomize(WEBHOOKS[which]))
 
 
-def the_webhook(objects: list[Manifest]) -> Manifest:
+def the_webhooks(objects: list[Manifest]) -> list[Manifest]:
+    """The two webhooks: namespaces that enforce Pod Security's baseline or restricted level
+    go to the second, whose sidecar asks for nothing those refuse."""
     webhooks: list[Manifest] = the(objects, "MutatingWebhookConfiguration")["webhooks"]
-    assert len(webhooks) == 1
-    return webhooks[0]
+    assert [w["clientConfig"]["service"]["path"] for w in webhooks] == [
+        "/mutate", "/mutate/restricted"]
+    enforced = [next(e for e in w["namespaceSelector"]["matchExpressions"]
+                     if e["key"] == "pod-security.kubernetes.io/enforce") for w in webhooks]
+    assert enforced == [{"key": "pod-security.kubernetes.io/enforce", "operator": operator,
+                         "values": ["baseline", "restricted"]} for operator in ("NotIn", "In")]
+    return webhooks
 
 
 def injector(objects: list[Manifest]) -> Manifest:
@@ -556,27 +563,28 @@ def check_webhook() -> ModuleType:
 def test_the_webhook_never_holds_a_pod_back(which: str) -> None:
     """An injector that is down, errs or is slow costs a pod its sidecar, never its start, and
     not for long: Ignore, and a timeout well under the API server's default of 10 s."""
-    webhook = the_webhook(render_webhook(which))
-    assert webhook["failurePolicy"] == "Ignore"
-    assert webhook["timeoutSeconds"] <= 5
-    assert webhook["sideEffects"] == "None" and webhook["admissionReviewVersions"] == ["v1"]
-    assert webhook["reinvocationPolicy"] == "IfNeeded"
-    assert webhook["matchPolicy"] == "Equivalent"
-    assert webhook["rules"] == [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
-                                 "resources": ["pods"], "scope": "Namespaced"}]
-    assert webhook["name"].count(".") >= 2, "a webhook's name is fully qualified"
-    assert webhook["clientConfig"]["service"]["path"] == "/mutate"
+    for webhook in the_webhooks(render_webhook(which)):
+        assert webhook["failurePolicy"] == "Ignore"
+        assert webhook["timeoutSeconds"] <= 5
+        assert webhook["sideEffects"] == "None" and webhook["admissionReviewVersions"] == ["v1"]
+        assert webhook["reinvocationPolicy"] == "IfNeeded"
+        assert webhook["matchPolicy"] == "Equivalent"
+        assert webhook["rules"] == [{"operations": ["CREATE"], "apiGroups": [""],
+                                     "apiVersions": ["v1"], "resources": ["pods"],
+                                     "scope": "Namespaced"}]
+        assert webhook["name"].count(".") >= 2, "a webhook's name is fully qualified"
 
 
 @needs_kubectl
 @pytest.mark.parametrize("which", WEBHOOKS)
 def test_the_webhook_takes_labelled_namespaces_but_its_own(which: str) -> None:
     objects = render_webhook(which)
-    selector = the_webhook(objects)["namespaceSelector"]
     own = the(objects, "Namespace")
-    assert selector["matchLabels"] == {"sidecar-injection": "enabled"}
-    assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
-            "values": [own["metadata"]["name"]]} in selector["matchExpressions"]
+    for webhook in the_webhooks(objects):
+        selector = webhook["namespaceSelector"]
+        assert selector["matchLabels"] == {"sidecar-injection": "enabled"}
+        assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
+                "values": [own["metadata"]["name"]]} in selector["matchExpressions"]
     assert "sidecar-injection" not in own["metadata"].get("labels", {})
     assert own["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] not in (
@@ -620,7 +628,8 @@ def test_the_injector_is_probed_and_called_on_its_https_port() -> None:
         assert (get["scheme"], get["path"], ports.get(get["port"], get["port"])) == (
             "HTTPS", "/healthz", 8443)
     [port] = service["spec"]["ports"]
-    assert port["port"] == the_webhook(objects)["clientConfig"]["service"]["port"] == 443
+    assert {w["clientConfig"]["service"]["port"] for w in the_webhooks(objects)} == {
+        port["port"]} == {443}
     assert ports.get(port["targetPort"], port["targetPort"]) == 8443
     assert option_values(c, "--listen") in ([], ["0.0.0.0:8443"])
 
@@ -728,7 +737,7 @@ def test_the_webhook_check_catches_what_would_break_a_call() -> None:
     """The check validate.sh runs says so when the webhook would select its own namespace, call
     a port the injector does not listen on, or trust a certificate for another name."""
     objects = render_webhook("cert-manager")
-    the_webhook(objects)["namespaceSelector"].pop("matchExpressions")
+    the_webhooks(objects)[0]["namespaceSelector"].pop("matchExpressions")
     injector(objects)["args"] = [a.replace(":8443", ":9443") for a in injector(objects)["args"]]
     next(o for o in objects if o["kind"] == "Certificate" and o["metadata"]["name"] ==
          "sidecar-injector")["spec"]["dnsNames"] = ["sidecar-injector.default.svc"]
@@ -842,9 +851,10 @@ def test_make_certs_applies_the_secret_the_injector_mounts_and_the_ca_bundle(
                "MutatingWebhookConfiguration")["metadata"]["name"]
     prefix = f"patch mutatingwebhookconfiguration {name} --type=json --patch="
     assert patch.startswith(prefix)
-    [operation] = json.loads(patch.removeprefix(prefix))
-    assert operation["path"] == "/webhooks/0/clientConfig/caBundle"
-    assert base64.b64decode(operation["value"]) == first_ca
+    operations = json.loads(patch.removeprefix(prefix))
+    assert [o["path"] for o in operations] == [f"/webhooks/{i}/clientConfig/caBundle"
+                                               for i in range(2)]
+    assert all(base64.b64decode(o["value"]) == first_ca for o in operations)
 
     printed = make_certs(folder)
     assert (folder / "ca.crt").read_bytes() == first_ca

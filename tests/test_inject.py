@@ -155,16 +155,16 @@ class Webhook:
         self.url = ready.read_text().strip()
         self.context = ssl.create_default_context(cafile=str(cert))
 
-    def post(self, body: bytes) -> dict[str, Any]:
-        request = urllib.request.Request(self.url + "/mutate", body, method="POST",
+    def post(self, body: bytes, path: str = "/mutate") -> dict[str, Any]:
+        request = urllib.request.Request(self.url + path, body, method="POST",
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, context=self.context, timeout=10) as answer:
             assert answer.status == 200
             result: dict[str, Any] = json.loads(answer.read())
         return result
 
-    def answer(self, doc: Any) -> dict[str, Any]:
-        response: dict[str, Any] = self.post(json.dumps(doc).encode())["response"]
+    def answer(self, doc: Any, path: str = "/mutate") -> dict[str, Any]:
+        response: dict[str, Any] = self.post(json.dumps(doc).encode(), path)["response"]
         return response
 
     def healthy(self) -> bool:
@@ -394,3 +394,47 @@ async def test_a_renewed_certificate_is_served_to_the_next_handshake(tmp_path: P
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_in_a_namespace_enforcing_pod_security_the_sidecar_asks_for_nothing_it_refuses(
+        webhook: Webhook) -> None:
+    """Baseline and restricted refuse a hostPath volume and an added capability: the pod would
+    be refused for what the webhook added. Through /mutate/restricted (the configuration routes
+    those namespaces there) the sidecar has neither, says why, and passes restricted itself."""
+    response = webhook.answer(review(PYTORCHJOB_POD), "/mutate/restricted")
+    [warning] = response["warnings"]
+    assert "the console is not read" in warning and "no stacks at a stall" in warning
+    after = patched(PYTORCHJOB_POD, response)
+    valid(after)
+    sidecar = the_sidecar(after)
+    assert not any(arg.startswith("--log=") for arg in sidecar["args"])
+    assert "hostPath" not in json.dumps(after["spec"]["volumes"])
+    assert "shareProcessNamespace" not in after["spec"]
+    context = sidecar["securityContext"]
+    assert context["runAsNonRoot"] is True and context["capabilities"] == {"drop": ["ALL"]}
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "--tensorboard=/data/runs/bert" in sidecar["args"]  # the rest as anywhere
+
+
+@pytest.mark.parametrize(("asked", "grace", "expected"), [
+    ("900", None, 910), ("900", 1200, 1200), ("5", None, 30), ("soon", None, None)])
+def test_a_drain_the_pod_asks_for_is_the_sidecar_s_and_fits_the_grace_period(
+        webhook: Webhook, asked: str, grace: int | None, expected: int | None) -> None:
+    """A large final checkpoint needs more than the 20 s default drain, and the kubelet kills
+    the sidecar once the pod's grace period (30 s unless given) runs out."""
+    pod = copy.deepcopy(JOBSET_POD)
+    pod["metadata"]["annotations"]["sidecar/drain-timeout"] = asked
+    if grace is not None:
+        pod["spec"]["terminationGracePeriodSeconds"] = grace
+    response = webhook.answer(review(pod))
+    after = patched(pod, response)
+    valid(after)
+    env = {var["name"]: var.get("value") for var in the_sidecar(after)["env"]}
+    if expected is None:
+        assert "SIDECAR_DRAIN_TIMEOUT" not in env
+        assert any("sidecar/drain-timeout='soon'" in w for w in response["warnings"])
+        assert "terminationGracePeriodSeconds" not in after["spec"]
+        return
+    assert env["SIDECAR_DRAIN_TIMEOUT"] == asked
+    assert after["spec"].get("terminationGracePeriodSeconds", 30) == expected

@@ -99,7 +99,9 @@ openssl verify -CAfile "$dir/ca.crt" "$dir/tls.crt" >/dev/null
 echo "make-certs: a serving certificate for ${dns_names[*]} in $dir, good for $SERVING_DAYS days" >&2
 
 ca_bundle=$(openssl base64 -A -in "$dir/ca.crt")
-ca_patch="[{\"op\": \"add\", \"path\": \"/webhooks/0/clientConfig/caBundle\", \"value\": \"$ca_bundle\"}]"
+# both webhooks (the second for namespaces that enforce Pod Security) call the injector
+ca_patch="[{\"op\": \"add\", \"path\": \"/webhooks/0/clientConfig/caBundle\", \"value\": \"$ca_bundle\"},"
+ca_patch+=" {\"op\": \"add\", \"path\": \"/webhooks/1/clientConfig/caBundle\", \"value\": \"$ca_bundle\"}]"
 if $apply; then
     # Created, or replaced: the same command renews it.
     kubectl --namespace "$namespace" create secret tls "$SECRET" --cert="$dir/tls.crt" \

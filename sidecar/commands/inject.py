@@ -43,7 +43,7 @@ class Certificate:
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"--tls-cert {cert} / --tls-key {key}: cannot be loaded ({exc}); "
                               "give the PEM certificate for the webhook Service's DNS name and "
-                              "its key (docs/webhook.md#tls)") from None
+                              "its key (docs/webhook.md#install-it)") from None
 
     def _stamp(self) -> tuple[tuple[int, int], ...]:
         stamps = []
@@ -88,7 +88,8 @@ async def _body(request: web.Request) -> bytes:
 
 
 def make_app(image: str) -> web.Application:
-    """The webhook's routes."""
+    """The webhook's routes: /mutate, and /mutate/restricted for the namespaces that enforce
+    Pod Security's baseline or restricted level (the webhook configuration routes them)."""
     async def mutate(request: web.Request) -> web.Response:
         began = time.monotonic()
         try:
@@ -97,7 +98,7 @@ def make_app(image: str) -> web.Application:
             body = b""
             log.warning("a review's body was not read (%s): admitted unchanged",
                         exc.__class__.__name__)
-        result = answer(body, image)
+        result = answer(body, image, restricted=request.path.endswith("/restricted"))
         if result.patch:
             log.info("review %s: the sidecar added (%d operations) in %.1f ms", result.uid,
                      len(result.patch), (time.monotonic() - began) * 1000)
@@ -110,6 +111,7 @@ def make_app(image: str) -> web.Application:
 
     app = web.Application(client_max_size=MAX_REVIEW_BYTES + 1)
     app.router.add_post("/mutate", mutate)
+    app.router.add_post("/mutate/restricted", mutate)
     app.router.add_get("/healthz", healthz)
     return app
 
@@ -154,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
     setup()
     if args.tls_cert is None or args.tls_key is None:
         raise ConfigError("--tls-cert and --tls-key are required: the API server calls a "
-                          "webhook over HTTPS alone (docs/webhook.md#tls)")
+                          "webhook over HTTPS alone (docs/webhook.md#install-it)")
     certificate = Certificate(args.tls_cert, args.tls_key)
     asyncio.run(serve_webhook(args.listen, certificate, args.image, args.ready_file))
     return 0
