@@ -110,6 +110,15 @@ def _value(flag: str, default: object, help: str, *, metavar: str,
                                shown=shown, env=env)
 
 
+def _repeated(flag: str, help: str, *, metavar: str) -> Adder:
+    """An option outside the table given any number of times, its help as the rows'."""
+    text = help_line(help, "none").replace("%", "%%")
+
+    def adds(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(flag, action="append", default=[], metavar=metavar, help=text)
+    return adds
+
+
 def _positional(name: str, help: str, **how: Any) -> Adder:
     def adds(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(name, help=help, **how)
@@ -454,6 +463,9 @@ SUBCOMMANDS = (
          _value("--tls-key", None, "its private key (PEM)", type=Path, metavar="FILE",
                 shown="required"),
          _value("--image", "sidecar", "the image the injected container runs", metavar="IMAGE"),
+         _repeated("--select", "a label or annotation, KEY or KEY=VALUE, that asks for the "
+                   "sidecar too, beside the training operators' labels (repeatable)",
+                   metavar="LABEL"),
          _value("--ready-file", None, "write the base URL here once listening", type=Path,
                 metavar="PATH")),
         "sidecar.commands.inject",

@@ -47,10 +47,21 @@ MAX_REVIEW_BYTES = 3 << 20  # twice etcd's largest object: past it, allowed unre
 
 
 class Selector(NamedTuple):
-    """A label that marks a training operator's pods: a pod that carries it is injected."""
+    """A label that marks a training operator's pods: a pod that carries it is injected (with
+    `value`, only when it has that value)."""
 
     label: str
     operator: str
+    value: str | None = None
+
+    def picks(self, labels: dict[str, Any]) -> bool:
+        return self.label in labels and self.value in (None, labels[self.label])
+
+    @classmethod
+    def named(cls, text: str) -> Selector:
+        """One of `sidecar inject --select`: KEY or KEY=VALUE, a label or an annotation."""
+        key, equals, value = text.partition("=")
+        return cls(key.strip(), "--select", value.strip() if equals else None)
 
 
 SELECTORS = (
@@ -90,12 +101,14 @@ class Admission(NamedTuple):
                 "response": response}
 
 
-def answer(body: bytes, image: str, restricted: bool = False) -> Admission:
+def answer(body: bytes, image: str, restricted: bool = False,
+           selectors: tuple[Selector, ...] = ()) -> Admission:
     """The answer to one review's `body`; never raises: a review it cannot read is allowed
     unchanged, with a warning. `restricted`: the pod's namespace enforces Pod Security's
     baseline or restricted level, which would refuse the pod a hostPath volume or an added
     capability: the sidecar then has neither (a pod refused is what the webhook must never
-    cause)."""
+    cause). `selectors`: labels or annotations the operator named that ask for the sidecar
+    too, beside the training operators' labels."""
     if len(body) > MAX_REVIEW_BYTES:
         return Admission("", [], [f"sidecar: a review of {len(body)} bytes was not read; the "
                                "pod is admitted without the sidecar"])
@@ -108,7 +121,7 @@ def answer(body: bytes, image: str, restricted: bool = False) -> Admission:
         return Admission("", [], ["sidecar: the review has no request uid; admitted unchanged"])
     uid = request["uid"]
     try:
-        patch, warnings = mutate(request, image, restricted)
+        patch, warnings = mutate(request, image, restricted, selectors)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         # a pod shaped as no API server sends it: never refused for it
         return Admission(uid, [], [f"sidecar: the pod could not be read ({exc.__class__.__name__}"
@@ -116,8 +129,8 @@ def answer(body: bytes, image: str, restricted: bool = False) -> Admission:
     return Admission(uid, patch, warnings)
 
 
-def mutate(request: dict[str, Any], image: str,
-           restricted: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+def mutate(request: dict[str, Any], image: str, restricted: bool = False,
+           selectors: tuple[Selector, ...] = ()) -> tuple[list[dict[str, Any]], list[str]]:
     """The patch for the pod of an admission `request`, and its warnings."""
     kind = request.get("kind") or {}
     pod = request.get("object")
@@ -128,7 +141,9 @@ def mutate(request: dict[str, Any], image: str,
     annotations = metadata.get("annotations") or {}
     labels = metadata.get("labels") or {}
     asked = annotations.get(INJECT)
-    if asked == "false" or (asked != "true" and not any(s.label in labels for s in SELECTORS)):
+    picked = (any(s.picks(labels) for s in SELECTORS)
+              or any(s.picks(labels) or s.picks(annotations) for s in selectors))
+    if asked == "false" or (asked != "true" and not picked):
         return [], []
     spec = pod.get("spec") or {}
     containers = spec.get("containers") or []

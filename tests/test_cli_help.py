@@ -16,7 +16,7 @@ from tests.conftest import SIDECAR, clean_environ
 COMMANDS = ("run", "watch", "check", "config", "status", "stacks", "lifecycle", "replay",
             "receive", "inject", "demo", "completion")
 # The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
-METAVARS = {"PATH", "DIR", "FILE", "IMAGE", "SECONDS", "N", "HOST:PORT", "HOST", "PORT",
+METAVARS = {"PATH", "DIR", "FILE", "IMAGE", "LABEL", "SECONDS", "N", "HOST:PORT", "HOST", "PORT",
             "TEMPLATE",
             "MB/S", "NAME", "ID", "TOKEN", "COMMAND", "LOCAL=URI", "FIELD=NAME",
             "BYTES/S"}

@@ -143,12 +143,12 @@ def review(pod: Any, **request: Any) -> dict[str, Any]:
 class Webhook:
     """The real `sidecar inject` on loopback, and a client that trusts its certificate."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *options: str) -> None:
         cert, key = self_signed_certificate(tmp_path)
         ready = tmp_path / "url"
         self.proc = Sidecar(["inject", "--listen", "127.0.0.1:0", "--tls-cert", str(cert),
                              "--tls-key", str(key), "--image", "registry.example/sidecar:1.4",
-                             "--ready-file", str(ready)], {"PATH": "/usr/bin:/bin"},
+                             "--ready-file", str(ready), *options], {"PATH": "/usr/bin:/bin"},
                             tmp_path / "inject")
         wait_until(lambda: ready.exists() and ready.read_text().endswith("\n"), 30,
                    "the webhook listens")
@@ -438,3 +438,26 @@ def test_a_drain_the_pod_asks_for_is_the_sidecar_s_and_fits_the_grace_period(
         return
     assert env["SIDECAR_DRAIN_TIMEOUT"] == asked
     assert after["spec"].get("terminationGracePeriodSeconds", 30) == expected
+
+
+def test_a_label_or_annotation_the_operator_names_asks_for_the_sidecar_too(
+        tmp_path: Path) -> None:
+    """The platform's own executor marks its pods its own way: `--select KEY[=VALUE]`."""
+    server = Webhook(tmp_path, "--select", "platform.example/kind=training",
+                     "--select", "platform.example/report")
+    try:
+        def pod(labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
+            return {"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": "p", "labels": labels, "annotations": annotations},
+                    "spec": {"containers": [{"name": "train", "image": "trainer"}]}}
+
+        for labels, annotations, injected in (
+                ({"platform.example/kind": "training"}, {}, True),
+                ({"platform.example/kind": "serving"}, {}, False),
+                ({}, {"platform.example/report": "yes"}, True),
+                ({"app": "web"}, {}, False)):
+            response = server.answer(review(pod(labels, annotations)))
+            assert ("patch" in response) is injected, (labels, annotations)
+    finally:
+        server.proc.proc.terminate()
+        assert server.proc.wait(20).status == 0

@@ -21,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from sidecar.exits import ConfigError
-from sidecar.inject import MAX_REVIEW_BYTES, answer
+from sidecar.inject import MAX_REVIEW_BYTES, Selector, answer
 from sidecar.log import log, setup
 from sidecar.observe.address import parse_host_port
 
@@ -87,7 +87,7 @@ async def _body(request: web.Request) -> bytes:
     return b"".join(chunks)
 
 
-def make_app(image: str) -> web.Application:
+def make_app(image: str, selectors: tuple[Selector, ...] = ()) -> web.Application:
     """The webhook's routes: /mutate, and /mutate/restricted for the namespaces that enforce
     Pod Security's baseline or restricted level (the webhook configuration routes them)."""
     async def mutate(request: web.Request) -> web.Response:
@@ -98,7 +98,8 @@ def make_app(image: str) -> web.Application:
             body = b""
             log.warning("a review's body was not read (%s): admitted unchanged",
                         exc.__class__.__name__)
-        result = answer(body, image, restricted=request.path.endswith("/restricted"))
+        result = answer(body, image, restricted=request.path.endswith("/restricted"),
+                        selectors=selectors)
         if result.patch:
             log.info("review %s: the sidecar added (%d operations) in %.1f ms", result.uid,
                      len(result.patch), (time.monotonic() - began) * 1000)
@@ -117,10 +118,11 @@ def make_app(image: str) -> web.Application:
 
 
 async def serve_webhook(listen: str, certificate: Certificate, image: str,
-                ready_file: Path | None = None) -> None:
+                        ready_file: Path | None = None,
+                        selectors: tuple[Selector, ...] = ()) -> None:
     """Serve until SIGTERM or SIGINT."""
     host, port = parse_host_port(listen, "--listen")
-    runner = web.AppRunner(make_app(image), access_log=None, handle_signals=False)
+    runner = web.AppRunner(make_app(image, selectors), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=certificate.context,
                        shutdown_timeout=2.0)
@@ -158,5 +160,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-cert and --tls-key are required: the API server calls a "
                           "webhook over HTTPS alone (docs/webhook.md#install-it)")
     certificate = Certificate(args.tls_cert, args.tls_key)
-    asyncio.run(serve_webhook(args.listen, certificate, args.image, args.ready_file))
+    selectors = tuple(Selector.named(text) for text in args.select)
+    if any(not s.label for s in selectors):
+        raise ConfigError("--select takes a label or annotation, KEY or KEY=VALUE: "
+                          f"{args.select!r} has an empty key")
+    asyncio.run(serve_webhook(args.listen, certificate, args.image, args.ready_file, selectors))
     return 0
