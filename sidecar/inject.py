@@ -149,9 +149,11 @@ def mutate(request: dict[str, Any], image: str, restricted: bool = False,
     containers = spec.get("containers") or []
     if not containers:
         return [], ["sidecar: the pod has no containers; admitted without the sidecar"]
-    injected = [c for c in spec.get("initContainers") or [] if c.get("name") == CONTAINER]
-    if injected or any(c.get("name") == CONTAINER for c in containers):
+    if any(c.get("name") == CONTAINER for c in spec.get("initContainers") or []):
         return _restored(spec), []
+    if any(c.get("name") == CONTAINER for c in containers):  # the pod's own, not ours
+        return [], [f"sidecar: the pod has a container named {CONTAINER!r} already; admitted "
+                    "without the sidecar (rename that container)"]
     trainer_name = annotations.get(TRAINER) or containers[0].get("name")
     trainer = next((c for c in containers if c.get("name") == trainer_name), None)
     if trainer is None:

@@ -461,3 +461,12 @@ def test_a_label_or_annotation_the_operator_names_asks_for_the_sidecar_too(
     finally:
         server.proc.proc.terminate()
         assert server.proc.wait(20).status == 0
+
+
+def test_a_container_of_the_pod_s_own_named_sidecar_is_said_not_taken_for_ours(
+        webhook: Webhook) -> None:
+    pod = copy.deepcopy(JOBSET_POD)
+    pod["spec"]["containers"].append({"name": "sidecar", "image": "envoy"})
+    response = webhook.answer(review(pod))
+    assert "patch" not in response
+    assert any("a container named 'sidecar' already" in w for w in response["warnings"])
