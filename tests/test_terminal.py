@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import pyte
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sidecar.masking import Secrets
@@ -450,6 +450,9 @@ class _CountingScreen(Screen):
 @settings(max_examples=200)
 @given(pieces=st.lists(_redraw, max_size=60), cuts=st.lists(st.integers(0, 600), max_size=5),
        slice_chars=st.integers(min_value=1, max_value=40))
+# a cleared line left in one slice, the cursor back up to it in the next: what was written
+# there went to the line below (the cleared row was not kept for a cursor coming back)
+@example(pieces=["\r0", "\x1b[2K", "\n\r0\x1b[A"], cuts=[], slice_chars=1)
 def test_drawing_a_slice_a_call_shows_what_a_terminal_shows(pieces: list[str], cuts: list[int],
                                                             slice_chars: int) -> None:
     """With the work per call bounded, whatever the blocks and the slices (an escape sequence

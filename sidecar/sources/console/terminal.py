@@ -244,17 +244,21 @@ class Screen:
 
     def _final(self, row: _Row) -> None:
         """A line in its last state, unless that state went out already and nothing above it was
-        sent since (a cleared bar is not sent: a terminal shows a blank line)."""
+        sent since (a cleared bar is not sent: a terminal shows a blank line). Either way the
+        row is kept for a cursor that comes back up to it: a cleared one too, else what is
+        written there later lands on the row below."""
         text = row.text()
-        if not text and row.drawn:
-            return
-        if text != row.sent or row.sent_seq < self._final_seq:
-            self._seq += 1
-            row.sent, row.sent_seq = text, self._seq
-            # the line goes on: the split comes after masking, in LineAssembler
-            self._out.append(text if row.wraps else text + "\n")
-        self._final_seq = row.sent_seq
-        self._sent.append(_Row(row.cells, row.sent, row.sent_seq))
+        cleared = not text and row.drawn
+        if not cleared:
+            if text != row.sent or row.sent_seq < self._final_seq:
+                self._seq += 1
+                row.sent, row.sent_seq = text, self._seq
+                # the line goes on: the split comes after masking, in LineAssembler
+                self._out.append(text if row.wraps else text + "\n")
+            self._final_seq = row.sent_seq
+        kept = _Row(row.cells, row.sent, row.sent_seq)
+        kept.drawn = row.drawn
+        self._sent.append(kept)
 
     def _snapshot(self) -> None:
         """The latest state of each line still held, where it changed since it was last sent
