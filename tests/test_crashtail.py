@@ -233,10 +233,10 @@ def test_with_logs_down_for_good_the_tail_is_journaled_before_the_end_and_replay
         assert everything.count(line) == 1, line
 
 
-# 4 s of output, much faster than a slow /logs takes it, then a last line and an exception.
+# 3 s of output, much faster than a slow /logs takes it, then a last line and an exception.
 FLOOD_THEN_CRASH = """
 import time
-end = time.monotonic() + 4.0
+end = time.monotonic() + 3.0
 i = 0
 while time.monotonic() < end:
     for _ in range(100):
@@ -250,12 +250,12 @@ raise RuntimeError("the crash at the end")
 
 def test_at_a_failed_exit_the_crash_tail_goes_before_the_older_output_a_slow_logs_holds(
         ingest: RunningIngest, tmp_path: Path) -> None:
-    """/logs answers 3 s late while the command floods for 4 s and dies of an exception: the
+    """/logs answers 2 s late while the command floods for 3 s and dies of an exception: the
     last line and the traceback arrive first in the drain, before the older output still queued
     then; that follows as the budget allows, between two lines of ours that say so, and the
     failure summary still ends the log before `failed`."""
-    ingest.add_fault(Fault(route="logs", latency_s=3.0))
-    done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "20", "--",
+    ingest.add_fault(Fault(route="logs", latency_s=2.0))
+    done = sidecar(["run", "--hardware-interval", "0", "--drain-timeout", "12", "--",
                     *python_child(FLOOD_THEN_CRASH)],
                    platform_env(ingest, tmp_path / "state"), tmp_path / "sc")
     assert done.status == 1, done.stderr
@@ -274,7 +274,7 @@ def test_at_a_failed_exit_the_crash_tail_goes_before_the_older_output_a_slow_log
     assert after[-1] == tail[-1]
     first_in_tail = min(int(line.split()[1]) for line in tail if line.startswith("flood "))
     older = [int(line.split()[1]) for line in after if line.startswith("flood ")]
-    assert older, "some of the older output followed the tail within the 20 s drain"
+    assert older, "some of the older output followed the tail within the 12 s drain"
     assert max(older) < first_in_tail
     floods = [line for line in "".join(bodies).splitlines() if line.startswith("flood ")]
     assert len(floods) == len(set(floods))  # none of them twice
