@@ -620,7 +620,8 @@ def sampler(probe: HostProbe, emitted: list[dict[str, Any]], tmp_path: Path,
 
     return HardwareSampler(run_id=RUN_ID, node="node-a", interval_s=interval_s, emit=emit,
                            gpu_filter=None, trainer_pid=None, disk_paths=[tmp_path],
-                           sysfs_root=tmp_path / "sys", probe=probe, gpus=False, **kwargs)
+                           sysfs_root=tmp_path / "sys", probe=probe,
+                           **{"gpus": False, **kwargs})
 
 
 async def test_sampler_posts_rates_and_nothing_negative_or_unknown(tmp_path: Path) -> None:
@@ -851,3 +852,31 @@ def test_an_xid_watch_that_ends_on_a_failed_wait_is_said(monkeypatch: pytest.Mon
     assert record.levelno == logging.WARNING
     assert record.getMessage().startswith("XID events are no longer watched: waiting for them "
                                           "failed (nvmlEventSetWait_v2: GPU is lost)")
+
+
+async def test_a_fault_opening_the_gpus_is_not_taken_for_no_gpu(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """An unexpected exception while the GPUs were opened left the sampler started: the
+    supervisor's restart found it so and sampled no GPU for the rest of the run, in silence."""
+    import sidecar.sources.telemetry.sampler as sampling
+
+    looks: list[int] = []
+
+    def discover(gpu_filter: Any) -> tuple[list[Any], int]:
+        looks.append(1)
+        if len(looks) == 1:
+            raise RuntimeError("a fault of ours")
+        return [], 0
+
+    monkeypatch.setattr(sampling, "discover", discover)
+    probe = ScriptedProbe(net=[(0, 0)] * 4, disk=[(0, 0)] * 4)
+    sampled = sampler(probe, [], tmp_path, gpus=True)
+    try:
+        with pytest.raises(RuntimeError):
+            await sampled.start()
+        await sampled.start()  # the supervisor's restart
+    finally:
+        sampled.close()
+    assert len(looks) == 2
+    assert sampled.stats.gpu_status == "no NVIDIA GPU found"

@@ -189,10 +189,19 @@ class HardwareSampler:
             await asyncio.sleep(start + tick * self.interval_s - loop.time())
 
     async def start(self) -> None:
-        """Open the job's GPUs (once); without NVML, say why at INFO and sample the rest."""
+        """Open the job's GPUs (once); without NVML, say why at INFO and sample the rest. A
+        fault of ours on the way is not taken for "no GPU": the supervisor's restart of the
+        sampling looks again."""
         if self._started:
             return
         self._started = True
+        try:
+            await self._open_gpus()
+        except Exception:
+            self._started = False
+            raise
+
+    async def _open_gpus(self) -> None:
         if not self.use_gpus:
             self._stats.gpu_status = "GPU sampling off"
             return
