@@ -59,10 +59,12 @@ GPU_CHOICE = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 
 
 def clean_environ() -> dict[str, str]:
-    """This process's environment without any platform or sidecar variable, nor one that
-    chooses the job's GPUs (GPU_CHOICE): a test that wants one sets it."""
+    """This process's environment without any platform or sidecar variable (the tests' own
+    fault injection, _SIDECAR_TEST_FAULTS, too), nor one that chooses the job's GPUs
+    (GPU_CHOICE): a test that wants one sets it."""
     return {k: v for k, v in os.environ.items()
-            if not k.startswith(("STARFORGE_", "TUNEPLANE_", "SIDECAR_")) and k not in GPU_CHOICE}
+            if not k.startswith(("STARFORGE_", "TUNEPLANE_", "SIDECAR_", "_SIDECAR_"))
+            and k not in GPU_CHOICE}
 
 
 def platform_env(ingest: RunningIngest | str, state_dir: Path, **extra: str) -> dict[str, str]:
