@@ -26,8 +26,9 @@ from sidecar.log import log, setup
 from sidecar.observe.address import parse_host_port
 
 CERT_CHECK_S = 10.0  # how often the certificate's files are looked at
-READ_LIMIT_S = 5.0  # a review's body that takes longer is not waited for: the API server's
-# timeout is about as long, and the pod is admitted without the sidecar then anyway
+# a review's body that takes longer is not waited for: the API server's timeout is about as
+# long, and the pod is admitted without the sidecar then anyway
+READ_LIMIT_S = 5.0
 
 
 class Certificate:
