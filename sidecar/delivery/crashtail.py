@@ -129,7 +129,7 @@ class StreamTail:
             if len(encoded) > room:  # a character cut by the window's edge is left out whole
                 start = len(piece.text) - len(encoded[-room:].decode("utf-8", "ignore"))
                 # and so is a line: the window starts at one, and older text may be sent
-                # after it (wrapper.py's _tail_first) or a line of ours put before it
+                # after it (drain.py's _tail_first) or a line of ours put before it
                 line_end = piece.text.find("\n", start - 1) if start else -1
                 if line_end >= 0:
                     start = line_end + 1
