@@ -201,13 +201,10 @@ class _Brief(logging.Filter):
         return record.levelno >= logging.WARNING or getattr(record, "brief", False)
 
 
-class _Say:
-    """Whether this process says only the brief messages (a terminal, `--log-level auto`)."""
-
-    brief = False
-
-
-said = _Say()
+def brief() -> bool:
+    """Whether the sidecar's messages are the brief ones alone (a terminal, `--log-level
+    auto`): what `setup` installed says so."""
+    return any(isinstance(f, _Brief) for handler in log.handlers for f in handler.filters)
 
 
 def setup(level: str = "info", message_format: str = "text",
@@ -218,8 +215,7 @@ def setup(level: str = "info", message_format: str = "text",
     output reads it, not ours (docs/commands.md#its-own-messages)."""
     handler = _Handler(sys.stderr)
     handler.addFilter(_RepeatFilter())
-    said.brief = level == "auto" and sys.stderr.isatty()
-    if said.brief:
+    if level == "auto" and sys.stderr.isatty():
         handler.addFilter(_Brief())
     handler.setFormatter(_JsonFormatter(context) if message_format == "json"
                          else _TextFormatter())

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sidecar.config import Config
 from sidecar.delivery.client import IngestClient
 from sidecar.exits import ConfigError
-from sidecar.log import BRIEF, log, said
+from sidecar.log import BRIEF, brief, log
 from sidecar.node import Node, resolve_node
 from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
@@ -132,7 +132,7 @@ class Runtime:
         """The one line before the command's output: what is reported, and where to."""
         node = self.node
         where = f"node {node.name}" + (f", rank {node.rank}" if node.multi_node else "")
-        more = " (-v: all of the sidecar's messages)" if said.brief else ""
+        more = " (-v: all of the sidecar's messages)" if brief() else ""
         if self.client is None:
             log.info("reporting is off (ENABLED=0): %s%s",
                      "the command's output is passed through, nothing is posted"
