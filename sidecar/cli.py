@@ -414,6 +414,18 @@ SUBCOMMANDS = (
          "2  several daemons run here and no --run-id picks one",
          "3  the daemon cannot take them (no py-spy)")),
     Subcommand(
+        "profile", "sample every rank of the running daemon's command for a few seconds: "
+        "where each one's time goes, and its hottest frames",
+        (_value("--seconds", 10, "how long to sample, in seconds (1 to 300)", type=int,
+                metavar="N"),
+         _flag("--json", "print the profile as JSON"), *_DAEMON),
+        "sidecar.commands.profile",
+        ("sidecar profile", "sidecar profile --seconds 30 --run-id run-4f2a91"),
+        ("0  the profile was printed",
+         "1  nothing answered at the address",
+         "2  several daemons run here and no --run-id picks one",
+         "3  the daemon cannot sample (no py-spy, no process in view)")),
+    Subcommand(
         "lifecycle", "post one lifecycle event, strictly",
         (_positional("event", "the event to post", choices=EVENTS),
          _value("--timeout", 60.0, "give up (exit 1, event kept for replay) after this many "

@@ -86,6 +86,7 @@ class Config(NamedTuple):
     status_addr: str
     drain_timeout: float
     stall_after: float | None  # None: judged against the run's cadence
+    time_window: int  # 0: the ranks' time is not sampled
     token_file: Path | None
     running_when: str
     log_prefix: str

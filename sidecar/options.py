@@ -32,6 +32,17 @@ def check_hardware_interval(interval_s: float, source: str) -> None:
                           "CPU and floods /hardware; give 1 or more, or 0 to turn sampling off")
 
 
+MIN_TIME_WINDOW_S = 2
+
+
+def check_time_window(window_s: int, source: str) -> None:
+    """--time-window: 0 (off), or at least MIN_TIME_WINDOW_S."""
+    if 0 < window_s < MIN_TIME_WINDOW_S:
+        raise ConfigError(f"{source}={window_s} is below the floor of {MIN_TIME_WINDOW_S} s: a "
+                          "shorter window holds too few samples to say where the time goes; "
+                          "give 2 or more, or 0 to turn the sampling off")
+
+
 def check_gpus(value: str, source: str) -> None:
     """--gpus: NVML indexes (0, 3) or UUIDs (GPU-..., MIG-...), comma-separated; empty: the
     environment's."""
@@ -248,6 +259,10 @@ OPTIONS: tuple[Option, ...] = (
            "a stall is said in /logs and on the status endpoint, and the command's stacks are "
            "taken; 0 turns it off", at_least=0,
            shown_default="the run's cadence: 3 x its longest quiet gap, at least 120"),
+    Option("time-window", "int", 60, "seconds over which each rank's share of time in "
+           "collectives, waiting for data, saving checkpoints and computing is measured, from "
+           "outside, and sent to /hardware; 0 turns it off (the stacks at a stall stay)",
+           metavar="SECONDS", at_least=0, check=check_time_window),
     Option("token-file", "path", None, "read the token from this file (wins over the variable)"),
     Option("running-when", "str", "spawn", "post running as the child is spawned, or on its marker",
            choices=("spawn", "marker"), only="run"),

@@ -13,6 +13,7 @@ tail) and what only `watch` has (the processes it finds) stay in their command's
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from sidecar.log import BRIEF, brief, log
 from sidecar.node import Node, resolve_node
 from sidecar.stall import StallWatch, gpu_summary
 from sidecar.statefile import FolderBusy, claim_folder, release
-from sidecar.supervise import restarts, spawn_once
+from sidecar.supervise import restarts, spawn_once, supervise
 
 if TYPE_CHECKING:  # imported once there is something to report on: `run` spawns before these
     from sidecar.delivery.lifecycle import Lifecycle
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # imported once there is something to report on: `run` spawns
     from sidecar.pipeline import Pipeline
     from sidecar.sources.console.signatures import Scanner
     from sidecar.stacks import Process, StackTaker
+    from sidecar.timeshare import TimeSampler
 
 TICK_S = 0.25  # how often quiet partial lines, progress bars and the stall clock are looked at
 
@@ -118,6 +120,8 @@ class Runtime:
         self.pipeline: Pipeline | None = None
         self.stacks: StackTaker | None = None
         self.status: StatusServer | None = None
+        self.time: TimeSampler | None = None  # --time-window's sampling
+        self._time_task: asyncio.Task[None] | None = None
         self._processes = processes
         self._announce = announce or self._through_pipeline
         self._still_stalled = still_stalled
@@ -164,8 +168,31 @@ class Runtime:
         from sidecar.stacks import StackTaker
 
         self.stacks = StackTaker(self._processes, cfg.run_dir if client is not None else None)
+        if cfg.time_window > 0:
+            self._sample_time()
         self.status = await serve_status(cfg, self.node, self.mode, client, self.pipeline,
-                                         lifecycle, self.report, self.stacks)
+                                         lifecycle, self.report, self.stacks, self.time,
+                                         self._processes)
+
+    def _sample_time(self) -> None:
+        """--time-window: each window's shares to /hardware, its verdicts to /logs."""
+        from sidecar.timeshare import TimeSampler
+        from sidecar.verdicts import Verdicts
+
+        assert self.stacks is not None
+        node = self.node
+        verdicts = Verdicts(self._announce, node.name, node.multi_node,
+                            lambda: self._gpus())
+        run_id = self.cfg.platform.run_id
+
+        def emit(points: list[dict[str, Any]]) -> None:
+            if self.pipeline is not None:
+                self.pipeline.emit("hardware", {"run_id": run_id, "node": node.name,
+                                                "points": points})
+
+        self.time = TimeSampler(self.cfg.time_window, self._processes, emit, verdicts,
+                                verdicts.lines, self.stacks.tool)
+        self._time_task = supervise("time-shares", self.time.run)
 
     async def close(self, outcome: str, kept: Sequence[str] = ()) -> None:
         """The status endpoint, the pipeline, the client, in that order; then the claim. One
@@ -173,6 +200,11 @@ class Runtime:
         (`kept`: what the caller holds beyond the pipeline's)."""
         if self.status is not None:
             await self.status.close()
+        if self.time is not None:
+            from sidecar.aio import cancel
+
+            await cancel(self._time_task)
+            self.time.close()
         left = await self.pipeline.close() if self.pipeline is not None else []
         if self.client is not None:
             await self.client.close()
@@ -213,7 +245,10 @@ class Runtime:
 
 async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient | None,
                        pipeline: Pipeline | None, lifecycle: Lifecycle | None,
-                       report: Report, stacks: StackTaker | None = None) -> StatusServer | None:
+                       report: Report, stacks: StackTaker | None = None,
+                       shares: TimeSampler | None = None,
+                       processes: Callable[[], Iterable[Process]] = tuple
+                       ) -> StatusServer | None:
     """The local status endpoint (--status-addr), reading the live objects at request time."""
     if cfg.status_addr == "off":
         return None  # nor is the endpoint's module imported
@@ -265,7 +300,8 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
             stalled_s=report.stall.stalled_s if report.stall is not None else 0.0,
             checkpoints=checkpoints,
             uploads=tuple(UploadSnapshot(**u) for u in (uploads.progress() if uploads else ())),
-            upload_totals=upload_totals)
+            upload_totals=upload_totals,
+            time_shares=shares.to_json() if shares is not None else None)
 
     run_dir = cfg.run_dir if client is not None else None
 
@@ -279,4 +315,11 @@ async def serve_status(cfg: Config, node: Node, mode: str, client: IngestClient 
             return "no stacks were taken yet: no stall was said"
         return taken.to_json()
 
-    return await start_status_server(cfg.status_addr, run_dir, snapshot, stacks=look)
+    async def profile(seconds: int) -> dict[str, Any] | str:
+        """/profile: every rank sampled for `seconds`, its workers too."""
+        from sidecar.timeshare import profile as sample
+
+        return await sample(stacks.tool if stacks is not None else None, processes, seconds)
+
+    return await start_status_server(cfg.status_addr, run_dir, snapshot, stacks=look,
+                                     profile=profile)

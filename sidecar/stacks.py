@@ -32,11 +32,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.log import log
 from sidecar.stall import ranges
 from sidecar.threads import off_loop
+
+if TYPE_CHECKING:
+    from sidecar.shares import Rule
 
 # a dump with --native reads libtorch's symbols first: seconds on a loaded machine
 DUMP_TIMEOUT_S = 10.0
@@ -362,8 +365,6 @@ def where(process: Process) -> str:
     if thread is None:
         return "(no Python thread)"
     frames = thread.get("frames", [])
-    python = [f for f in frames if _is_python(f)]
-    innermost = python[0]
     native = ""
     for frame in frames:
         if _is_python(frame):
@@ -372,10 +373,26 @@ def where(process: Process) -> str:
         if not _PLUMBING.match(name) and not lib.startswith(_SYSTEM_LIBS):
             native = f" [{name}]"
             break
-    own = next((f for f in python if _is_own(f)), None)
-    if own is innermost or own is None:
-        return f"{_place(innermost)}{native}"
-    return f"{innermost['name']}{native} <- {_place(own)}"
+    return place_of(frames, native=native)
+
+
+def place_of(frames: Sequence[Mapping[str, Any]], rule: Rule | None = None,
+             native: str = "") -> str:
+    """Where a thread whose frames (innermost first) these are is: its innermost Python frame,
+    or the one that matches `rule` (shares.py), then the trainer's own frame that called it:
+    `all_reduce <- step (trainer.py:17)`; `native`: the C++ frame it waits in, after the name."""
+    python = [f for f in frames if _is_python(f)]
+    if not python:
+        return "(no Python frame)"
+    at = 0
+    if rule is not None:
+        from sidecar.shares import rule_of
+
+        at = next((i for i, f in enumerate(python) if rule_of(f) is rule), 0)
+    own = next((f for f in python[at:] if _is_own(f)), None)
+    if own is python[at] or own is None:
+        return f"{_place(python[at])}{native}"
+    return f"{python[at]['name']}{native} <- {_place(own)}"
 
 
 def _place(frame: Mapping[str, Any]) -> str:

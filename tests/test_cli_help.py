@@ -13,7 +13,8 @@ from sidecar.cli import build_parser
 from sidecar.options import OPTIONS, options_of
 from tests.conftest import SIDECAR, clean_environ
 
-COMMANDS = ("run", "watch", "check", "config", "status", "stacks", "lifecycle", "replay",
+COMMANDS = ("run", "watch", "check", "config", "status", "stacks", "profile", "lifecycle",
+            "replay",
             "receive", "inject", "demo", "completion")
 # The words a value is shown as: one vocabulary for every command (argparse's {a,b} aside).
 METAVARS = {"PATH", "DIR", "FILE", "IMAGE", "LABEL", "SECONDS", "N", "HOST:PORT", "HOST", "PORT",

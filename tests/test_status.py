@@ -354,7 +354,7 @@ def test_the_status_document_keeps_its_keys_their_order_and_its_own_copies() -> 
                          "waiting": [["/data/ckpt/checkpoint-600", "no trainer_state.json yet"]],
                          "skipped": [], "aliases": 1, "not_posted": 0,
                          "deleted_before_complete": 2, "note": "", "deleted": []}],
-        "uploads": [], "upload_totals": {},
+        "uploads": [], "upload_totals": {}, "time_shares": None,
     }
     doc = snap.to_json()
     assert json.dumps(doc) == json.dumps(expected)  # the order of the keys too

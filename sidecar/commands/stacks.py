@@ -45,13 +45,13 @@ def stacks_command(args: argparse.Namespace, environ: Mapping[str, str] | None =
     return EXIT_OK
 
 
-def _fetch(address: str, path: str) -> dict[str, Any]:
+def _fetch(address: str, path: str, timeout_s: float = FETCH_TIMEOUT_S) -> dict[str, Any]:
     import urllib.error
     import urllib.request
 
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
     try:
-        with direct.open(f"http://{address}{path}", timeout=FETCH_TIMEOUT_S) as response:
+        with direct.open(f"http://{address}{path}", timeout=timeout_s) as response:
             doc = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         why = exc.read().decode("utf-8", "replace").strip()
@@ -59,7 +59,7 @@ def _fetch(address: str, path: str) -> dict[str, Any]:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise NoAnswer(f"{address}{path} did not answer ({exc})") from None
     if not isinstance(doc, dict):
-        raise NoAnswer(f"{address}{path} did not answer with stacks")
+        raise NoAnswer(f"{address}{path} did not answer with a JSON object")
     return doc
 
 

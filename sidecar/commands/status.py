@@ -253,6 +253,31 @@ def render(snap: StatusSnapshot, previous: StatusSnapshot | None, address: str,
                         left=(0, 1), width=width)
     lines += _checkpoint_lines(snap, width)
     lines += _upload_lines(snap, width)
+    lines += _time_lines(snap, width)
+    return lines
+
+
+def _time_lines(snap: StatusSnapshot, width: int) -> list[str]:
+    """--time-window's latest window, a row a rank, then the verdicts holding."""
+    shares = snap.time_shares
+    if not shares:
+        return []
+    latest = shares.get("latest")
+    if latest is None:
+        why = shares.get("cannot") or f"the first {shares.get('window_s')}-s window is not over"
+        return ["", *textwrap.wrap(f"TIME: nothing yet ({why})", width,
+                                   subsequent_indent="    ")]
+    lines = ["", f"TIME over the last {latest['window_s']} s (docs/time.md)"]
+    lines += _table(
+        ("RANK", "SAMPLES", "COMPUTE", "DATA", "COLLECTIVE", "CHECKPOINT", "WORKERS"),
+        [(str(r["rank"]), str(r["samples"]),
+          *(f"{100 * r['shares'][c]:.0f} %" for c in ("compute", "data", "collective",
+                                                     "checkpoint")),
+          f"{r['workers_count']} ({r['workers_cores']:.1f} cores)" if r["workers_count"]
+          else "-") for r in latest["ranks"] if r["samples"]], "", left=(), width=width)
+    lines += [wrapped for verdict in shares.get("verdicts", ())
+              for wrapped in textwrap.wrap(verdict, width, initial_indent="  ",
+                                           subsequent_indent="      ")]
     return lines
 
 

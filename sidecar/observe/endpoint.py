@@ -145,7 +145,7 @@ class StatusSnapshot:
                  "matches",
                  "mode", "node", "offline", "routes", "run_id", "sampler_duration_s",
                  "signatures", "sources", "stalled_s", "started_at", "taken_at",
-                 "task_restarts", "upload_totals", "uploads")
+                 "task_restarts", "time_shares", "upload_totals", "uploads")
 
     def __init__(self, run_id: str, node: str, mode: str, offline: bool, started_at: float,
                  routes: tuple[RouteSnapshot, ...] = (),
@@ -160,7 +160,8 @@ class StatusSnapshot:
                  taken_at: float | None = None,
                  checkpoints: tuple[CheckpointSnapshot, ...] = (),
                  uploads: tuple[UploadSnapshot, ...] = (),
-                 upload_totals: dict[str, int] | None = None) -> None:
+                 upload_totals: dict[str, int] | None = None,
+                 time_shares: dict[str, Any] | None = None) -> None:
         self.run_id = run_id
         self.node = node
         self.mode = mode  # "run" or "watch"
@@ -184,6 +185,8 @@ class StatusSnapshot:
         self.uploads = uploads  # the checkpoint uploads under way
         # bytes and files uploaded, checkpoints refused, since the start
         self.upload_totals = {} if upload_totals is None else upload_totals
+        # --time-window: the latest window's shares by rank, the verdicts holding (timeshare.py)
+        self.time_shares = time_shares
 
     @property
     def ready(self) -> bool:
@@ -210,6 +213,7 @@ class StatusSnapshot:
             "checkpoints": tuple(c._asdict() for c in self.checkpoints),
             "uploads": tuple(u._asdict() for u in self.uploads),
             "upload_totals": dict(self.upload_totals),
+            "time_shares": copy.deepcopy(self.time_shares),
         }
 
     @classmethod
@@ -236,6 +240,7 @@ class StatusSnapshot:
                                   for c in doc.get("checkpoints", ())),
                 uploads=tuple(UploadSnapshot(**u) for u in doc.get("uploads", ())),
                 upload_totals={str(k): int(v) for k, v in doc.get("upload_totals", {}).items()},
+                time_shares=dict(doc["time_shares"]) if doc.get("time_shares") else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a sidecar /status document ({exc!r})") from None
@@ -286,33 +291,35 @@ class _Answer(NamedTuple):
     masked: bool = False
 
 
-_Handler = Callable[[], Awaitable[_Answer]]
+_Handler = Callable[[str], Awaitable[_Answer]]  # the request's query string
 
 
 Stacks = Callable[[bool], Awaitable[dict[str, Any] | str]]  # a look now, or the last; or why not
+Profile = Callable[[int], Awaitable[dict[str, Any] | str]]  # N seconds sampled; or why not
+MAX_PROFILE_S = 300
 
 
-def _routes(snapshot: Callable[[], StatusSnapshot],
-            stacks: Stacks | None = None) -> dict[str, _Handler]:
+def _routes(snapshot: Callable[[], StatusSnapshot], stacks: Stacks | None = None,
+            profile: Profile | None = None) -> dict[str, _Handler]:
     prometheus = _Prometheus(snapshot)
 
-    async def healthz() -> _Answer:
+    async def healthz(_query: str) -> _Answer:
         return _Answer(200, "ok\n")
 
-    async def readyz() -> _Answer:
+    async def readyz(_query: str) -> _Answer:
         if snapshot().ready:
             return _Answer(200, "ready\n")
         return _Answer(503, "not ready: the ingest has not accepted a request yet\n")
 
-    async def metrics() -> _Answer:
+    async def metrics(_query: str) -> _Answer:
         text = await prometheus.text()
         return _Answer(200, _masked_exposition(text), prometheus.content_type, masked=True)
 
-    async def status() -> _Answer:
+    async def status(_query: str) -> _Answer:
         return _json_answer(snapshot().to_json())
 
     def stacks_route(fresh: bool) -> _Handler:
-        async def answer() -> _Answer:
+        async def answer(_query: str) -> _Answer:
             doc = await stacks(fresh) if stacks is not None else "no stacks in this mode"
             if isinstance(doc, str):
                 return _Answer(503, doc + "\n")
@@ -320,14 +327,29 @@ def _routes(snapshot: Callable[[], StatusSnapshot],
 
         return answer
 
+    async def profile_route(query: str) -> _Answer:
+        """/profile?seconds=N: every rank sampled for N seconds (default 10)."""
+        from urllib.parse import parse_qs
+
+        given = parse_qs(query).get("seconds", ["10"])[-1]
+        if not given.isdigit() or not 1 <= int(given) <= MAX_PROFILE_S:
+            return _Answer(400, f"seconds={given!r}: give a whole number of seconds from 1 to "
+                           f"{MAX_PROFILE_S}\n")
+        doc = await profile(int(given)) if profile is not None else "no profile in this mode"
+        if isinstance(doc, str):
+            return _Answer(503, doc + "\n")
+        return _json_answer(doc)
+
     return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics, "/status": status,
-            "/stacks": stacks_route(True), "/stacks/last": stacks_route(False)}
+            "/stacks": stacks_route(True), "/stacks/last": stacks_route(False),
+            "/profile": profile_route}
 
 
 async def _answer(routes: Mapping[str, _Handler], request: h11.Request) -> _Answer:
     """The answer to `request`; one that raises is a 500, said and counted as a failure of the
     status server (sidecar.supervise), which goes on serving."""
-    path = request.target.partition(b"?")[0].decode("ascii", "replace")
+    target, _, query = request.target.partition(b"?")
+    path = target.decode("ascii", "replace")
     handler = routes.get(path)
     if handler is None:
         return _Answer(404, f"not found: the status endpoint serves {', '.join(routes)}\n")
@@ -335,7 +357,7 @@ async def _answer(routes: Mapping[str, _Handler], request: h11.Request) -> _Answ
         return _Answer(405, f"method not allowed: {path} answers GET and HEAD\n",
                        headers=(("Allow", "GET, HEAD"),))
     try:
-        return await handler()
+        return await handler(query.decode("ascii", "replace"))
     except Exception as exc:  # a bug in a snapshot or its rendering: never the server's end
         SUPERVISOR.failed("status-server", exc)
         return _Answer(500, f"{path} failed: {exc.__class__.__name__}; the sidecar's log says "
@@ -542,7 +564,8 @@ class StatusServer:
 async def start_status_server(addr: str, run_dir: Path | None,
                               snapshot: Callable[[], StatusSnapshot], *,
                               idle_timeout_s: float = IDLE_TIMEOUT_S,
-                              stacks: Stacks | None = None) -> StatusServer | None:
+                              stacks: Stacks | None = None,
+                              profile: Profile | None = None) -> StatusServer | None:
     """Serve the status endpoint on `addr` (HOST:PORT, or "off" for none); never raises for a
     port that cannot be had. The default address, busy, falls back to an ephemeral port of the
     same interface; an address given explicitly is checked before the start (cli.py), so one
@@ -550,7 +573,7 @@ async def start_status_server(addr: str, run_dir: Path | None,
     if addr == "off":
         return None
     host, port = parse_host_port(addr, "--status-addr")
-    connections = _Connections(_routes(snapshot, stacks), idle_timeout_s)
+    connections = _Connections(_routes(snapshot, stacks, profile), idle_timeout_s)
     try:
         listener = await asyncio.start_server(connections.accept, host, port,
                                               limit=MAX_REQUEST_BYTES)
