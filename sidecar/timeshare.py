@@ -95,9 +95,11 @@ def parse_raw(text: str, tally: Tally) -> None:
     the process's PID) into the categories, a child process's into its workers.
 
     A line is the stack outermost first, `;`-separated, then a space and how many samples had
-    it: `process 12:"python trainer.py";thread (12): MainThread;<module> (/trainer.py:11);step
-    (/trainer.py:4) 5`
-    (the `process` parts only with --subprocesses, a child's after its parent's)."""
+    it (the `process` parts only with --subprocesses, a child's after its parent's):
+
+        process 12:"python trainer.py";thread (12): MainThread;<module>
+        (sidecar/examples/trainer.py:11);step (sidecar/examples/trainer.py:4) 5
+    """
     main = f"thread ({tally.pid}):"
     for line in text.splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -119,7 +121,7 @@ def parse_raw(text: str, tally: Tally) -> None:
 
 
 def _frame(part: str) -> dict[str, Any]:
-    """`step (/trainer.py:4)` as py-spy's JSON names a frame."""
+    """`step (sidecar/examples/trainer.py:4)` as py-spy's JSON names a frame."""
     name, _, where = part.rpartition(" (")
     filename, _, line = where.removesuffix(")").rpartition(":")
     if not name:  # no place: a frame py-spy could not name

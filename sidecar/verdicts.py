@@ -18,8 +18,8 @@ The thresholds, and why:
   TensorFlow's profiler's "highly input-bound" (20 % of the step time waiting for input); a
   step could then be 1.25x faster, and 300 samples know the share to +-3 points.
 - checkpoint: saves took CHECKPOINT_SHARE or more of the samples of the last CHECKPOINT_SPAN
-  windows, all ranks together: a save of a minute every ten minutes, where a single window would
-  only see one long save.
+  windows, all ranks together, judged once there are that many: a save of a minute every ten
+  minutes, where a single window would only see one long save.
 """
 
 from __future__ import annotations
@@ -178,6 +178,8 @@ class Verdicts:
                 f"{self._gpu_words()}")
 
     def _checkpoint(self) -> str:
+        if len(self._recent) < CHECKPOINT_SPAN:  # the run's first save is no share of its time
+            return ""
         total = saving = 0
         ranks: set[int] = set()
         places: list[Tally] = []

@@ -88,6 +88,7 @@ def test_healthy_endpoint_exits_0(ingest: RunningIngest, tmp_path: Path,
     assert list(result.steps) == ["configuration", "stacks", "state", "dns", "address", "tcp",
                                   "tls", "probe"]
     assert result.line("stacks").startswith("ok ")  # py-spy may read a child of ours here
+    assert "each rank's time measured every 60 s (--time-window)" in result.line("stacks")
     assert "StarForge" in result.line("configuration")
     assert "token from STARFORGE_TOKEN" in result.line("configuration")
     assert result.line("probe").startswith("ok ")

@@ -4,7 +4,10 @@ again; a DataLoader whose workers cannot keep up; `sidecar profile` on a running
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -15,11 +18,13 @@ from typing import Any
 
 import pytest
 
-from sidecar.stacks import find_tool
+from sidecar.stacks import Process, find_tool
+from sidecar.timeshare import ShareWindow, Tally, TimeSampler, parse_raw
+from sidecar.verdicts import Verdicts
 from tests.conftest import SIDECAR, Sidecar, platform_env
 from tests.ingest_server import RunningIngest, wait_until
 
-pytestmark = pytest.mark.skipif(find_tool() is None, reason="py-spy is not installed")
+needs_py_spy = pytest.mark.skipif(find_tool() is None, reason="py-spy is not installed")
 
 # Each rank computes (a busy loop, as a CPU-bound step is) then all-reduces; rank 1 computes
 # three times longer while the file `slow` exists. Each step's time goes to steps-<rank>.
@@ -105,6 +110,7 @@ def ranks(ingest: RunningIngest, tmp_path: Path, torchrun: Path) -> Iterator[Sid
                 proc.proc.kill()
 
 
+@needs_py_spy
 def test_the_straggler_is_named_once_while_it_lasts_and_a_balanced_run_gets_no_verdict(
         ingest: RunningIngest, tmp_path: Path, ranks: Sidecar) -> None:
     balanced = 6
@@ -168,6 +174,7 @@ if __name__ == "__main__":
 '''
 
 
+@needs_py_spy
 def test_a_starving_data_loader_is_said_input_bound_and_profile_shows_its_workers(
         ingest: RunningIngest, tmp_path: Path) -> None:
     (tmp_path / "starved.py").write_text(STARVED)
@@ -207,3 +214,164 @@ def test_a_starving_data_loader_is_said_input_bound_and_profile_shows_its_worker
         (tmp_path / "stop").touch()
         done = proc.wait(60)
     assert done.status == 0, done.stderr
+
+
+# -- the verdicts, judged on windows made by hand --------------------------------------------
+
+def tally(rank: int, samples: int = 300, **shares: float) -> Tally:
+    """A rank's window: `shares` of its samples in those categories, the rest compute."""
+    made = Tally(rank, 1000 + rank)
+    left = samples
+    for category, share in shares.items():
+        count = round(share * samples)
+        made.counts[category] += count
+        made.places[category][f"{'all_reduce' if category == 'collective' else category} <- "
+                              "step (trainer.py:9)"] += count
+        left -= count
+    made.counts["compute"] += left
+    made.places["compute"]["step (trainer.py:9)"] += left
+    return made
+
+
+def window(*tallies: Tally, workers: dict[int, tuple[int, float]] | None = None) -> ShareWindow:
+    return ShareWindow(60, 5, 0.0, {t.rank: t for t in tallies}, workers or {})
+
+
+def judged(windows: list[ShareWindow], multi_node: bool = False) -> list[str]:
+    said: list[str] = []
+    judge = Verdicts(said.append, "gpu-07", multi_node, lambda: "GPUs 0-7: 97 % utilisation")
+    for each in windows:
+        judge(each)
+    return said
+
+
+def test_a_straggler_is_said_after_two_windows_once_and_its_end_once() -> None:
+    slow = window(tally(0, collective=0.41), tally(1, collective=0.45), tally(2, collective=0.4),
+                  tally(3, collective=0.38), tally(4, collective=0.44),
+                  tally(5, collective=0.03), tally(6, collective=0.42),
+                  tally(7, collective=0.39))
+    balanced = window(*(tally(r, collective=0.1) for r in range(8)))
+    assert judged([slow]) == []  # one window is one slow batch
+    said = judged([slow, slow, slow, balanced])
+    assert said == [
+        "[sidecar] rank 5 is the straggler: ranks 0-4, 6-7 wait for it in all_reduce 41 % of "
+        "their time, rank 5 waits 3 %; GPUs 0-7: 97 % utilisation",
+        "[sidecar] no rank is the straggler any more: the ranks wait for each other alike"]
+
+
+@pytest.mark.parametrize("shares", [
+    (0.30, 0.33, 0.28),  # balanced ranks, each waiting for the others alike
+    (0.51, 0.46, 0.85),  # a noisy window of three busy ranks sharing two cores
+    (0.12, 0.01, 0.15),  # one rank waits least, but nobody waits much
+    (0.40, 0.25, 0.45),  # a rank that waits less, not a third as much
+])
+def test_balanced_or_noisy_ranks_get_no_verdict(shares: tuple[float, ...]) -> None:
+    each = window(*(tally(r, collective=s) for r, s in enumerate(shares)))
+    assert judged([each] * 4) == []
+
+
+def test_every_local_rank_waiting_names_another_node_only_on_a_multi_node_run() -> None:
+    waiting = window(*(tally(r, collective=0.5 + (r - 8) / 100) for r in range(8, 12)))
+    assert judged([waiting] * 3) == []  # one node: nothing to say where the slow one is
+    said = judged([waiting] * 3, multi_node=True)
+    assert len(said) == 1
+    assert said[0].startswith("[sidecar] every rank on this node (gpu-07: ranks 8-11) waits in "
+                              "collectives (all_reduce) 50-53 % of its time: the rank they wait "
+                              "for is on another node"), said
+
+
+def test_input_bound_names_the_workers_cpu_or_their_absence() -> None:
+    starved = window(tally(0, data=0.64), workers={0: (4, 3.9)})
+    said = judged([starved, starved])
+    assert said == ["[sidecar] rank 0 is input-bound: the main thread waits for its next batch "
+                    "in data 64 % of its time; its 4 data-loader worker processes use 3.9 cores "
+                    "of CPU; GPUs 0-7: 97 % utilisation"]
+    inline = window(tally(0, data=0.3))
+    assert "it loads its batches in its main process (no worker process)" in \
+        judged([inline, inline])[0]
+    assert judged([window(tally(0, data=0.15))] * 3) == []  # below 20 %: not said
+
+
+def test_checkpoint_saves_are_judged_over_the_last_ten_windows() -> None:
+    quiet = window(tally(0), tally(1))
+    saving = window(tally(0, checkpoint=0.9), tally(1, checkpoint=0.9))
+    # a save of most of a window, every tenth window: 9 % of the time, not said
+    assert judged([saving, *[quiet] * 9, saving, *[quiet] * 9]) == []
+    # every fourth window: 18-27 % of the last ten, said once ten are in and it held two
+    said = judged([saving, *[quiet] * 3] * 3)
+    assert said == ["[sidecar] checkpoint saves took 18 % of the time of ranks 0-1 over the "
+                    "last 600 s (in checkpoint)"]
+
+
+def test_a_window_with_too_few_samples_is_not_judged() -> None:
+    few = window(tally(0, samples=10, collective=0.6), tally(1, samples=10))
+    assert judged([few] * 4) == []
+
+
+def test_py_spys_raw_output_is_read_by_thread_and_process() -> None:
+    made = Tally(0, 12)
+    parse_raw(
+        'process 12:"python trainer.py";thread (12): MainThread;<module> (/w/trainer.py:11);'
+        'all_reduce (/v/site-packages/torch/distributed/distributed_c10d.py:2501) 7\n'
+        'process 12:"python trainer.py";thread (12): MainThread;<module> (/w/trainer.py:11);'
+        'step (/w/trainer.py:4) 3\n'
+        'process 12:"python trainer.py";thread (13): Thread-1 (beat);beat (/w/trainer.py:2) 10\n'
+        'process 12:"python trainer.py";process 14:"python trainer.py";thread (14): MainThread;'
+        '__getitem__ (/w/data.py:5) 4\n'
+        'process 12:"python trainer.py";process 14:"python trainer.py";thread (15): Thread-2;'
+        'wait (/usr/lib/python3.11/threading.py:327) 4\n'
+        'a line py-spy never writes\n', made)
+    assert made.counts == {"collective": 7, "compute": 3}  # the main thread's only
+    assert made.places["collective"] == {"all_reduce <- <module> (trainer.py:11)": 7}
+    assert made.workers == {"__getitem__ (data.py:5)": 4}  # a worker's main thread only
+
+
+def fake_tool(tmp_path: Path, body: str) -> str:
+    tool = tmp_path / "py-spy"
+    tool.write_text(f"#!/bin/sh\n{body}\n")
+    tool.chmod(0o755)
+    return str(tool)
+
+
+async def sample_until_said(tool: str | None, caplog: pytest.LogCaptureFixture,
+                            windows: int = 3) -> tuple[TimeSampler, list[str]]:
+    """A sampler of this process (rank 0) run for `windows` looks, and what it said."""
+    caplog.set_level(logging.INFO, logger="sidecar")
+    me = [Process(os.getpid(), os.getppid(), "python", {"RANK": "0"})]
+    emitted: list[list[dict[str, Any]]] = []
+    looks = 0
+
+    def processes() -> list[Process]:
+        nonlocal looks
+        looks += 1
+        return me
+
+    sampler = TimeSampler(2, processes, emitted.append, lambda window: None, list, tool)
+    task = asyncio.ensure_future(sampler.run())
+    try:
+        async with asyncio.timeout(30):
+            while looks <= windows and not task.done():
+                await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sampler.close()
+    assert emitted == []
+    return sampler, [r.getMessage() for r in caplog.records if "is not sampled" in r.getMessage()]
+
+
+async def test_where_it_cannot_look_it_says_so_once_and_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    refused = fake_tool(tmp_path, "echo 'Error: Failed to get process executable name. Check "
+                                  "that the process is running.' >&2\necho 'Caused by: "
+                                  "Permission denied (os error 13)' >&2; exit 1")
+    sampler, said = await sample_until_said(refused, caplog)
+    assert said == ["where the time of rank 0 goes is not sampled: refused: ptrace is not "
+                    "allowed here; give the sidecar CAP_SYS_PTRACE "
+                    "(docs/time.md#where-it-cannot-look); the rest goes on"]
+    assert sampler.to_json()["cannot"] == "refused: ptrace is not allowed here"
+    caplog.clear()
+    _, said = await sample_until_said(None, caplog, windows=0)
+    assert said == ["where the time goes is not sampled: py-spy is not installed here "
+                    "(docs/time.md#where-it-cannot-look); the rest goes on"]

@@ -45,7 +45,7 @@ def check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     if args.command or cfg.python is not None:
         _python(cfg, args.command, environ, report)
     if cfg.platform.enabled:  # with reporting off nothing is said of a stall
-        _stacks(report)
+        _stacks(report, cfg.time_window)
     code = EXIT_OK
     if cfg.platform.enabled and cfg.platform.endpoint:
         _state_dir(cfg, report)
@@ -212,16 +212,19 @@ def _sources(cfg: Config, report: CheckReport) -> None:
         _hparams(cfg.hparams, report)
 
 
-def _stacks(report: CheckReport) -> None:
-    """Whether stacks can be taken at a stall (docs/stalls.md#where-it-cannot-look): py-spy is
-    here, and may read a child of ours (`run`'s case) and a ranked process in view (`watch`'s)."""
+def _stacks(report: CheckReport, time_window: int) -> None:
+    """Whether stacks can be taken at a stall and each rank's time measured (--time-window,
+    docs/time.md#where-it-cannot-look): py-spy is here, and may read a child of ours (`run`'s
+    case) and a ranked process in view (`watch`'s); both read a process the same way."""
+    without = ("a stall is said without the command's stacks" + (
+        ", and where each rank's time goes (--time-window) is not measured" if time_window
+        else ""))
     from sidecar.stacks import Process, dump, find_tool, ranked_processes
 
     tool = find_tool()
     if tool is None:
-        report.add("stacks", "warn", "py-spy is not installed: a stall is said without the "
-                   "command's stacks; install the package with its dependencies "
-                   "(docs/stalls.md#where-it-cannot-look)")
+        report.add("stacks", "warn", f"py-spy is not installed: {without}; install the package "
+                   "with its dependencies (docs/stalls.md#where-it-cannot-look)")
         return
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; print(flush=True); "
                               "time.sleep(30)"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
@@ -235,7 +238,7 @@ def _stacks(report: CheckReport) -> None:
         child.wait()
     if probe.error:
         report.add("stacks", "warn", f"py-spy cannot read even a child of ours ({probe.error}): "
-                   "a stall is said without the stacks; a container needs CAP_SYS_PTRACE "
+                   f"{without}; a container needs CAP_SYS_PTRACE "
                    "(docs/stalls.md#where-it-cannot-look)", tool=tool)
         return
     ranked = [p for p in ranked_processes() if p.pid != os.getpid()][:1]
@@ -247,7 +250,9 @@ def _stacks(report: CheckReport) -> None:
                        "ptrace is refused; give the sidecar CAP_SYS_PTRACE "
                        "(deploy/kubernetes/overlays/stacks)", tool=tool)
             return
-    report.add("stacks", "ok", f"stacks can be taken at a stall ({tool})", tool=tool)
+    shares = (f", and each rank's time measured every {time_window} s (--time-window)"
+              if time_window else "; --time-window 0: each rank's time is not measured")
+    report.add("stacks", "ok", f"stacks can be taken at a stall{shares} ({tool})", tool=tool)
 
 
 def _hparams(path: Path, report: CheckReport) -> None:
