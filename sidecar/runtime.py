@@ -191,7 +191,7 @@ class Runtime:
                                                 "points": points})
 
         self.time = TimeSampler(self.cfg.time_window, self._processes, emit, verdicts,
-                                verdicts.lines, self.stacks.tool)
+                                verdicts.lines, self.stacks.tool, verdicts.starving)
         self._time_task = supervise("time-shares", self.time.run)
 
     async def close(self, outcome: str, kept: Sequence[str] = ()) -> None:

@@ -26,7 +26,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ class Tally:
         self.counts: Counter[str] = Counter()
         self.places: dict[str, Counter[str]] = {category: Counter() for category in CATEGORIES}
         self.error = ""  # why there are no samples: refused, not Python, gone, py-spy failed
-        # the data-loader workers' samples (a profile's, with --subprocesses): place -> count
+        # where its data-loader workers' main threads were (with --subprocesses): place -> count
         self.workers: Counter[str] = Counter()
 
     @property
@@ -229,9 +229,9 @@ class ShareWindow:
 
 async def sample_ranks(tool: str, ranks: Sequence[tuple[int, Process, list[int]]],
                        seconds: int, rate_hz: int, folder: Path, *,
-                       workers: bool = False) -> ShareWindow:
-    """Every rank sampled at once for `seconds`, each by its own py-spy record; with
-    `workers`, its children too (a profile's)."""
+                       workers: Container[int] = ()) -> ShareWindow:
+    """Every rank sampled at once for `seconds`, each by its own py-spy record; the ranks in
+    `workers` with their children too."""
 
     def workers_cpu() -> dict[int, float]:  # /proc reads: off the loop
         return {rank: cpu_seconds(children) for rank, _, children in ranks}
@@ -239,7 +239,8 @@ async def sample_ranks(tool: str, ranks: Sequence[tuple[int, Process, list[int]]
     before = await off_loop(workers_cpu, 5, "time-cpu")
     started = time.monotonic()
     tallies = await asyncio.gather(*(_record_one(tool, rank, process, seconds, rate_hz, folder,
-                                                 workers) for rank, process, _ in ranks))
+                                                 rank in workers)
+                                     for rank, process, _ in ranks))
     took_s = max(time.monotonic() - started, 1e-3)
     after = await off_loop(workers_cpu, 5, "time-cpu")
     used = {rank: (len(children), max(0.0, after[rank] - before[rank]) / took_s)
@@ -319,13 +320,16 @@ class TimeSampler:
     def __init__(self, window_s: int, processes: Callable[[], Iterable[Process]],
                  emit_points: Callable[[list[dict[str, Any]]], None],
                  judge: Callable[[ShareWindow], None], said: Callable[[], list[str]],
-                 tool: str | None) -> None:
+                 tool: str | None,
+                 starving: Callable[[ShareWindow], set[int]] = lambda window: set()) -> None:
         self.window_s = window_s
         self.rate_hz = rate_for(window_s)
         self.processes = processes  # blocking: the run's processes now
         self.emit_points = emit_points
         self.judge = judge  # each window's verdicts judged and said (verdicts.py)
         self.said = said  # the verdicts said and holding, for /status
+        # the ranks of a window whose workers the next one samples too: those waiting for data
+        self.starving = starving
         self.tool = tool
         self.latest: ShareWindow | None = None
         self.cannot = ""  # why nothing can be sampled, once said
@@ -344,7 +348,9 @@ class TimeSampler:
                 self._say_once("no process of the command is in view", level="info")
                 await asyncio.sleep(self.window_s)
                 continue
-            window = await sample_ranks(self.tool, ranks, self.window_s, self.rate_hz, self._dir())
+            workers = self.starving(self.latest) if self.latest is not None else set()
+            window = await sample_ranks(self.tool, ranks, self.window_s, self.rate_hz,
+                                        self._dir(), workers=workers)
             self._say_errors(window)
             if not window.sampled:
                 await asyncio.sleep(min(self.window_s, 5))  # a rank that just exited, or none
@@ -401,7 +407,8 @@ async def profile(tool: str | None, processes: Callable[[], Iterable[Process]],
         return "no process of the command is in view: nothing to sample"
     folder = scratch_folder("sidecar-profile")
     try:
-        window = await sample_ranks(tool, ranks, seconds, PROFILE_RATE_HZ, folder, workers=True)
+        window = await sample_ranks(tool, ranks, seconds, PROFILE_RATE_HZ, folder,
+                                    workers={rank for rank, _, _ in ranks})
     finally:
         remove_folder(folder)
     return window.to_json()

@@ -84,6 +84,13 @@ class Verdicts:
         self.said: dict[str, str] = {}  # verdict -> its line, while said and holding
         self._recent: deque[ShareWindow] = deque(maxlen=CHECKPOINT_SPAN)
 
+    @staticmethod
+    def starving(window: ShareWindow) -> set[int]:
+        """The ranks input-bound in `window`: the next window samples their workers too, so
+        that the verdict says what the workers do."""
+        return {rank for rank, tally in window.tallies.items()
+                if tally.samples >= MIN_SAMPLES and tally.share(DATA) >= INPUT_BOUND}
+
     def lines(self) -> list[str]:
         """The verdicts said and holding now."""
         return list(self.said.values())
@@ -172,6 +179,12 @@ class Verdicts:
         workers = (f"its {count} data-loader worker process{'es' if count > 1 else ''} use "
                    f"{cores:.1f} core{'s' if cores >= 1.5 else ''} of CPU"
                    if count else "it loads its batches in its main process (no worker process)")
+        places: Counter[str] = Counter()
+        for tally in bound.values():
+            places.update(tally.workers)
+        if places:
+            place, seen = places.most_common(1)[0]
+            workers += f", their main threads most in {place} ({_pct(seen / places.total())})"
         verb = "is" if len(bound) == 1 else "are"
         return (f"{_ranks(list(bound))} {verb} input-bound: the main thread waits for its next "
                 f"batch{' in ' + where if where else ''} {waits} of its time; {workers}"

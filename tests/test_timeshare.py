@@ -26,8 +26,9 @@ from tests.ingest_server import RunningIngest, wait_until
 
 needs_py_spy = pytest.mark.skipif(find_tool() is None, reason="py-spy is not installed")
 
-# Each rank computes (a busy loop, as a CPU-bound step is) then all-reduces; rank 1 computes
-# three times longer while the file `slow` exists. Each step's time goes to steps-<rank>.
+# Each rank computes, then all-reduces; rank 1 computes three times longer while the file `slow`
+# exists. The compute sleeps, as a host waiting for its GPU does: three ranks busy on two cores
+# would make whichever the scheduler served least a straggler too, and the test one of load.
 STEPS = r'''
 import os, sys, time
 import torch
@@ -40,9 +41,7 @@ total = torch.ones(1)
 
 
 def compute(seconds):
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    time.sleep(seconds)
 
 
 step = 0
@@ -188,6 +187,8 @@ def test_a_starving_data_loader_is_said_input_bound_and_profile_shows_its_worker
         assert said[0].startswith("[sidecar] rank 0 is input-bound: the main thread waits for "
                                   "its next batch in "), said
         assert "its 2 data-loader worker processes use " in said[0], said
+        # the workers are sampled once the rank waits for them: what they do is said too
+        assert "their main threads most in Slow.__getitem__ (starved.py:" in said[0], said
         # the first window holds the import of torch: compute
         assert hardware_shares(ingest)[-1][0]["data"] > 0.5, hardware_shares(ingest)
 
@@ -282,10 +283,13 @@ def test_every_local_rank_waiting_names_another_node_only_on_a_multi_node_run() 
 
 def test_input_bound_names_the_workers_cpu_or_their_absence() -> None:
     starved = window(tally(0, data=0.64), workers={0: (4, 3.9)})
+    assert Verdicts.starving(starved) == {0}  # the next window samples its workers
+    starved.tallies[0].workers.update({"decode (dataset.py:30)": 90, "get (queue.py:180)": 10})
     said = judged([starved, starved])
     assert said == ["[sidecar] rank 0 is input-bound: the main thread waits for its next batch "
                     "in data 64 % of its time; its 4 data-loader worker processes use 3.9 cores "
-                    "of CPU; GPUs 0-7: 97 % utilisation"]
+                    "of CPU, their main threads most in decode (dataset.py:30) (90 %); GPUs 0-7: "
+                    "97 % utilisation"]
     inline = window(tally(0, data=0.3))
     assert "it loads its batches in its main process (no worker process)" in \
         judged([inline, inline])[0]
