@@ -193,7 +193,7 @@ def _dump_one(tool: str, process: Process, native: bool, timeout_s: float) -> No
     except ValueError:
         process.threads = []
     if not process.threads:
-        process.error = _why(done.stderr.decode("utf-8", "replace"))
+        process.error = why_failed(done.stderr.decode("utf-8", "replace"))
     _continue_if_stopped(process.pid, before)
 
 
@@ -204,7 +204,9 @@ def _continue_if_stopped(pid: int, before: tuple[int, str, str] | None) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
-def _why(stderr: str) -> str:
+def why_failed(stderr: str) -> str:
+    """Why py-spy read nothing, from what it printed: refused, not Python, gone, or its own
+    first line."""
     if _REFUSED.search(stderr):
         return "refused: ptrace is not allowed here"
     if _NOT_PYTHON.search(stderr):

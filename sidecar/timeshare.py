@@ -32,7 +32,7 @@ from typing import Any
 
 from sidecar.log import log
 from sidecar.shares import CATEGORIES, COMPUTE, deciding
-from sidecar.stacks import Process, _why, place_of
+from sidecar.stacks import Process, place_of, why_failed
 from sidecar.supervise import fault_point
 from sidecar.threads import off_loop
 
@@ -138,26 +138,21 @@ def _short(filename: str) -> str:
     return filename.rpartition("/")[2]
 
 
-class Ranks:
-    """The local ranks to sample now: each rank's main process and its children (data-loader
-    workers), from the processes the run looks after."""
-
-    @staticmethod
-    def of(processes: Iterable[Process]) -> list[tuple[int, Process, list[int]]]:
-        """(rank, process, its children's PIDs), by rank: the processes with RANK whose parent
-        has none (or another one); a run without RANK is rank 0, its first Python process."""
-        procs = list(processes)
-        by_pid = {p.pid: p for p in procs}
-        ranked = [p for p in procs if p.rank is not None
-                  and (p.ppid not in by_pid or by_pid[p.ppid].rank != p.rank)]
-        if not ranked:
-            first = next((p for p in procs if _is_python(p.pid)), None)
-            ranked = [first] if first is not None else []
-        found = []
-        for process in ranked:
-            children = [p.pid for p in procs if p.ppid == process.pid]
-            found.append((process.rank or 0, process, children))
-        return sorted(found, key=lambda entry: entry[0])
+def ranks_of(processes: Iterable[Process]) -> list[tuple[int, Process, list[int]]]:
+    """The local ranks to sample now, of the processes the run looks after: (rank, its main
+    process, its children's PIDs, the data-loader workers), by rank. A rank is a process with
+    RANK whose parent has none (or another one); a run without RANK is rank 0, its first Python
+    process that is no launcher."""
+    procs = list(processes)
+    by_pid = {p.pid: p for p in procs}
+    ranked = [p for p in procs if p.rank is not None
+              and (p.ppid not in by_pid or by_pid[p.ppid].rank != p.rank)]
+    if not ranked:
+        first = next((p for p in procs if _is_python(p.pid)), None)
+        ranked = [first] if first is not None else []
+    found = [(process.rank or 0, process, [p.pid for p in procs if p.ppid == process.pid])
+             for process in ranked]
+    return sorted(found, key=lambda entry: entry[0])
 
 
 # launchers written in Python: their processes start the ranks and are none of them
@@ -288,7 +283,7 @@ async def _record_one(tool: str, rank: int, process: Process, seconds: int, rate
         output.unlink()
     parse_raw(text, tally)
     if not tally.samples and not tally.error:
-        tally.error = _why(stderr.decode("utf-8", "replace"))
+        tally.error = why_failed(stderr.decode("utf-8", "replace"))
     return tally
 
 
@@ -337,13 +332,13 @@ class TimeSampler:
         self._folder: Path | None = None
 
     async def run(self) -> None:
-        """ShareWindow after window until cancelled; a window with no rank in view waits one."""
+        """Window after window until cancelled; a window with no rank in view waits one."""
         if self.tool is None:
             self._say_once("py-spy is not installed here")
             return
         while True:
             fault_point()
-            ranks = await off_loop(lambda: Ranks.of(self.processes()), 10, "time-ranks")
+            ranks = await off_loop(lambda: ranks_of(self.processes()), 10, "time-ranks")
             if not ranks:
                 self._say_once("no process of the command is in view", level="info")
                 await asyncio.sleep(self.window_s)
@@ -356,6 +351,8 @@ class TimeSampler:
                 await asyncio.sleep(min(self.window_s, 5))  # a rank that just exited, or none
                 continue
             self.latest = window
+            if not any(t.error for t in window.tallies.values()):
+                self.cannot = ""
             self.emit_points(window.points())
             self.judge(window)
 
@@ -402,7 +399,7 @@ async def profile(tool: str | None, processes: Callable[[], Iterable[Process]],
     if tool is None:
         return ("the ranks cannot be sampled: py-spy is not installed here "
                 "(docs/time.md#where-it-cannot-look)")
-    ranks = await off_loop(lambda: Ranks.of(processes()), 10, "profile-ranks")
+    ranks = await off_loop(lambda: ranks_of(processes()), 10, "profile-ranks")
     if not ranks:
         return "no process of the command is in view: nothing to sample"
     folder = scratch_folder("sidecar-profile")
