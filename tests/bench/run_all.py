@@ -5,9 +5,10 @@ same run, the ratio, the target and whether it was met.
                                   [--set NAME=VALUE ...]
 
 NAME is one of: throughput, masking, wrapper, tensorboard, latency, idle, startup, hardware,
-checkpoints, trickle. Each benchmark runs in a process of its own and can be run alone
-(tests/bench/bench_NAME.py, the same options). About 20 minutes on a 2-core machine; --quick
-(smaller sizes, shorter runs) about 6. To measure a modified copy of the package:
+checkpoints, trickle, validation, timeshare. Each benchmark runs in a process of its own and can
+be run alone (tests/bench/bench_NAME.py, the same options). About 27 minutes on a 2-core machine
+(timeshare 7 of them); --quick (smaller sizes, shorter runs) about 8. To measure a modified copy
+of the package:
 PYTHONPATH=/path/to/copy python tests/bench/run_all.py (the sidecar runs in a scratch folder, so
 the copy is what it imports).
 """
@@ -42,6 +43,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "checkpoints": ("bench_checkpoints.py", [], ["--quick"]),
     "trickle": ("bench_trickle.py", [], ["--quick"]),
     "validation": ("bench_validation.py", [], ["--quick"]),
+    "timeshare": ("bench_timeshare.py", [], ["--quick"]),
 }
 
 
