@@ -107,7 +107,7 @@ class Verdicts:
                 self._say(line, warning=True)
         for key in [k for k in self.said if k not in now]:
             del self.said[key]
-            self._say(self._ended(key, window), warning=False)
+            self._say(self._ended(key, now), warning=False)
 
     def _say(self, line: str, *, warning: bool) -> None:
         (log.warning if warning else log.info)("%s", line)
@@ -118,8 +118,8 @@ class Verdicts:
         tallies = {r: t for r, t in window.tallies.items() if t.samples >= MIN_SAMPLES}
         found: dict[str, str] = {}
         straggler = self._straggler(tallies)
-        if straggler:
-            found["straggler"] = straggler
+        if straggler:  # by rank: another rank that takes its place is said anew
+            found[f"straggler {straggler[0]}"] = straggler[1]
         elif self.multi_node:
             remote = self._remote(tallies)
             if remote:
@@ -136,22 +136,23 @@ class Verdicts:
         gpus = self.gpus()
         return "" if gpus == "no GPU" else f"; {gpus}"
 
-    def _straggler(self, tallies: dict[int, Tally]) -> str:
+    def _straggler(self, tallies: dict[int, Tally]) -> tuple[int, str] | None:
+        """The straggler's rank and its line, if there is one."""
         if len(tallies) < 2:
-            return ""
+            return None
         rank, slow = min(tallies.items(), key=lambda item: item[1].share(COLLECTIVE))
         others = {r: t for r, t in tallies.items() if r != rank}
         waits = slow.share(COLLECTIVE)
         waiting = {r: t for r, t in others.items() if t.share(COLLECTIVE) >= waits + STRAGGLER_GAP}
         if 2 * len(waiting) < len(others):
-            return ""
+            return None
         median = _median(t.share(COLLECTIVE) for t in waiting.values())
         if median < STRAGGLER_WAIT or waits > median * STRAGGLER_RATIO:
-            return ""
+            return None
         where = _hottest(list(waiting.values()), COLLECTIVE)
-        return (f"rank {rank} is the straggler: {_ranks(list(waiting))} wait for it"
-                f"{' in ' + where if where else ''} {_pct(median)} of their time, rank {rank} "
-                f"waits {_pct(waits)}{self._gpu_words()}")
+        return rank, (f"rank {rank} is the straggler: {_ranks(list(waiting))} wait for it"
+                      f"{' in ' + where if where else ''} {_pct(median)} of their time, rank "
+                      f"{rank} waits {_pct(waits)}{self._gpu_words()}")
 
     def _remote(self, tallies: dict[int, Tally]) -> str:
         if not tallies or any(t.share(COLLECTIVE) < REMOTE_WAIT for t in tallies.values()):
@@ -211,8 +212,12 @@ class Verdicts:
                 f"{_ranks(sorted(ranks))} over the last {span_s:.0f} s"
                 f"{' (in ' + where + ')' if where else ''}")
 
-    def _ended(self, key: str, window: ShareWindow) -> str:
-        if key == "straggler":
+    def _ended(self, key: str, now: dict[str, str]) -> str:
+        """The line that says a verdict no longer holds; `now`: those that hold."""
+        if key.startswith("straggler "):
+            rank = key.split()[1]
+            if any(k.startswith("straggler ") for k in now):
+                return f"rank {rank} is no longer the straggler"
             return "no rank is the straggler any more: the ranks wait for each other alike"
         if key == "remote":
             return "this node's ranks no longer all wait on another node"

@@ -258,6 +258,12 @@ def test_a_straggler_is_said_after_two_windows_once_and_its_end_once() -> None:
         "[sidecar] rank 5 is the straggler: ranks 0-4, 6-7 wait for it in all_reduce 41 % of "
         "their time, rank 5 waits 3 %; GPUs 0-7: 97 % utilisation",
         "[sidecar] no rank is the straggler any more: the ranks wait for each other alike"]
+    # another rank takes its place: its end, then the new one once it held two windows
+    other = window(*(tally(r, collective=0.02 if r == 2 else 0.4) for r in range(8)))
+    said = judged([slow, slow, other, other])
+    assert [line.split(":")[0] for line in said] == [
+        "[sidecar] rank 5 is the straggler", "[sidecar] rank 5 is no longer the straggler",
+        "[sidecar] rank 2 is the straggler"]
 
 
 @pytest.mark.parametrize("shares", [
