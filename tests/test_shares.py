@@ -34,7 +34,7 @@ from sidecar.shares import (
     category_of,
     deciding,
 )
-from sidecar.stacks import _why, find_tool
+from sidecar.stacks import find_tool, why_failed
 from tests.ingest_server import wait_until
 
 PY_SPY = find_tool()
@@ -223,7 +223,7 @@ def look(pid: int) -> list[dict[str, Any]] | None:
                           capture_output=True, timeout=30, check=False)
     threads = json.loads(done.stdout) if done.stdout.strip() else []
     if not threads:
-        why = _why(done.stderr.decode("utf-8", "replace"))
+        why = why_failed(done.stderr.decode("utf-8", "replace"))
         if why.startswith("refused"):
             pytest.skip("py-spy cannot attach to a child process here: ptrace is refused "
                         "(the container lacks CAP_SYS_PTRACE, or kernel.yama.ptrace_scope is 3)")
