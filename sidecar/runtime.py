@@ -190,8 +190,11 @@ class Runtime:
                 self.pipeline.emit("hardware", {"run_id": run_id, "node": node.name,
                                                 "points": points})
 
+        # py-spy's output in the run's folder, proven writable, when there is one (a container's
+        # temporary directory may be read-only)
         self.time = TimeSampler(self.cfg.time_window, self._processes, emit, verdicts,
-                                verdicts.lines, self.stacks.tool, verdicts.starving)
+                                verdicts.lines, self.stacks.tool, verdicts.starving,
+                                self.cfg.run_dir / "time" if self.client is not None else None)
         self._time_task = supervise("time-shares", self.time.run)
 
     async def close(self, outcome: str, kept: Sequence[str] = ()) -> None:

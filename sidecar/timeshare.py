@@ -316,7 +316,10 @@ class TimeSampler:
                  emit_points: Callable[[list[dict[str, Any]]], None],
                  judge: Callable[[ShareWindow], None], said: Callable[[], list[str]],
                  tool: str | None,
-                 starving: Callable[[ShareWindow], set[int]] = lambda window: set()) -> None:
+                 starving: Callable[[ShareWindow], set[int]] = lambda window: set(),
+                 folder: Path | None = None) -> None:
+        """`folder`: where py-spy writes each window's output (the run's state folder's
+        `time`), else a folder of ours in the temporary directory."""
         self.window_s = window_s
         self.rate_hz = rate_for(window_s)
         self.processes = processes  # blocking: the run's processes now
@@ -329,7 +332,8 @@ class TimeSampler:
         self.latest: ShareWindow | None = None
         self.cannot = ""  # why nothing can be sampled, once said
         self._said: set[str] = set()  # the reasons said, once each
-        self._folder: Path | None = None
+        self._folder: Path | None = folder
+        self._own_folder = folder is None  # made here, and removed at the end
 
     async def run(self) -> None:
         """Window after window until cancelled; a window with no rank in view waits one."""
@@ -344,8 +348,13 @@ class TimeSampler:
                 await asyncio.sleep(self.window_s)
                 continue
             workers = self.starving(self.latest) if self.latest is not None else set()
-            window = await sample_ranks(self.tool, ranks, self.window_s, self.rate_hz,
-                                        self._dir(), workers=workers)
+            try:
+                folder = self._dir()
+            except OSError as exc:
+                self._say_once(f"no folder can be made for py-spy's output ({exc})")
+                return
+            window = await sample_ranks(self.tool, ranks, self.window_s, self.rate_hz, folder,
+                                        workers=workers)
             self._say_errors(window)
             if not window.sampled:
                 await asyncio.sleep(min(self.window_s, 5))  # a rank that just exited, or none
@@ -364,14 +373,17 @@ class TimeSampler:
                 "latest": self.latest.to_json() if self.latest is not None else None}
 
     def _dir(self) -> Path:
-        if self._folder is None or not self._folder.is_dir():
+        if self._folder is not None and not self._own_folder:
+            self._folder.mkdir(parents=True, exist_ok=True)
+        elif self._folder is None or not self._folder.is_dir():
             self._folder = scratch_folder("sidecar-time")
         return self._folder
 
     def close(self) -> None:
         if self._folder is not None:
             remove_folder(self._folder)
-            self._folder = None
+            if self._own_folder:
+                self._folder = None
 
     def _say_errors(self, window: ShareWindow) -> None:
         """Why a rank has no samples, once a reason (a rank that exited says nothing)."""
@@ -402,7 +414,10 @@ async def profile(tool: str | None, processes: Callable[[], Iterable[Process]],
     ranks = await off_loop(lambda: ranks_of(processes()), 10, "profile-ranks")
     if not ranks:
         return "no process of the command is in view: nothing to sample"
-    folder = scratch_folder("sidecar-profile")
+    try:
+        folder = scratch_folder("sidecar-profile")
+    except OSError as exc:
+        return f"no folder can be made for py-spy's output in the temporary directory ({exc})"
     try:
         window = await sample_ranks(tool, ranks, seconds, PROFILE_RATE_HZ, folder,
                                     workers={rank for rank, _, _ in ranks})
