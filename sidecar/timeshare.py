@@ -33,6 +33,7 @@ from typing import Any
 from sidecar.log import log
 from sidecar.shares import CATEGORIES, COMPUTE, deciding
 from sidecar.stacks import Process, place_of, why_failed
+from sidecar.statefile import read_state
 from sidecar.supervise import fault_point
 from sidecar.threads import off_loop
 
@@ -275,10 +276,11 @@ async def _record_one(tool: str, rank: int, process: Process, seconds: int, rate
     with contextlib.suppress(TimeoutError, ChildProcessError):
         async with asyncio.timeout(2):
             await proc.wait()
-    try:
-        text = await off_loop(lambda: output.read_text("utf-8", "replace"), 5, "time-read")
+    try:  # read as every file of the state folder is: never through a link, never blocking
+        raw = await off_loop(lambda: read_state(output), 5, "time-read")
     except (OSError, TimeoutError):
-        text = ""
+        raw = None
+    text = raw.decode("utf-8", "replace") if raw else ""
     with contextlib.suppress(OSError):
         output.unlink()
     parse_raw(text, tally)
