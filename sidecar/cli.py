@@ -423,7 +423,7 @@ SUBCOMMANDS = (
         ("sidecar profile", "sidecar profile --seconds 30 --run-id run-4f2a91"),
         ("0  the profile was printed",
          "1  nothing answered at the address",
-         "2  several daemons run here and no --run-id picks one, or --seconds is not 1 to 300",
+         "2  several daemons run here and no --run-id picks one; --seconds out of range",
          "3  the daemon cannot sample (no py-spy, no process in view)")),
     Subcommand(
         "lifecycle", "post one lifecycle event, strictly",

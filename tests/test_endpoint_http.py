@@ -290,7 +290,7 @@ async def test_a_connection_is_refused_with_503_only_while_every_one_is_being_an
         ) -> None:
     release = asyncio.Event()
 
-    async def slow() -> _Answer:
+    async def slow(_query: str) -> _Answer:
         await release.wait()
         return _Answer(200, "slow\n")
 
