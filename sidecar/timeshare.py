@@ -10,7 +10,7 @@ thread is placed in a category by its frames (shares.py), and the window's share
 
 The rate is SAMPLES_PER_WINDOW over the window, between MIN_RATE_HZ and MAX_RATE_HZ: 5 a second
 at the default 60-s window, 300 samples whose shares are known to about +-3 points; one record a
-window and rank costs about 0.2 % of a core (tests/bench/bench_timeshare.py).
+window and rank costs about 0.25 % of a core (tests/bench/bench_timeshare.py).
 
 A verdict is said, once, when it holds for two windows in a row, and its end once when it stops
 holding (verdicts.py says which and at what threshold). py-spy records without ptrace's stop,
