@@ -8,9 +8,9 @@ figures it rests on, and its end once when it stops holding. A balanced, healthy
 The thresholds, and why:
 - straggler: the ranks that wait, at least half of the others, wait STRAGGLER_WAIT of their
   time or more in collectives (median), the straggler STRAGGLER_GAP less than each of them and
-  STRAGGLER_RATIO times their median at most. Three gloo ranks, one 3x slower, gave 69 % against
-  8 %; balanced, on three busy ranks sharing two cores, 26-85 % each, the lowest never under
-  half the median of the others.
+  STRAGGLER_RATIO times their median at most. Three gloo ranks, one 3x slower, gave 59-74 % against
+  3 %; balanced, 0-15 % each (tests/test_timeshare.py), and 26-85 % each as busy ranks sharing
+  two loaded cores.
 - every local rank waits (a multi-node run only): each of this node's ranks waits REMOTE_WAIT or
   more and none is a straggler here: the rank they wait for is elsewhere, and the other nodes'
   `rank/<R>/time/collective/ratio` show which (the one that waits least).
