@@ -101,7 +101,6 @@ def parse_raw(text: str, tally: Tally) -> None:
         process 12:"python trainer.py";thread (12): MainThread;<module>
         (sidecar/examples/trainer.py:11);step (sidecar/examples/trainer.py:4) 5
     """
-    main = f"thread ({tally.pid}):"
     for line in text.splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not count_text.isdigit():
@@ -112,12 +111,14 @@ def parse_raw(text: str, tally: Tally) -> None:
             processes += 1
         if processes == len(parts) or not parts[processes].startswith("thread ("):
             continue
+        # `thread (12): MainThread`, or `thread (12)` where py-spy could not read its name
+        thread = parts[processes].removeprefix("thread (").partition(")")[0]
         frames = [_frame(part) for part in reversed(parts[processes + 1:])]
         if processes > 1:  # a child of the rank: a data-loader worker, its main thread's
             child = parts[processes - 1].removeprefix("process ").partition(":")[0]
-            if parts[processes].startswith(f"thread ({child}):"):
+            if thread == child:
                 tally.workers[place_of(frames, None)] += int(count_text)
-        elif parts[processes].startswith(main):
+        elif thread == str(tally.pid):
             tally.add(frames, int(count_text))
 
 
@@ -140,20 +141,45 @@ def _short(filename: str) -> str:
 
 
 def ranks_of(processes: Iterable[Process]) -> list[tuple[int, Process, list[int]]]:
-    """The local ranks to sample now, of the processes the run looks after: (rank, its main
-    process, its children's PIDs, the data-loader workers), by rank. A rank is a process with
-    RANK whose parent has none (or another one); a run without RANK is rank 0, its first Python
-    process that is no launcher."""
+    """The local ranks to sample now, of the processes the run looks after: (rank, its trainer
+    process, that one's children's PIDs, the data-loader workers), by rank.
+
+    A rank starts where RANK does: at a process with RANK whose parent has none (or another
+    one); a run without RANK is rank 0, started at the command. Its trainer is the first Python
+    process from there down that is no launcher: a rank may begin with a shell or a wrapper
+    (`srun bash -c ...`, `timeout`, `train.sh`) that carries RANK to the Python beneath. A rank
+    with no Python process is kept as it is, for py-spy to say so."""
     procs = list(processes)
     by_pid = {p.pid: p for p in procs}
-    ranked = [p for p in procs if p.rank is not None
+    children: dict[int, list[Process]] = {}
+    for process in procs:
+        children.setdefault(process.ppid, []).append(process)
+    starts = [p for p in procs if p.rank is not None
               and (p.ppid not in by_pid or by_pid[p.ppid].rank != p.rank)]
-    if not ranked:
-        first = next((p for p in procs if _is_python(p.pid)), None)
-        ranked = [first] if first is not None else []
-    found = [(process.rank or 0, process, [p.pid for p in procs if p.ppid == process.pid])
-             for process in ranked]
-    return sorted(found, key=lambda entry: entry[0])
+    if not starts:
+        starts = [p for p in procs if p.ppid not in by_pid][:1]
+    found: dict[int, tuple[int, Process, list[int]]] = {}
+    for start in starts:
+        trainer = _first_python(start, children)
+        if trainer is None and start.rank is None:
+            continue  # a command without a Python process: nothing to sample
+        trainer = trainer or start
+        rank = start.rank or 0
+        found.setdefault(rank, (rank, trainer,
+                                [p.pid for p in children.get(trainer.pid, ())]))
+    return [found[rank] for rank in sorted(found)]
+
+
+def _first_python(start: Process, children: Mapping[int, list[Process]]) -> Process | None:
+    """The first Python process that is no launcher, from `start` down, breadth first, within
+    its rank (a child with another RANK begins a rank of its own)."""
+    queue = [start]
+    while queue:
+        process = queue.pop(0)
+        if _is_python(process.pid):
+            return process
+        queue += [c for c in children.get(process.pid, ()) if c.rank == start.rank]
+    return None
 
 
 # launchers written in Python: their processes start the ranks and are none of them

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.stacks import Process, find_tool
-from sidecar.timeshare import ShareWindow, Tally, TimeSampler, parse_raw
+from sidecar.stacks import Process, find_tool, processes_of
+from sidecar.timeshare import ShareWindow, Tally, TimeSampler, parse_raw, ranks_of
 from sidecar.verdicts import Verdicts
 from tests.conftest import SIDECAR, Sidecar, platform_env
 from tests.ingest_server import RunningIngest, wait_until
@@ -326,12 +326,14 @@ def test_py_spys_raw_output_is_read_by_thread_and_process() -> None:
         'process 12:"python trainer.py";thread (12): MainThread;<module> (/w/trainer.py:11);'
         'step (/w/trainer.py:4) 3\n'
         'process 12:"python trainer.py";thread (13): Thread-1 (beat);beat (/w/trainer.py:2) 10\n'
+        # a thread whose name py-spy could not read (a process that is not its child)
+        'thread (12);<module> (/w/trainer.py:11);step (/w/trainer.py:4) 2\n'
         'process 12:"python trainer.py";process 14:"python trainer.py";thread (14): MainThread;'
         '__getitem__ (/w/data.py:5) 4\n'
         'process 12:"python trainer.py";process 14:"python trainer.py";thread (15): Thread-2;'
         'wait (/usr/lib/python3.11/threading.py:327) 4\n'
         'a line py-spy never writes\n', made)
-    assert made.counts == {"collective": 7, "compute": 3}  # the main thread's only
+    assert made.counts == {"collective": 7, "compute": 5}  # the main thread's only
     assert made.places["collective"] == {"all_reduce <- <module> (trainer.py:11)": 7}
     assert made.workers == {"__getitem__ (data.py:5)": 4}  # a worker's main thread only
 
@@ -385,3 +387,58 @@ async def test_where_it_cannot_look_it_says_so_once_and_goes_on(
     _, said = await sample_until_said(None, caplog, windows=0)
     assert said == ["where the time goes is not sampled: py-spy is not installed here "
                     "(docs/time.md#where-it-cannot-look); the rest goes on"]
+
+
+# A rank a launcher started beside the sidecar: RANK in its environment, its step a busy loop.
+RANKED = r'''
+import time
+def step():
+    end = time.perf_counter() + 0.01
+    while time.perf_counter() < end:
+        pass
+while True:
+    step()
+    time.sleep(0.01)
+'''
+
+
+@needs_py_spy
+def test_watch_samples_the_ranks_it_sees_with_nothing_else_to_follow(
+        ingest: RunningIngest, tmp_path: Path) -> None:
+    """`watch` with --hardware-interval 0 and no file: the ranks' time is reason enough."""
+    rank = subprocess.Popen([sys.executable, "-c", RANKED], env=dict(os.environ, RANK="3"))
+    env = platform_env(ingest, tmp_path / "state")
+    proc = Sidecar(["watch", "--hardware-interval", "0", "--time-window", str(WINDOW_S)], env,
+                   tmp_path / "sc")
+    try:
+        wait_until(lambda: bool(hardware_shares(ingest)), 30, "rank 3's shares")
+    finally:
+        proc.proc.terminate()
+        done = proc.wait(30)
+        rank.kill()
+        rank.wait()
+    assert done.status == 0, done.stderr
+    shares = hardware_shares(ingest)[0]
+    assert list(shares) == [3] and shares[3]["compute"] > 0.2, shares
+
+
+def test_a_rank_that_begins_with_a_shell_is_read_at_its_python(tmp_path: Path) -> None:
+    """`srun bash -c 'python train.py'`, `timeout`, a train.sh: RANK is on the shell, and the
+    trainer is the Python beneath it; its own children are its workers."""
+    (tmp_path / "ranked.py").write_text(RANKED)
+    shell = subprocess.Popen(["sh", "-c", f"{sys.executable} {tmp_path / 'ranked.py'}; true"],
+                             env=dict(os.environ, RANK="5"))
+    try:
+        found: list[tuple[int, Process, list[int]]] = []
+
+        def the_python_is_there() -> bool:
+            found[:] = ranks_of(processes_of(shell.pid))
+            return bool(found) and found[0][1].pid != shell.pid
+
+        wait_until(the_python_is_there, 10, "the shell's Python")
+        ((rank, trainer, workers),) = found
+        assert rank == 5 and trainer.ppid == shell.pid and workers == []
+    finally:
+        shell.kill()
+        subprocess.run(["pkill", "-f", str(tmp_path / "ranked.py")], check=False)
+        shell.wait()
