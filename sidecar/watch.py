@@ -97,8 +97,9 @@ async def _watch_stall(stall: StallWatch) -> None:
 def main(args: argparse.Namespace) -> int:
     """`sidecar watch`: refused when it has nothing to watch."""
     cfg = configured(args, "watch")
-    if not (any(cfg.files.values()) or cfg.hparams or cfg.hardware_interval or cfg.checkpoints):
+    if not (any(cfg.files.values()) or cfg.hparams or cfg.hardware_interval or cfg.checkpoints
+            or cfg.time_window):
         files = ", ".join(kind.flag for kind in FILE_KINDS)
         raise ConfigError(f"nothing to watch: give at least one of {files}, --hparams or "
-                          "--checkpoints, or leave --hardware-interval above 0")
+                          "--checkpoints, or leave --hardware-interval or --time-window above 0")
     return asyncio.run(run_watch(cfg, os.environ))
