@@ -43,6 +43,7 @@ MAX_RATE_HZ = 20  # a short window samples faster, up to about 1 % of a core a r
 # a record that outlives its window this much is killed: py-spy is stuck, not the rank
 RECORD_GRACE_S = 15.0
 PROFILE_RATE_HZ = 50  # `sidecar profile`: a few seconds asked for, each sample worth more
+UNSEEN_LOOKS = 3  # looks in a row without a rank, before that is said
 HOT_PLACES = 3  # the hottest places of a category kept for `sidecar profile`
 _CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -361,6 +362,7 @@ class TimeSampler:
         self.cannot = ""  # why nothing can be sampled, once said
         self._said: set[str] = set()  # the reasons said, once each
         self._folder: Path | None = folder
+        self._unseen = 0  # looks in a row that found no rank
         self._own_folder = folder is None  # made here, and removed at the end
 
     async def run(self) -> None:
@@ -372,9 +374,14 @@ class TimeSampler:
             fault_point()
             ranks = await off_loop(lambda: ranks_of(self.processes()), 10, "time-ranks")
             if not ranks:
-                self._say_once("no process of the command is in view", level="info")
+                # said once it lasts: a launcher starts its ranks late, and a command that
+                # exits leaves none
+                self._unseen += 1
+                if self._unseen == UNSEEN_LOOKS and self.latest is None:
+                    self._say_once("no process of the command is in view", level="info")
                 await asyncio.sleep(self.window_s)
                 continue
+            self._unseen = 0
             workers = self.starving(self.latest) if self.latest is not None else set()
             try:
                 folder = self._dir()

@@ -442,3 +442,36 @@ def test_a_rank_that_begins_with_a_shell_is_read_at_its_python(tmp_path: Path) -
         shell.kill()
         subprocess.run(["pkill", "-f", str(tmp_path / "ranked.py")], check=False)
         shell.wait()
+
+
+async def test_no_rank_in_view_is_said_only_once_it_lasts(caplog: pytest.LogCaptureFixture) -> None:
+    """A launcher starts its ranks late and a command that exits leaves none: neither is said;
+    a `watch` that never sees a rank (no shared process namespace) is, once."""
+    caplog.set_level(logging.INFO, logger="sidecar")
+    looks = 0
+
+    def processes() -> list[Process]:
+        nonlocal looks
+        looks += 1
+        return []
+
+    sampler = TimeSampler(2, processes, lambda points: None, lambda window: None, list,
+                          "py-spy")
+    sampler.window_s = 0.05  # type: ignore[assignment]  # looks in quick succession
+    task = asyncio.ensure_future(sampler.run())
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "in view" in r.getMessage()]
+
+    try:
+        async with asyncio.timeout(10):
+            while looks < 2:
+                await asyncio.sleep(0.01)
+            assert said() == []  # two looks: a launcher still starting its ranks
+            while looks < 6:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert len(said()) == 1, said()
