@@ -181,8 +181,7 @@ class Runtime:
 
         assert self.stacks is not None
         node = self.node
-        verdicts = Verdicts(self._announce, node.name, node.multi_node,
-                            lambda: self._gpus())
+        verdicts = Verdicts(self._announce, node.name, node.multi_node, self._gpus)
         run_id = self.cfg.platform.run_id
 
         def emit(points: list[dict[str, Any]]) -> None:

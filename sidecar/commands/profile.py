@@ -29,8 +29,11 @@ FETCH_SLACK_S = 30.0  # beyond the seconds sampled: the ranks found, py-spy star
 
 def profile_command(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     environ = os.environ if environ is None else environ
-    if not 1 <= args.seconds <= 300:
-        print(f"sidecar profile: --seconds {args.seconds}: give 1 to 300", file=sys.stderr)
+    from sidecar.observe.endpoint import MAX_PROFILE_S  # the bound the daemon holds it to
+
+    if not 1 <= args.seconds <= MAX_PROFILE_S:
+        print(f"sidecar profile: --seconds {args.seconds}: give 1 to {MAX_PROFILE_S}",
+              file=sys.stderr)
         return EXIT_AMBIGUOUS
     try:
         address, _ = choose(args, environ)
