@@ -189,11 +189,10 @@ class Runtime:
                 self.pipeline.emit("hardware", {"run_id": run_id, "node": node.name,
                                                 "points": points})
 
-        # py-spy's output in the run's folder, proven writable, when there is one (a container's
-        # temporary directory may be read-only)
+        # py-spy's output in a folder of the temporary directory, not the state folder: a full
+        # state disk is said once, as its own cause, and the sampling goes on
         self.time = TimeSampler(self.cfg.time_window, self._processes, emit, verdicts,
-                                verdicts.lines, self.stacks.tool, verdicts.starving,
-                                self.cfg.run_dir / "time" if self.client is not None else None)
+                                verdicts.lines, self.stacks.tool, verdicts.starving)
         self._time_task = supervise("time-shares", self.time.run)
 
     async def close(self, outcome: str, kept: Sequence[str] = ()) -> None:
